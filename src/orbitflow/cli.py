@@ -1,0 +1,168 @@
+"""`orbitflow` command line: serve | bench | simulate | profile | plan | generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from orbitflow.config import DEFAULT_MODEL, SCHEDULING_CHOICES, VICTIM_CHOICES, ConfigError, EngineConfig
+
+
+class CLIError(Exception):
+    """A usage problem reported as one line, without a traceback."""
+
+
+def add_engine_args(p: argparse.ArgumentParser, max_num_seqs_default: int | None = 4) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("model and KV cache")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF model directory or GGUF file")
+    g.add_argument("--device-kv-blocks", type=int, default=d.device_kv_blocks,
+                   help="device KV budget in blocks (one block = K and V of --block-size tokens of one layer)")
+    g.add_argument("--host-kv-blocks", type=int, default=d.host_kv_blocks, help="host KV pool size in blocks")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--link-gbps", type=float, default=None,
+                   help="throttle host<->device KV copies to this many GB/s (stands in for PCIe)")
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs_default, help="running batch size cap")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="cap on prompt + output tokens of the running batch")
+    g.add_argument("--scheduling", choices=SCHEDULING_CHOICES, default=d.scheduling, help="admission order")
+    g.add_argument("--chunked-prefill", type=int, default=None, metavar="N",
+                   help="prefill long prompts in chunks of N tokens interleaved with decode steps")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    g = p.add_argument_group("SLO and placement control")
+    g.add_argument("--policy", default=d.policy, help="placement policy (orbitflow or a baseline)")
+    slo = g.add_mutually_exclusive_group()
+    slo.add_argument("--slo-ms", type=float, default=None, help="per-token (TBT) SLO in milliseconds")
+    slo.add_argument("--slo-scale", type=float, default=d.slo_scale,
+                     help="SLO as a multiple of the no-offload decode step with a full device budget")
+    g.add_argument("--token-deposit", action=argparse.BooleanOptionalAction, default=True,
+                   help="pace delivery with Token-Deposit")
+    g.add_argument("--alpha", type=float, default=d.alpha, help="tolerated SLO violations per step (planner cap)")
+    g.add_argument("--window-min", type=int, default=d.window_min, help="shortest decode window (steps)")
+    g.add_argument("--window-max", type=int, default=d.window_max, help="longest decode window (steps)")
+    g.add_argument("--victim", choices=VICTIM_CHOICES, default=d.victim, help="pause victim rule")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    values = dict(
+        model=args.model, block_size=args.block_size, device_kv_blocks=args.device_kv_blocks,
+        host_kv_blocks=args.host_kv_blocks, link_gbps=args.link_gbps, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, scheduling=args.scheduling,
+        chunked_prefill=args.chunked_prefill, max_model_len=args.max_model_len, policy=args.policy,
+        slo_ms=args.slo_ms, slo_scale=args.slo_scale, token_deposit=args.token_deposit, alpha=args.alpha,
+        window_min=args.window_min, window_max=args.window_max, victim=args.victim, seed=args.seed,
+    )
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+# ---- generate ------------------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from orbitflow.llm import LLM
+    from orbitflow.policies import FixedPlacementPolicy
+    from orbitflow.runtime.sampling import SamplingParams
+
+    if args.max_tokens < 1:
+        raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    policy = FixedPlacementPolicy(args.placement) if args.placement else None
+    config = engine_config(args, max_num_seqs=args.max_num_seqs or len(args.prompt))
+    llm = LLM(config, policy=policy, profile="rough" if policy else "measure")
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                              ignore_eos=args.ignore_eos)
+    bar = tqdm(desc="decode steps", unit="step", disable=args.json or not sys.stderr.isatty(), leave=False)
+    try:
+        reqs = llm.generate(args.prompt, sampling, chat=args.chat, progress=lambda: bar.update(1))
+    finally:
+        bar.close()
+    stats = llm.stats()
+    llm.close()
+    outputs = [
+        {"prompt": p, "token_ids": r.output_ids, "text": llm.tokenizer.decode(r.output_ids)}
+        for p, r in zip(args.prompt, reqs)
+    ]
+    if args.json:
+        print(json.dumps({
+            "outputs": outputs,
+            "stats": {
+                "device_blocks_peak": stats.device_blocks_peak, "host_blocks_peak": stats.host_blocks_peak,
+                "bytes_h2d": stats.bytes_h2d, "stall_s": stats.stall_s, "step_s": stats.step_s,
+            },
+        }))
+    else:
+        for o in outputs:
+            print(f"--- {o['prompt']!r}\n{o['text']}")
+        decode = stats.step_s[1:] or stats.step_s
+        print(
+            f"\n[{len(stats.step_s)} steps, mean {1000 * sum(decode) / max(len(decode), 1):.1f} ms/step, "
+            f"stall {stats.stall_s:.3f} s, {stats.bytes_h2d / 1e6:.1f} MB host->device, "
+            f"device blocks peak {stats.device_blocks_peak}, host blocks peak {stats.host_blocks_peak}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+# ---- profile -------------------------------------------------------------------------------------------
+def cmd_profile(args: argparse.Namespace) -> int:
+    from orbitflow.llm import LLM
+
+    llm = LLM(engine_config(args), profile="measure")
+    profile = llm.profile
+    llm.close()
+    text = profile.to_json()
+    if args.output:
+        profile.save(args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orbitflow",
+        description="SLO-aware long-context LLM serving with per-request, per-layer KV placement.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="greedy (or sampled) generation for a few prompts, offline",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--placement", default=None, metavar="SPEC",
+                   help="fixed placement: none | all | distance:D | random:SEED (default: the --policy plans)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
+    add_engine_args(p, max_num_seqs_default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("profile", help="measure this machine's engine and print a hardware profile (JSON)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--output", "-o", default=None, help="also write the profile to this file")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_profile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from orbitflow.model.errors import ModelLoadError
+    from orbitflow.policies import PlacementError
+
+    try:
+        return args.func(args)
+    except (CLIError, ConfigError, ModelLoadError, PlacementError) as exc:
+        print(f"orbitflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Every knob of the engine in one validated object.
+
+`EngineConfig` is what the CLI, the server, the simulator and the tests build; each field's
+error message names the CLI flag that sets it, so a bad value reads like a usage error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DEFAULT_MODEL = "smollm2-135m"
+SCHEDULING_CHOICES = ("fcfs", "srtf")
+VICTIM_CHOICES = ("largest-kv+deposit", "longest", "shortest", "random")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag."""
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    # KV cache: both pools count blocks of `block_size` tokens of ONE layer (K and V).
+    block_size: int = 16
+    device_kv_blocks: int = 4096
+    host_kv_blocks: int = 65536
+    link_gbps: float | None = None  # throttle host<->device copies to this many GB/s (None: unthrottled)
+    # Scheduling.
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 32768
+    scheduling: str = "fcfs"
+    chunked_prefill: int | None = None  # prefill long prompts in chunks of this many tokens
+    max_model_len: int | None = None  # defaults to the model's context length
+    # SLO and control.
+    policy: str = "orbitflow"
+    slo_ms: float | None = None  # per-token (TBT) SLO; None: derived from slo_scale x base SLO
+    slo_scale: float = 1.5
+    token_deposit: bool = True
+    alpha: float = 1.0  # tolerated SLO violations per step (averaged over the decode window)
+    window_min: int = 4
+    window_max: int = 64
+    mismatch_threshold: float = 0.25  # re-plan when measured step latency is off by more than this fraction
+    ewma: float = 0.3  # weight of a new measurement when refreshing the profile
+    victim: str = "largest-kv+deposit"
+    plan_in_background: bool = True  # solve one step ahead on a planner thread
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def positive(name: str, flag: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{flag} must be a positive number, got {value!r}")
+
+        positive("block_size", "--block-size")
+        positive("device_kv_blocks", "--device-kv-blocks")
+        positive("host_kv_blocks", "--host-kv-blocks")
+        positive("link_gbps", "--link-gbps", allow_none=True)
+        positive("max_num_seqs", "--max-num-seqs")
+        positive("max_num_batched_tokens", "--max-num-batched-tokens")
+        positive("chunked_prefill", "--chunked-prefill", allow_none=True)
+        positive("max_model_len", "--max-model-len", allow_none=True)
+        positive("slo_ms", "--slo-ms", allow_none=True)
+        positive("slo_scale", "--slo-scale")
+        positive("window_min", "--window-min")
+        positive("window_max", "--window-max")
+        positive("mismatch_threshold", "--mismatch-threshold")
+        if self.alpha < 0:
+            raise ConfigError(f"--alpha must be >= 0, got {self.alpha!r}")
+        if self.window_min > self.window_max:
+            raise ConfigError(f"--window-min ({self.window_min}) must not exceed --window-max ({self.window_max})")
+        if not 0 < self.ewma <= 1:
+            raise ConfigError(f"--ewma must be in (0, 1], got {self.ewma!r}")
+        if self.scheduling not in SCHEDULING_CHOICES:
+            raise ConfigError(f"--scheduling must be one of {', '.join(SCHEDULING_CHOICES)}, got {self.scheduling!r}")
+        if self.victim not in VICTIM_CHOICES:
+            raise ConfigError(f"--victim must be one of {', '.join(VICTIM_CHOICES)}, got {self.victim!r}")
+
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        return None if self.link_gbps is None else self.link_gbps * 1e9
+
+    def replace(self, **changes) -> "EngineConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        values.update(changes)
+        return EngineConfig(**values)

@@ -1,0 +1,187 @@
+"""Moves KV blocks between the host and device pools over one (optionally throttled) link.
+
+Within a decode step the schedule is the one the planner's `edf` cost model assumes:
+- every request has ONE prefetch slot; its first host-resident layer may start moving at step start,
+  its next one only after the previously fetched layer has been consumed (`release`);
+- the link serves one transfer at a time, non-preemptively, earliest-needed layer first
+  (ties: lower batch index);
+- a layer waits until all of its host-resident KV has arrived (`wait_layer`); that wait is its stall.
+
+Staging slots are carved from the device pool, so fetched KV counts against the device budget.
+On CUDA the copies run on a dedicated stream and completion is an event; on the CPU (every machine
+here) a copy thread does them, sleeping so that each copy lasts bytes / link rate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from orbitflow.kv.pool import BlockPool
+
+
+@dataclass
+class _Fetch:
+    batch_index: int
+    layer: int
+    host_blocks: list[int]
+    staging: list[int] | None = None
+    event: object | None = None  # torch.cuda.Event on CUDA
+
+
+class TransferEngine:
+    def __init__(self, device_pool: BlockPool, host_pool: BlockPool, link_bytes_per_s: float | None = None):
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.link_bytes_per_s = link_bytes_per_s
+        self.materialized = device_pool.storage is not None
+        self.is_cuda = self.materialized and device_pool.storage.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device_pool.storage.device) if self.is_cuda else None
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self._link = threading.Lock()  # one transfer on the link at a time
+        self._cond = threading.Condition()
+        self._ready: list[tuple[int, int, int]] = []  # heap of (layer, batch_index, seq)
+        self._pending: dict[int, list[_Fetch]] = {}  # batch_index -> its remaining fetches, in layer order
+        self._fetches: dict[tuple[int, int], _Fetch] = {}  # (batch_index, layer) -> fetch of this step
+        self._done: set[tuple[int, int]] = set()
+        self._in_flight = 0
+        self._error: BaseException | None = None
+        self._seq = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="orbitflow-kv-copy", daemon=True)
+        self._thread.start()
+
+    # ---- link primitives -------------------------------------------------------------------------
+    def _copy(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> int:
+        """Copy blocks between pools, holding the link for bytes / rate. Returns bytes moved."""
+        nbytes = len(src_ids) * src.bytes_per_block
+        if not self.materialized:  # accounting only: the simulator charges the time itself
+            return nbytes
+        with self._link:
+            start = time.perf_counter()
+            src_index = torch.tensor(src_ids, dtype=torch.long, device=src.storage.device)
+            dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.storage.device)
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    data = src.storage.index_select(0, src_index).to(dst.storage.device, non_blocking=True)
+                    dst.storage.index_copy_(0, dst_index, data)
+                self.stream.synchronize()
+            else:
+                dst.storage.index_copy_(0, dst_index, src.storage.index_select(0, src_index))
+            if self.link_bytes_per_s:
+                remaining = nbytes / self.link_bytes_per_s - (time.perf_counter() - start)
+                if remaining > 0:
+                    time.sleep(remaining)
+        return nbytes
+
+    def move_to_host(self, device_ids: list[int], host_ids: list[int]) -> None:
+        self.bytes_d2h += self._copy(self.device_pool, device_ids, self.host_pool, host_ids)
+
+    def move_to_device(self, host_ids: list[int], device_ids: list[int]) -> None:
+        self.bytes_h2d += self._copy(self.host_pool, host_ids, self.device_pool, device_ids)
+
+    # ---- per-step prefetch schedule --------------------------------------------------------------
+    def start_step(self, fetches: dict[int, list[tuple[int, list[int]]]]) -> None:
+        """fetches[batch_index] = [(layer, host_block_ids), ...] in layer order."""
+        with self._cond:
+            assert not self._pending and not self._fetches, "previous step was not finished"
+            self._error = None
+            for b, items in fetches.items():
+                queue = [_Fetch(b, layer, ids) for layer, ids in items if ids]
+                if not queue:
+                    continue
+                self._pending[b] = queue
+                for f in queue:
+                    self._fetches[(b, f.layer)] = f
+                self._push_ready(queue[0])
+            self._cond.notify_all()
+
+    def _push_ready(self, fetch: _Fetch) -> None:
+        self._seq += 1
+        heapq.heappush(self._ready, (fetch.layer, fetch.batch_index, self._seq))
+
+    def wait_layer(self, layer: int, batch_indices: list[int]) -> float:
+        """Block until the fetches of `layer` for these requests have landed; returns the stall (s)."""
+        keys = [(b, layer) for b in batch_indices if (b, layer) in self._fetches]
+        if not keys:
+            return 0.0
+        start = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or all(k in self._done for k in keys))
+            if self._error is not None:
+                raise RuntimeError("KV prefetch failed") from self._error
+        if self.is_cuda:
+            for k in keys:
+                torch.cuda.current_stream().wait_event(self._fetches[k].event)
+        return time.perf_counter() - start
+
+    def staging(self, batch_index: int, layer: int) -> list[int] | None:
+        fetch = self._fetches.get((batch_index, layer))
+        return None if fetch is None else fetch.staging
+
+    def release(self, batch_index: int, layer: int) -> None:
+        """The fetched layer has been consumed: free its slot and let the request's next fetch start."""
+        with self._cond:
+            fetch = self._fetches.pop((batch_index, layer), None)
+            if fetch is None:
+                return
+            self._done.discard((batch_index, layer))
+            self.device_pool.free(fetch.staging or [])
+            queue = self._pending.get(batch_index)
+            if queue and queue[0] is fetch:
+                queue.pop(0)
+                if queue:
+                    self._push_ready(queue[0])
+                else:
+                    del self._pending[batch_index]
+            self._cond.notify_all()
+
+    def end_step(self) -> None:
+        """Finish the step: cancel what has not started, wait for what is in flight, free every slot."""
+        with self._cond:
+            self._ready.clear()
+            self._pending.clear()
+            self._cond.wait_for(lambda: self._in_flight == 0)
+            for fetch in self._fetches.values():
+                self.device_pool.free(fetch.staging or [])
+            self._fetches.clear()
+            self._done.clear()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    # ---- copy thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or bool(self._ready))
+                if self._closed:
+                    return
+                layer, b, _ = heapq.heappop(self._ready)
+                fetch = self._fetches.get((b, layer))
+                if fetch is None:
+                    continue
+                self._in_flight += 1
+            try:
+                fetch.staging = self.device_pool.allocate_waiting(len(fetch.host_blocks))
+                self.bytes_h2d += self._copy(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging)
+                if self.is_cuda:
+                    fetch.event = torch.cuda.Event()
+                    fetch.event.record(self.stream)
+                with self._cond:
+                    self._done.add((b, layer))
+            except BaseException as exc:  # surfaced to the waiting compute thread
+                with self._cond:
+                    self._error = exc
+            finally:
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()

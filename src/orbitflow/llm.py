@@ -1,0 +1,146 @@
+"""Build an engine from one EngineConfig: the entry point of `generate`, `serve` and the Python API.
+
+    llm = LLM(EngineConfig(model="smollm2-135m", device_kv_blocks=2048))
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from orbitflow.config import EngineConfig
+from orbitflow.kv.manager import KVManager
+from orbitflow.plan import CostModel
+from orbitflow.policies import Policy, make_policy
+from orbitflow.policies.base import PlanContext
+from orbitflow.runtime.clock import WallClock
+from orbitflow.runtime.engine import Engine
+from orbitflow.runtime.executor import ModelExecutor
+from orbitflow.runtime.request import Request
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.sim.profiles import HardwareProfile
+
+
+def cost_model_for(profile: HardwareProfile) -> CostModel:
+    return CostModel(profile.layer_compute_s, profile.link_blocks_per_s, num_layers=profile.num_layers)
+
+
+def plan_context(config: EngineConfig, profile: HardwareProfile) -> PlanContext:
+    return PlanContext(
+        num_layers=profile.num_layers,
+        block_size=config.block_size,
+        capacity_blocks=config.device_kv_blocks,
+        cost_model=cost_model_for(profile),
+        alpha=config.alpha,
+        window=(config.window_min, config.window_max),
+        victim=config.victim,
+        seed=config.seed,
+    )
+
+
+def default_slo_s(config: EngineConfig, profile: HardwareProfile) -> float:
+    if config.slo_ms is not None:
+        return config.slo_ms / 1000.0
+    return config.slo_scale * profile.with_overrides(device_kv_blocks=config.device_kv_blocks).base_slo_s()
+
+
+@dataclass
+class GenerateStats:
+    device_blocks_peak: int
+    host_blocks_peak: int
+    bytes_h2d: int
+    bytes_d2h: int
+    stall_s: float
+    step_s: list[float]
+    pauses: int
+    solver_calls: int
+
+
+class LLM:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        policy: Policy | None = None,
+        profile: HardwareProfile | str = "measure",
+        loaded=None,
+    ):
+        from orbitflow.model.loader import load_model
+        from orbitflow.runtime.profiler import profile_executor
+
+        self.config = config or EngineConfig()
+        cfg = self.config
+        self.loaded = loaded or load_model(cfg.model)
+        mc = self.loaded.config
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.kv = KVManager(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.device_kv_blocks, cfg.host_kv_blocks,
+            block_size=cfg.block_size, device=device, link_bytes_per_s=cfg.link_bytes_per_s,
+            dtype=next(self.loaded.model.parameters()).dtype,
+        )
+        self.executor = ModelExecutor(self.loaded.model, mc, self.kv)
+        if isinstance(profile, HardwareProfile):
+            self.profile = profile
+        elif profile == "measure":
+            self.profile = profile_executor(self.executor, name=f"{cfg.model}@this-machine")
+        else:  # "rough": enough to evaluate a fixed placement, no measurement
+            self.profile = HardwareProfile(
+                name="rough", num_layers=mc.num_layers,
+                kv_bytes_per_token_per_layer=self.kv.device_pool.bytes_per_block // cfg.block_size,
+                decode_a=0.0, decode_b=1e-3 * mc.num_layers, link_bytes_per_s=cfg.link_bytes_per_s or 10e9,
+                device_kv_blocks=cfg.device_kv_blocks, host_kv_blocks=cfg.host_kv_blocks, block_size=cfg.block_size,
+            )
+        for pool in (self.kv.device_pool, self.kv.host_pool):
+            pool.reset_peak()
+        self.policy = policy or make_policy(cfg.policy)
+        self.clock = WallClock()
+        max_len = cfg.max_model_len or mc.max_position_embeddings
+        self.engine = Engine(
+            cfg, self.executor, self.policy, plan_context(cfg, self.profile), self.clock,
+            default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
+        )
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], sampling: SamplingParams, chat: bool = False, progress=None
+    ) -> list[Request]:
+        """Run prompts to completion; returns the finished requests in prompt order."""
+        engine = self.engine
+        reqs = []
+        for prompt in prompts:
+            ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
+            reqs.append(engine.add_request(f"gen-{next(self._ids)}", ids, sampling))
+        try:
+            engine.run_until_done(on_step=progress)
+        except BaseException:
+            for req in reqs:
+                engine.abort(req.request_id)
+            engine.step()  # drains the aborts: every block goes back to its pool
+            raise
+        failed = [r for r in reqs if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(failed[0].error)
+        return reqs
+
+    def stats(self) -> GenerateStats:
+        s = self.engine.stats
+        return GenerateStats(
+            device_blocks_peak=self.kv.device_pool.peak_used, host_blocks_peak=self.kv.host_pool.peak_used,
+            bytes_h2d=s.bytes_h2d, bytes_d2h=s.bytes_d2h, stall_s=s.stall_s, step_s=list(s.step_s), pauses=s.pauses,
+            solver_calls=self.engine.controller.solver_calls,
+        )
+
+    def close(self) -> None:
+        self.engine.close()

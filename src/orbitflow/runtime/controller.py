@@ -1,0 +1,150 @@
+"""The adaptive controller (paper 4.4): decides when to ask the policy for a new plan.
+
+Triggers: a batch change (arrival, finish, pause, resume), the plan's expiry step, a profile mismatch
+(measured step latency off the prediction by more than `mismatch_threshold`: per-layer compute and
+link bandwidth are then refreshed by EWMA), and, for policies that want it, every step. An expiry
+that is known one step ahead is solved on a background thread while the current step runs, so the
+solver's cost stays off the critical path. Every call is recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from orbitflow.plan import Plan, PlanRequest
+from orbitflow.policies.base import PlanContext, Policy
+
+
+@dataclass
+class PlanRecord:
+    step: int
+    trigger: str
+    solve_s: float
+    request_ids: list
+    distances: list | None
+    window: int | None
+    expiry_step: int | None
+    feasible: bool
+    predicted_step_s: float
+    background: bool = False
+
+
+class Controller:
+    def __init__(
+        self,
+        policy: Policy,
+        ctx: PlanContext,
+        mismatch_threshold: float = 0.25,
+        ewma: float = 0.3,
+        background: bool = True,
+    ):
+        self.policy = policy
+        self.ctx = ctx
+        self.mismatch_threshold = mismatch_threshold
+        self.ewma = ewma
+        self.plan: Plan | None = None
+        self.plan_ids: list = []
+        self.plan_step = 0
+        self.mismatch = False
+        self.records: list[PlanRecord] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitflow-planner") if background else None
+        self._ahead: tuple[int, list, Future] | None = None
+
+    # ---- when -------------------------------------------------------------------------------------
+    def trigger(self, step: int, batch_ids: list) -> str | None:
+        if self.plan is None or batch_ids != self.plan_ids:
+            return "batch"
+        wanted = self.policy.replan_on
+        if "step" in wanted:
+            return "step"
+        if "mismatch" in wanted and self.mismatch:
+            return "mismatch"
+        if "expiry" in wanted and self.plan.expiry_step is not None and step >= self.plan_step + self.plan.expiry_step:
+            return "expiry"
+        return None
+
+    # ---- solving ----------------------------------------------------------------------------------
+    def solve(self, requests: list[PlanRequest], step: int, trigger: str) -> Plan:
+        """Plan now, unless the background thread already solved this very step for this batch."""
+        ids = [r.request_id for r in requests]
+        if self._ahead is not None:
+            ahead_step, ahead_ids, future = self._ahead
+            self._ahead = None
+            if ahead_step == step and ahead_ids == ids and trigger == "expiry":
+                plan, solve_s = future.result()
+                return self._install(plan, ids, step, trigger, solve_s, background=True)
+        start = time.perf_counter()
+        plan = self.policy.plan(requests, self.ctx)
+        if not plan.feasible and (len(requests) == 1 or not self.policy.pause_resume):
+            # Nothing to pause (or a policy without Pause-Resume): settle for the fastest plan that fits
+            # the device, SLO cap or not.
+            plan = self.policy.plan(requests, replace(self.ctx, alpha=math.inf))
+        return self._install(plan, ids, step, trigger, time.perf_counter() - start)
+
+    def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
+        """If the plan expires at the next step, start solving it now (the caller passes the batch
+        as it will be then: every request one token longer)."""
+        if self._pool is None or self.plan is None or "expiry" not in self.policy.replan_on:
+            return
+        expiry = self.plan.expiry_step
+        if expiry is None or step_next < self.plan_step + expiry or self._ahead is not None:
+            return
+        ctx, policy = self.ctx, self.policy
+
+        def run() -> tuple[Plan, float]:
+            start = time.perf_counter()
+            plan = policy.plan(requests_next, ctx)
+            return plan, time.perf_counter() - start
+
+        self._ahead = (step_next, [r.request_id for r in requests_next], self._pool.submit(run))
+
+    def _install(self, plan: Plan, ids: list, step: int, trigger: str, solve_s: float, background=False) -> Plan:
+        self.records.append(
+            PlanRecord(
+                step=step, trigger=trigger, solve_s=solve_s, request_ids=list(ids),
+                distances=list(plan.distances) if plan.distances is not None else None,
+                window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
+                predicted_step_s=float(plan.predicted_step_s), background=background,
+            )
+        )
+        if plan.feasible:
+            self.plan, self.plan_ids, self.plan_step = plan, list(ids), step
+            self.mismatch = False
+        return plan
+
+    def forget(self) -> None:
+        self.plan, self.plan_ids = None, []
+
+    # ---- observing --------------------------------------------------------------------------------
+    def observe(self, predicted_s: float, measured_s: float, layer_compute_s: list[float],
+                total_tokens: int, link_blocks_per_s: float | None) -> None:
+        """Compare a decode step with its prediction; on mismatch refresh the profile by EWMA."""
+        if predicted_s <= 0 or abs(measured_s - predicted_s) <= self.mismatch_threshold * predicted_s:
+            return
+        self.mismatch = True
+        cm = self.ctx.cost_model
+        base = np.asarray(cm.compute(total_tokens if cm.depends_on_tokens else None)) / cm.layer_compute_scale
+        measured = np.asarray(layer_compute_s, dtype=float)
+        observed_scale = np.clip(measured / np.maximum(base, 1e-12), 0.05, 20.0)
+        scale = (1 - self.ewma) * cm.layer_compute_scale + self.ewma * observed_scale
+        link = None
+        if link_blocks_per_s:
+            link = (1 - self.ewma) * cm.link_blocks_per_s + self.ewma * link_blocks_per_s
+        self.ctx.cost_model = cm.with_updates(layer_compute_scale=scale, link_blocks_per_s=link)
+
+    @property
+    def solver_calls(self) -> int:
+        return len(self.records)
+
+    @property
+    def solver_time_s(self) -> float:
+        return sum(r.solve_s for r in self.records)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,52 @@
+"""Token-Deposit (paper 4.2): decouple when a token is generated from when it is delivered.
+
+Generated tokens enter a FIFO. While it is non-empty exactly one token leaves per SLO interval;
+when it is empty the next token leaves as soon as it is generated; at finish the rest leaves at once.
+So a token generated at g is due at max(g, due of the previous token + slo). The balance (tokens
+generated but not yet due) is the latency margin the planner may spend.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class TokenDeposit:
+    def __init__(self, slo_s: float, enabled: bool = True):
+        self.slo_s = slo_s
+        self.enabled = enabled
+        self._queue: deque[tuple[int, float]] = deque()  # (token, due time), due times non-decreasing
+        self._last_due: float | None = None
+
+    def push(self, token: int, generated_at: float) -> float:
+        """Deposit a freshly generated token; returns when it is due for delivery."""
+        if not self.enabled or self._last_due is None:
+            due = generated_at
+        else:
+            due = max(generated_at, self._last_due + self.slo_s)
+        self._last_due = due
+        self._queue.append((token, due))
+        return due
+
+    def pop_due(self, now: float) -> list[tuple[int, float]]:
+        """Tokens whose delivery time has come, with that time."""
+        out = []
+        while self._queue and self._queue[0][1] <= now:
+            out.append(self._queue.popleft())
+        return out
+
+    def flush(self, now: float) -> list[tuple[int, float]]:
+        """The request finished: everything left is delivered now, in one burst."""
+        out = [(token, min(due, now)) for token, due in self._queue]
+        self._queue.clear()
+        return out
+
+    def next_due(self) -> float | None:
+        return self._queue[0][1] if self._queue else None
+
+    def balance(self, now: float) -> int:
+        """Tokens generated but not yet delivered at `now`."""
+        return sum(1 for _, due in self._queue if due > now)
+
+    def __len__(self) -> int:
+        return len(self._queue)

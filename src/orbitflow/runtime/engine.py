@@ -1,0 +1,391 @@
+"""The engine loop: continuous batching over an executor, steered by a policy through the controller.
+
+One iteration (`step`):
+1. take in new requests and aborts (thread-safe inbox);
+2. resume paused requests, then admit waiting ones, while the policy finds a plan for the bigger batch
+   (OrbitFlow pauses the policy's victim when none is feasible);
+3. re-plan when the controller says so, pausing victims until the plan is feasible;
+4. install the plan: the KV manager moves only layers whose tier changed;
+5. run one step: a prefill of newly admitted prompts (decoding waits, as in the paper) or, with
+   chunked prefill, one chunk beside the decode batch; otherwise one decode step;
+6. stamp each new token's delivery time with its Token-Deposit, finish requests, free their blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orbitflow.config import EngineConfig
+from orbitflow.kv.pool import OutOfBlocks
+from orbitflow.plan import Plan, PlanRequest
+from orbitflow.policies.base import PlanContext, Policy
+from orbitflow.runtime.controller import Controller
+from orbitflow.runtime.deposit import TokenDeposit
+from orbitflow.runtime.executor import SeqInput, StepResult
+from orbitflow.runtime.request import Request, Status
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.runtime.scheduler import Scheduler
+
+log = logging.getLogger("orbitflow.engine")
+
+
+class RequestRejected(ValueError):
+    """The request can never be served (too long for the model or for KV memory)."""
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token: int | None  # None for a pure finish / error event
+    generated_s: float
+    due_s: float  # when Token-Deposit releases it to the client
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_steps: int = 0
+    prefill_steps: int = 0
+    pauses: int = 0
+    resumes: int = 0
+    busy_s: float = 0.0
+    stall_s: float = 0.0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    device_blocks_peak: int = 0
+    host_blocks_peak: int = 0
+    device_util_sum: float = 0.0  # sum over decode steps of device blocks used / budget
+    generated_violations: int = 0
+    delivered_violations: int = 0
+    step_s: deque = field(default_factory=lambda: deque(maxlen=100_000))
+
+    @property
+    def device_mem_util(self) -> float:
+        return self.device_util_sum / self.decode_steps if self.decode_steps else 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor,
+        policy: Policy,
+        ctx: PlanContext,
+        clock,
+        default_slo_s: float,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int | None = None,
+    ):
+        self.config = config
+        self.executor = executor
+        self.kv = executor.kv
+        self.policy = policy
+        self.clock = clock
+        self.default_slo_s = default_slo_s
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.num_layers = executor.num_layers
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling)
+        self.controller = Controller(
+            policy, ctx, config.mismatch_threshold, config.ewma, background=config.plan_in_background
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.paused: list[Request] = []
+        self.finished: list[Request] = []
+        self.listeners: list[Callable[[TokenEvent], None]] = []
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._last_prediction: float | None = None
+
+    # ---- public, thread-safe ----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        slo_s: float | None = None,
+        arrival_s: float | None = None,
+        target_output_tokens: int | None = None,
+    ) -> Request:
+        if not prompt_ids:
+            raise RequestRejected("prompt must contain at least one token")
+        total = len(prompt_ids) + (target_output_tokens or sampling.max_tokens)
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({target_output_tokens or sampling.max_tokens}) "
+                f"exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        blocks = math.ceil(total / self.block_size) * self.num_layers
+        capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
+        if blocks > capacity:
+            raise RequestRejected(
+                f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
+                "raise --host-kv-blocks or lower max_tokens"
+            )
+        slo = slo_s or self.default_slo_s
+        req = Request(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            arrival_s=self.clock.now() if arrival_s is None else arrival_s,
+            slo_s=slo,
+            deposit=TokenDeposit(slo, enabled=self.config.token_deposit),
+            eos_token_ids=self.eos_token_ids,
+            target_output_tokens=target_output_tokens,
+        )
+        self._inbox.put(("add", req))
+        self._wakeup.set()
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.paused or not self._inbox.empty())
+
+    def wait_for_work(self, timeout: float | None = None) -> None:
+        self._wakeup.wait(timeout)
+        self._wakeup.clear()
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def step(self) -> StepResult | None:
+        self._drain_inbox()
+        self._admit()
+        self._replan()
+        if not self.running:
+            return None
+        seqs, reqs = self._build_inputs()
+        if not seqs:
+            return None
+        is_decode = all(s.start_pos > 0 and len(s.token_ids) == 1 for s in seqs)
+        try:
+            result = self.executor.step(seqs)
+        except Exception as exc:  # the step is lost; its requests end with an error, the engine lives on
+            log.exception("step failed")
+            for req in reqs:
+                self._finish(req, "error", error=f"engine step failed: {exc}")
+            self.controller.forget()
+            return None
+        self.clock.advance(result.step_s)
+        now = self.clock.now()
+        self._account(result, is_decode)
+        for seq, req, token in zip(seqs, reqs, result.tokens):
+            req.num_cached = seq.start_pos + len(seq.token_ids)
+            if token is not None:
+                self._emit_token(req, token, now)
+        if is_decode and self._last_prediction is not None:
+            total = sum(r.num_tokens for r in self.running)
+            self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total, None)
+        self.stats.steps += 1
+        if self.running:
+            self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.stats.steps + 1)
+        return result
+
+    def run_until_done(self, on_step: Callable[[], None] | None = None) -> None:
+        while self.has_work():
+            self.step()
+            if on_step is not None:
+                on_step()
+
+    # ---- inbox ------------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while not self._inbox.empty():
+            kind, item = self._inbox.get()
+            if kind == "add":
+                self.requests[item.request_id] = item
+                self.waiting.append(item)
+            else:
+                req = self.requests.get(item)
+                if req is not None and not req.finished:
+                    self._finish(req, "abort")
+
+    # ---- planning ---------------------------------------------------------------------------------
+    def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
+        now = self.clock.now()
+        return [
+            PlanRequest(
+                request_id=r.request_id,
+                blocks_per_layer=math.ceil((r.num_tokens + ahead) / self.block_size),
+                tokens=r.num_tokens + ahead,
+                tokens_left=max(0, r.remaining_tokens - ahead),
+                deposit=float(r.deposit.balance(now)) if self.config.token_deposit else 0.0,
+                slo_s=r.slo_s,
+            )
+            for r in reqs
+        ]
+
+    def _admit(self) -> None:
+        for cand in self.scheduler.candidates(self.waiting, self.paused):
+            if not self.scheduler.fits(self.running, cand):
+                return
+            while True:
+                trial = self.running + [cand]
+                plan = self.controller.solve(self._plan_requests(trial), self.stats.steps, "batch")
+                if plan.feasible:
+                    break
+                if len(trial) == 1:
+                    self._finish(cand, "error", error="request does not fit the device KV budget even fully offloaded")
+                    break
+                victim = self._victim(plan, trial)
+                if victim is cand:
+                    self.controller.forget()
+                    return  # it would be paused at once: keep it waiting until load allows
+                self._pause(victim)
+            if cand.finished:
+                continue
+            if cand.status is Status.PAUSED:
+                self.paused.remove(cand)
+                self.stats.resumes += 1
+            else:
+                self.waiting.remove(cand)
+            cand.status = Status.RUNNING
+            self.running.append(cand)
+
+    def _victim(self, plan: Plan, batch: list[Request]) -> Request:
+        """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a
+        capacity preemption would."""
+        if self.policy.pause_resume:
+            by_id = {r.request_id: r for r in batch}
+            for rid in plan.victims:
+                if rid in by_id:
+                    return by_id[rid]
+        return batch[-1]
+
+    def _replan(self) -> None:
+        while self.running:
+            ids = [r.request_id for r in self.running]
+            trigger = self.controller.trigger(self.stats.steps, ids)
+            if trigger is None:
+                return
+            plan = self.controller.solve(self._plan_requests(self.running), self.stats.steps, trigger)
+            if plan.feasible:
+                return
+            if len(self.running) == 1:
+                self._finish(self.running[0], "error",
+                             error="request does not fit the device KV budget even fully offloaded")
+            else:
+                self._pause(self._victim(plan, self.running))
+
+    def _pause(self, req: Request) -> None:
+        self.running.remove(req)
+        req.status = Status.PAUSED
+        req.num_pauses += 1
+        req.paused_at_step = self.stats.steps
+        self.paused.append(req)
+        self.stats.pauses += 1
+        if req.request_id in self.kv.tables:
+            self.kv.pause(req.request_id)
+        self.controller.forget()
+
+    # ---- running ----------------------------------------------------------------------------------
+    def _install_plan(self) -> None:
+        plan, ids = self.controller.plan, self.controller.plan_ids
+        rows = {rid: [bool(x) for x in plan.placement.mask[i]] for i, rid in enumerate(ids)}
+        for req in self.running:
+            row = rows[req.request_id]
+            if req.request_id in self.kv.tables:
+                self.kv.apply_placement(req.request_id, row)
+            else:
+                self.kv.allocate(req.request_id, 0, row)
+
+    def _build_inputs(self) -> tuple[list[SeqInput], list[Request]]:
+        try:
+            self._install_plan()
+        except OutOfBlocks as exc:
+            log.warning("installing the plan failed (%s); re-planning", exc)
+            self.controller.forget()
+            return [], []
+        chunk = self.config.chunked_prefill
+        prefilling = [r for r in self.running if not r.prefilled]
+        if prefilling and chunk is None:
+            batch = prefilling  # the paper's behaviour: decoding waits while new prompts prefill
+        elif prefilling:
+            batch = [r for r in self.running if r.prefilled] + prefilling[:1]
+        else:
+            batch = list(self.running)
+        seqs, reqs = [], []
+        for req in batch:
+            tokens, start, sample = req.next_input(chunk)
+            try:
+                self.kv.ensure_capacity(req.request_id, start + len(tokens))
+            except OutOfBlocks as exc:
+                if exc.tier == "host":
+                    self._finish(req, "error", error=f"out of KV memory: {exc}")
+                else:
+                    self.controller.forget()
+                continue
+            seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids)))
+            reqs.append(req)
+        if seqs and all(s.start_pos > 0 and len(s.token_ids) == 1 for s in seqs):
+            self._last_prediction = float(self.controller.plan.predicted_step_s) if self.controller.plan else None
+        else:
+            self._last_prediction = None
+        return seqs, reqs
+
+    def _emit_token(self, req: Request, token: int, now: float) -> None:
+        prev_gen = req.generated_s[-1] if req.generated_s else None
+        prev_due = req.delivered_s[-1] if req.delivered_s else None
+        req.output_ids.append(token)
+        req.generated_s.append(now)
+        due = req.deposit.push(token, now)
+        req.delivered_s.append(due)
+        if prev_gen is not None and now - prev_gen > req.slo_s:
+            self.stats.generated_violations += 1
+        if prev_due is not None and due - prev_due > req.slo_s:
+            self.stats.delivered_violations += 1
+        self._notify(TokenEvent(req.request_id, token, now, due))
+        reason = req.check_stop(token)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        now = self.clock.now()
+        for bucket in (self.waiting, self.running, self.paused):
+            if req in bucket:
+                bucket.remove(req)
+        self.kv.free(req.request_id)
+        req.deposit.flush(now)
+        req.delivered_s = [min(d, now) for d in req.delivered_s]
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finished_s = now
+        self.finished.append(req)
+        self._notify(TokenEvent(req.request_id, None, now, now, finished=True, finish_reason=reason, error=error))
+
+    def _notify(self, event: TokenEvent) -> None:
+        for listener in self.listeners:
+            listener(event)
+
+    def _account(self, result: StepResult, is_decode: bool) -> None:
+        s = self.stats
+        s.busy_s += result.step_s
+        s.step_s.append(result.step_s)
+        s.stall_s += result.stall_s
+        s.bytes_h2d += result.bytes_h2d
+        s.bytes_d2h += result.bytes_d2h
+        s.device_blocks_peak = max(s.device_blocks_peak, result.device_blocks_used)
+        s.host_blocks_peak = max(s.host_blocks_peak, result.host_blocks_used)
+        if is_decode:
+            s.decode_steps += 1
+            s.device_util_sum += result.device_blocks_used / self.kv.device_pool.num_blocks
+        else:
+            s.prefill_steps += 1
+
+    def close(self) -> None:
+        self.controller.close()
+        self.kv.close()

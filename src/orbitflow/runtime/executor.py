@@ -1,0 +1,145 @@
+"""Executors run one engine step for a batch; the engine above them does not know which one it has.
+
+`ModelExecutor` runs the real model over the two-tier paged KV cache. A step processes, for every
+sequence in the batch, its new tokens (a prompt chunk or the last generated token) on top of the
+KV already cached, under the placement that the KV manager holds. Host-resident layers are
+prefetched by the transfer engine in the planner's `edf` order and consumed from the device pool.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from orbitflow.kv.manager import KVManager
+from orbitflow.runtime.sampling import SamplingParams, sample_next
+
+
+@dataclass
+class SeqInput:
+    req_id: object
+    token_ids: list[int]  # tokens to process this step
+    start_pos: int  # tokens of this sequence already in the KV cache
+    sample: bool = True  # produce a next token (False for a non-final prefill chunk)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generated: int = 0  # tokens generated so far (seeds per-request sampling)
+
+
+@dataclass
+class StepResult:
+    tokens: list[int | None]  # per sequence, None where sample=False
+    step_s: float
+    layer_compute_s: list[float]
+    layer_stall_s: list[float]
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    device_blocks_used: int = 0
+    host_blocks_used: int = 0
+    prefill_tokens: int = 0
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.layer_compute_s)
+
+    @property
+    def stall_s(self) -> float:
+        return sum(self.layer_stall_s)
+
+
+class Executor(Protocol):
+    num_layers: int
+    block_size: int
+    kv: object
+
+    def step(self, seqs: list[SeqInput]) -> StepResult: ...
+
+
+class ModelExecutor:
+    def __init__(self, model, model_config, kv: KVManager):
+        self.model = model
+        self.config = model_config
+        self.kv = kv
+        self.num_layers = model_config.num_layers
+        self.block_size = kv.block_size
+        self.scale = model_config.head_dim**-0.5
+        self.device = kv.device_pool.storage.device
+
+    def step(self, seqs: list[SeqInput]) -> StepResult:
+        from orbitflow.model.attention import causal_attention
+
+        kv, transfer = self.kv, self.kv.transfer
+        for s in seqs:
+            kv.ensure_capacity(s.req_id, s.start_pos + len(s.token_ids))
+        tables = [kv.tables[s.req_id] for s in seqs]
+        # Prefetch list: every host-resident layer's already-cached blocks, per request, in layer order.
+        fetches = {
+            b: [(layer, t.blocks[layer][: kv.blocks_for(s.start_pos)]) for layer in range(self.num_layers)
+                if not t.on_device[layer]]
+            for b, (s, t) in enumerate(zip(seqs, tables)) if s.start_pos > 0
+        }
+        host_users = [[b for b in fetches if not tables[b].on_device[layer]] for layer in range(self.num_layers)]
+        bounds = [0]
+        for s in seqs:
+            bounds.append(bounds[-1] + len(s.token_ids))
+        entered = [0.0] * self.num_layers
+        stalls = [0.0] * self.num_layers
+        bytes_h2d, bytes_d2h = transfer.bytes_h2d, transfer.bytes_d2h
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            entered[layer] = time.perf_counter()
+            stalls[layer] = transfer.wait_layer(layer, host_users[layer])
+            outputs = []
+            for b, (s, t) in enumerate(zip(seqs, tables)):
+                lo, hi = bounds[b], bounds[b + 1]
+                k_new, v_new = k[lo:hi], v[lo:hi]
+                if s.start_pos > 0:
+                    blocks = t.blocks[layer] if t.on_device[layer] else transfer.staging(b, layer)
+                    k_old, v_old = kv.read(blocks, s.start_pos)
+                    keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
+                else:
+                    keys, values = k_new, v_new
+                outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
+                kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
+                if not t.on_device[layer] and s.start_pos > 0:
+                    transfer.release(b, layer)
+            return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
+        positions = torch.tensor(
+            [p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
+            dtype=torch.long, device=self.device,
+        )
+        start = time.perf_counter()
+        transfer.start_step(fetches)
+        try:
+            with torch.inference_mode():
+                hidden = self.model(input_ids, positions, attention)
+                last = torch.tensor([bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample], dtype=torch.long)
+                tokens: list[int | None] = [None] * len(seqs)
+                if len(last):
+                    logits = self.model.compute_logits(hidden[last.to(hidden.device)])
+                    sampled = iter(range(len(last)))
+                    for b, s in enumerate(seqs):
+                        if s.sample:
+                            tokens[b] = sample_next(logits[next(sampled)], s.sampling, s.generated)
+        finally:
+            transfer.end_step()
+        end = time.perf_counter()
+        boundaries = entered[1:] + [end]
+        compute = [boundaries[l] - entered[l] - stalls[l] for l in range(self.num_layers)]
+        compute[0] += entered[0] - start  # embedding and the first projections
+        device_used, host_used = kv.usage()
+        return StepResult(
+            tokens=tokens,
+            step_s=end - start,
+            layer_compute_s=compute,
+            layer_stall_s=stalls,
+            bytes_h2d=transfer.bytes_h2d - bytes_h2d,
+            bytes_d2h=transfer.bytes_d2h - bytes_d2h,
+            device_blocks_used=device_used,
+            host_blocks_used=host_used,
+            prefill_tokens=sum(len(s.token_ids) for s in seqs if len(s.token_ids) > 1 or s.start_pos == 0),
+        )

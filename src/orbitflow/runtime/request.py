@@ -1,0 +1,76 @@
+"""A request's state as it moves through the engine: waiting -> running <-> paused -> finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from orbitflow.runtime.deposit import TokenDeposit
+from orbitflow.runtime.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float
+    slo_s: float
+    deposit: TokenDeposit
+    eos_token_ids: tuple[int, ...] = ()
+    # Simulation only: a fixed output length stands in for the model's choice of when to stop.
+    target_output_tokens: int | None = None
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose KV is in the cache
+    generated_s: list[float] = field(default_factory=list)
+    delivered_s: list[float] = field(default_factory=list)
+    num_pauses: int = 0
+    paused_at_step: int | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    finished_s: float | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_cached >= self.num_prompt
+
+    @property
+    def remaining_tokens(self) -> int:
+        target = self.target_output_tokens or self.sampling.max_tokens
+        return max(0, target - len(self.output_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def next_input(self, chunk: int | None) -> tuple[list[int], int, bool]:
+        """Tokens to feed next, where they start, and whether a token is sampled after them."""
+        if not self.prefilled:
+            end = self.num_prompt if chunk is None else min(self.num_prompt, self.num_cached + chunk)
+            return self.prompt_ids[self.num_cached:end], self.num_cached, end == self.num_prompt
+        return [self.output_ids[-1]], self.num_cached, True
+
+    def check_stop(self, token: int) -> str | None:
+        if self.target_output_tokens is not None:
+            return "length" if len(self.output_ids) >= self.target_output_tokens else None
+        if not self.sampling.ignore_eos and (token in self.eos_token_ids or token in self.sampling.stop_token_ids):
+            return "stop"
+        if len(self.output_ids) >= self.sampling.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,103 @@
+import pytest
+import torch
+
+from orbitflow.kv.manager import KVManager
+from orbitflow.kv.pool import BlockPool, OutOfBlocks
+
+L, H, D, BS = 4, 2, 8, 16
+
+
+def make_kv(device_blocks=64, host_blocks=128, **kw) -> KVManager:
+    return KVManager(L, H, D, device_blocks, host_blocks, block_size=BS, **kw)
+
+
+def test_pool_allocate_free_and_exhaustion():
+    pool = BlockPool("device", 8, BS, H, D)
+    ids = pool.allocate(5)
+    assert len(set(ids)) == 5 and pool.num_used == 5
+    with pytest.raises(OutOfBlocks, match="wanted 4 blocks, 3 free of 8"):
+        pool.allocate(4)
+    pool.free(ids)
+    assert pool.num_free == 8 and pool.peak_used == 5
+
+
+def test_allocation_follows_each_layers_tier():
+    kv = make_kv()
+    placement = [True, False, True, False]
+    kv.allocate("a", 40, placement)  # 3 blocks per layer
+    table = kv.tables["a"]
+    assert table.blocks_per_layer == 3
+    assert kv.usage() == (6, 6)
+    kv.ensure_capacity("a", 49)  # crosses into a 4th block: new blocks land in each layer's own tier
+    assert kv.usage() == (8, 8)
+    kv.free("a")
+    kv.free("a")  # idempotent
+    assert kv.usage() == (0, 0)
+    kv.close()
+
+
+def _fill(kv: KVManager, rid: str, tokens: int) -> list[torch.Tensor]:
+    written = []
+    for layer in range(L):
+        k = torch.randn(tokens, H, D)
+        v = torch.randn(tokens, H, D)
+        kv.write(rid, layer, 0, k, v)
+        written.append((k, v))
+    return written
+
+
+def _read_layer(kv: KVManager, rid: str, layer: int, tokens: int):
+    table = kv.tables[rid]
+    if table.on_device[layer]:
+        return kv.read(table.blocks[layer], tokens)
+    staging = kv.device_pool.allocate(table.blocks_per_layer)
+    kv.transfer.move_to_device(table.blocks[layer], staging)
+    out = kv.read(staging, tokens)
+    kv.device_pool.free(staging)
+    return out
+
+
+def test_apply_placement_moves_only_changed_layers_and_keeps_data():
+    kv = make_kv()
+    tokens = 37
+    kv.allocate("a", tokens, [True, True, False, False])
+    written = _fill(kv, "a", tokens)
+    before_h2d, before_d2h = kv.transfer.bytes_h2d, kv.transfer.bytes_d2h
+    kv.apply_placement("a", [True, False, True, False])  # layer 1 -> host, layer 2 -> device
+    per_layer = 3 * kv.device_pool.bytes_per_block
+    assert kv.transfer.bytes_d2h - before_d2h == per_layer
+    assert kv.transfer.bytes_h2d - before_h2d == per_layer
+    for layer, (k, v) in enumerate(written):
+        k2, v2 = _read_layer(kv, "a", layer, tokens)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+    kv.free("a")
+    assert kv.usage() == (0, 0)
+    kv.close()
+
+
+def test_paused_request_is_evicted_lazily_layer_by_layer():
+    kv = make_kv(device_blocks=12)
+    kv.allocate("old", 32, [True] * L)  # 2 blocks x 4 layers = 8 device blocks
+    written = _fill(kv, "old", 32)
+    kv.pause("old")
+    assert kv.usage() == (8, 0)  # nothing moves until the space is needed
+    kv.allocate("new", 32, [True, True, True, False])  # needs 6 device blocks, 4 free: evict 1 layer
+    assert kv.tables["old"].evicted_layers == {3}
+    assert kv.tables["old"].on_device == [True, True, True, False]
+    kv.free("new")
+    kv.apply_placement("old", [True] * L)  # resume: only the evicted layer comes back
+    assert kv.tables["old"].evicted_layers == set()
+    for layer, (k, v) in enumerate(written):
+        k2, v2 = _read_layer(kv, "old", layer, 32)
+        assert torch.equal(k2, k)
+    kv.free("old")
+    assert kv.usage() == (0, 0)
+    kv.close()
+
+
+def test_failed_allocation_leaves_nothing_behind():
+    kv = make_kv(device_blocks=4, host_blocks=4)
+    with pytest.raises(OutOfBlocks):
+        kv.allocate("big", 100, [True, False, True, False])
+    assert kv.usage() == (0, 0) and "big" not in kv.tables
+    kv.close()

@@ -1,0 +1,90 @@
+"""Greedy outputs are token-identical to Hugging Face whatever the placement; blocks never leak."""
+
+import pytest
+import torch
+from tiny_models import hf_greedy, make_llm
+
+from orbitflow.policies import FixedPlacementPolicy, PlacementError
+from orbitflow.runtime.sampling import SamplingParams
+
+PROMPTS = [
+    [5, 9, 14, 3, 77],
+    [int(x) for x in torch.randint(3, 250, (17,), generator=torch.Generator().manual_seed(1))],
+    [int(x) for x in torch.randint(3, 250, (33,), generator=torch.Generator().manual_seed(2))],
+    [int(x) for x in torch.randint(3, 250, (48,), generator=torch.Generator().manual_seed(3))],
+]
+MAX_TOKENS = 24
+PLACEMENTS = ["none", "all", "distance:2", "distance:3", "random:1", "random:7"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return [hf_greedy(tiny_llama.hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def run(tiny, spec, prompts, **config):
+    llm = make_llm(tiny, FixedPlacementPolicy(spec), max_num_seqs=len(prompts), **config)
+    try:
+        reqs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        assert llm.kv.usage() == (0, 0), "blocks leaked after a normal finish"
+        return [r.output_ids for r in reqs], llm.stats()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("spec", PLACEMENTS)
+def test_batched_greedy_matches_hf_under_placement(tiny_llama, reference, spec):
+    outputs, stats = run(tiny_llama, spec, PROMPTS)
+    assert outputs == reference
+    if spec == "none":
+        assert stats.host_blocks_peak == 0 and stats.bytes_h2d == 0
+    else:
+        assert stats.host_blocks_peak > 0
+
+
+def test_batched_equals_each_prompt_alone(tiny_llama):
+    batched, _ = run(tiny_llama, "random:3", PROMPTS)
+    alone = [run(tiny_llama, "random:3", [p])[0][0] for p in PROMPTS]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("spec", ["none", "distance:2", "all"])
+def test_qwen2_qkv_bias_matches_hf(tiny_qwen2, spec):
+    reference = [hf_greedy(tiny_qwen2.hf, p, MAX_TOKENS) for p in PROMPTS[:3]]
+    outputs, _ = run(tiny_qwen2, spec, PROMPTS[:3])
+    assert outputs == reference
+
+
+def test_exception_mid_step_frees_both_pools(tiny_llama, monkeypatch):
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("distance:2"), max_num_seqs=4)
+    calls = {"n": 0}
+    real_forward = llm.executor.model.forward
+
+    def flaky_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.executor.model, "forward", flaky_forward)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert llm.kv.usage() == (0, 0)
+    assert not llm.engine.has_work()
+    llm.close()
+
+
+def test_placement_over_budget_names_the_budget(tiny_llama):
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("none"), max_num_seqs=4, device_kv_blocks=40)
+    with pytest.raises(PlacementError, match="--device-kv-blocks is 40"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    llm.close()
+
+
+def test_stall_grows_with_offloaded_layers_on_a_slow_link(tiny_llama):
+    stalls = {}
+    for spec in ("none", "distance:3", "all"):
+        _, stats = run(tiny_llama, spec, PROMPTS, link_gbps=0.002)
+        stalls[spec] = stats.stall_s
+    assert stalls["none"] == 0.0
+    assert 0 < stalls["distance:3"] < stalls["all"]
