@@ -27,7 +27,7 @@ def test_prefetch_order_is_earliest_needed_layer_first_one_slot_per_request():
     engine.wait_layer(1, [1])
     engine.release(1, 1)  # request 1 consumed layer 1: its layer-2 fetch may start
     engine.wait_layer(2, [0, 1])
-    staged = engine.staging(0, 2)
+    staged = engine.staged(0, 2)
     assert staged is not None and len(staged) == 2
     engine.release(0, 2)
     engine.release(1, 2)

@@ -102,19 +102,27 @@ class KVManager:
 
     # ---- placement -------------------------------------------------------------------------------
     def apply_placement(self, req_id: object, on_device: list[bool]) -> None:
-        """Move only the layers whose tier changes; device->host first so that space frees up."""
-        table = self.tables[req_id]
-        if req_id in self.paused:
-            self.paused.remove(req_id)
-        to_host = [l for l in range(self.num_layers) if table.on_device[l] and not on_device[l]]
-        to_device = [l for l in range(self.num_layers) if not table.on_device[l] and on_device[l]]
-        for layer in to_host:
-            self._move_layer(table, layer, to_device=False)
-        if to_device:
-            self.make_room(len(to_device) * table.blocks_per_layer, exclude=req_id)
-        for layer in to_device:
-            self._move_layer(table, layer, to_device=True)
-        table.evicted_layers.clear()
+        self.apply_placements({req_id: on_device})
+
+    def apply_placements(self, rows: dict[object, list[bool]]) -> None:
+        """Move only the layers whose tier changes: every device->host move of the batch first, so the
+        space it frees is there for the host->device moves."""
+        for req_id in rows:
+            if req_id in self.paused:
+                self.paused.remove(req_id)
+        for req_id, on_device in rows.items():
+            table = self.tables[req_id]
+            for layer in range(self.num_layers):
+                if table.on_device[layer] and not on_device[layer]:
+                    self._move_layer(table, layer, to_device=False)
+        for req_id, on_device in rows.items():
+            table = self.tables[req_id]
+            to_device = [l for l in range(self.num_layers) if not table.on_device[l] and on_device[l]]
+            if to_device:
+                self.make_room(len(to_device) * table.blocks_per_layer, exclude=req_id)
+            for layer in to_device:
+                self._move_layer(table, layer, to_device=True)
+            table.evicted_layers.clear()
 
     def _move_layer(self, table: RequestBlocks, layer: int, to_device: bool) -> None:
         old = table.blocks[layer]
@@ -160,11 +168,13 @@ class KVManager:
         pool[block_ids, 0, offsets] = k.to(pool.device, pool.dtype)
         pool[block_ids, 1, offsets] = v.to(pool.device, pool.dtype)
 
-    def read(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [num_tokens, kv_heads, head_dim] from device-pool blocks (resident or staged)."""
+    def read(self, blocks: list[int] | torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [num_tokens, kv_heads, head_dim] from device-pool block ids (resident or staged) or from
+        a scratch tensor of blocks [n, 2, block_size, kv_heads, head_dim] (an overflowed prefetch)."""
         storage = self.device_pool.storage
-        index = torch.tensor(block_ids[: self.blocks_for(num_tokens)], dtype=torch.long, device=storage.device)
-        blocks = storage.index_select(0, index)  # [n, 2, bs, h, d]
+        if not isinstance(blocks, torch.Tensor):
+            index = torch.tensor(blocks[: self.blocks_for(num_tokens)], dtype=torch.long, device=storage.device)
+            blocks = storage.index_select(0, index)
         kv = blocks.transpose(0, 1).reshape(2, -1, *storage.shape[3:])[:, :num_tokens]
         return kv[0], kv[1]
 

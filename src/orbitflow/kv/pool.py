@@ -42,7 +42,7 @@ class BlockPool:
         self.storage = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory) if materialize else None
         self.bytes_per_block = 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self.peak_used = 0
 
     @property
@@ -61,23 +61,11 @@ class BlockPool:
             self.peak_used = max(self.peak_used, self.num_used)
             return ids
 
-    def allocate_waiting(self, n: int, timeout_s: float = 30.0) -> list[int]:
-        """Allocate, waiting for other threads to free blocks (used for prefetch staging)."""
-        with self._lock:
-            if n > self.num_blocks:
-                raise OutOfBlocks(self.tier, n, len(self._free), self.num_blocks)
-            if not self._lock.wait_for(lambda: len(self._free) >= n, timeout=timeout_s):
-                raise OutOfBlocks(self.tier, n, len(self._free), self.num_blocks)
-            ids = [self._free.pop() for _ in range(n)]
-            self.peak_used = max(self.peak_used, self.num_used)
-            return ids
-
     def free(self, ids: list[int]) -> None:
         if not ids:
             return
         with self._lock:
             self._free.extend(reversed(ids))
-            self._lock.notify_all()
 
     def reset_peak(self) -> None:
         self.peak_used = self.num_used

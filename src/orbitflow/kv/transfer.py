@@ -7,7 +7,11 @@ Within a decode step the schedule is the one the planner's `edf` cost model assu
   (ties: lower batch index);
 - a layer waits until all of its host-resident KV has arrived (`wait_layer`); that wait is its stall.
 
-Staging slots are carved from the device pool, so fetched KV counts against the device budget.
+Staging slots are carved from the device pool, so fetched KV counts against the device budget. The
+capacity equation reserves one layer's worth of host KV for them (the paper's prefetch buffer); when
+prefetching ahead needs more than the pool has free at that moment, the slot overflows into a scratch
+tensor rather than waiting (waiting could deadlock against a slot that is only consumed later). The
+overflow is counted (`overflow_blocks_peak`), so the budget is never exceeded silently.
 On CUDA the copies run on a dedicated stream and completion is an event; on the CPU (every machine
 here) a copy thread does them, sleeping so that each copy lasts bytes / link rate.
 """
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orbitflow.kv.pool import BlockPool
+from orbitflow.kv.pool import BlockPool, OutOfBlocks
 
 
 @dataclass
@@ -29,7 +33,8 @@ class _Fetch:
     batch_index: int
     layer: int
     host_blocks: list[int]
-    staging: list[int] | None = None
+    staging: list[int] | None = None  # device-pool block ids, or None when `scratch` holds the data
+    scratch: torch.Tensor | None = None
     event: object | None = None  # torch.cuda.Event on CUDA
 
 
@@ -43,6 +48,8 @@ class TransferEngine:
         self.stream = torch.cuda.Stream(device=device_pool.storage.device) if self.is_cuda else None
         self.bytes_h2d = 0
         self.bytes_d2h = 0
+        self.overflow_blocks = 0
+        self.overflow_blocks_peak = 0
         self._link = threading.Lock()  # one transfer on the link at a time
         self._cond = threading.Condition()
         self._ready: list[tuple[int, int, int]] = []  # heap of (layer, batch_index, seq)
@@ -73,10 +80,7 @@ class TransferEngine:
                 self.stream.synchronize()
             else:
                 dst.storage.index_copy_(0, dst_index, src.storage.index_select(0, src_index))
-            if self.link_bytes_per_s:
-                remaining = nbytes / self.link_bytes_per_s - (time.perf_counter() - start)
-                if remaining > 0:
-                    time.sleep(remaining)
+            self._throttle(nbytes, start)
         return nbytes
 
     def move_to_host(self, device_ids: list[int], host_ids: list[int]) -> None:
@@ -120,9 +124,10 @@ class TransferEngine:
                 torch.cuda.current_stream().wait_event(self._fetches[k].event)
         return time.perf_counter() - start
 
-    def staging(self, batch_index: int, layer: int) -> list[int] | None:
-        fetch = self._fetches.get((batch_index, layer))
-        return None if fetch is None else fetch.staging
+    def staged(self, batch_index: int, layer: int) -> list[int] | torch.Tensor:
+        """Where a landed fetch lives: device-pool block ids, or a scratch tensor of blocks."""
+        fetch = self._fetches[(batch_index, layer)]
+        return fetch.scratch if fetch.scratch is not None else fetch.staging
 
     def release(self, batch_index: int, layer: int) -> None:
         """The fetched layer has been consumed: free its slot and let the request's next fetch start."""
@@ -131,7 +136,7 @@ class TransferEngine:
             if fetch is None:
                 return
             self._done.discard((batch_index, layer))
-            self.device_pool.free(fetch.staging or [])
+            self._free_slot(fetch)
             queue = self._pending.get(batch_index)
             if queue and queue[0] is fetch:
                 queue.pop(0)
@@ -148,9 +153,40 @@ class TransferEngine:
             self._pending.clear()
             self._cond.wait_for(lambda: self._in_flight == 0)
             for fetch in self._fetches.values():
-                self.device_pool.free(fetch.staging or [])
+                self._free_slot(fetch)
             self._fetches.clear()
             self._done.clear()
+
+    def _free_slot(self, fetch: _Fetch) -> None:
+        self.device_pool.free(fetch.staging or [])
+        fetch.staging = None
+        if fetch.scratch is not None:
+            self.overflow_blocks -= len(fetch.host_blocks)
+            fetch.scratch = None
+
+    def _stage(self, fetch: _Fetch) -> None:
+        n = len(fetch.host_blocks)
+        try:
+            fetch.staging = self.device_pool.allocate(n)
+            self.bytes_h2d += self._copy(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging)
+            return
+        except OutOfBlocks:
+            pass
+        index = torch.tensor(fetch.host_blocks, dtype=torch.long)
+        with self._link:
+            start = time.perf_counter()
+            fetch.scratch = self.host_pool.storage.index_select(0, index).to(self.device_pool.storage.device)
+            self._throttle(n * self.host_pool.bytes_per_block, start)
+        self.bytes_h2d += n * self.host_pool.bytes_per_block
+        with self._cond:
+            self.overflow_blocks += n
+            self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
+
+    def _throttle(self, nbytes: int, start: float) -> None:
+        if self.link_bytes_per_s:
+            remaining = nbytes / self.link_bytes_per_s - (time.perf_counter() - start)
+            if remaining > 0:
+                time.sleep(remaining)
 
     def close(self) -> None:
         with self._cond:
@@ -171,8 +207,7 @@ class TransferEngine:
                     continue
                 self._in_flight += 1
             try:
-                fetch.staging = self.device_pool.allocate_waiting(len(fetch.host_blocks))
-                self.bytes_h2d += self._copy(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging)
+                self._stage(fetch)
                 if self.is_cuda:
                     fetch.event = torch.cuda.Event()
                     fetch.event.record(self.stream)

@@ -109,6 +109,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._last_prediction: float | None = None
+        self._batch_version = 0  # bumps on arrival, finish and pause
+        self._admission_blocked_at: int | None = None  # version at which admission last found no room
 
     # ---- public, thread-safe ----------------------------------------------------------------------
     def add_request(
@@ -208,6 +210,7 @@ class Engine:
             if kind == "add":
                 self.requests[item.request_id] = item
                 self.waiting.append(item)
+                self._batch_version += 1
             else:
                 req = self.requests.get(item)
                 if req is not None and not req.finished:
@@ -229,9 +232,13 @@ class Engine:
         ]
 
     def _admit(self) -> None:
+        if self._admission_blocked_at == self._batch_version:
+            return  # nothing changed since admission last found no room: do not re-solve every step
+        self._admission_blocked_at = None
         for cand in self.scheduler.candidates(self.waiting, self.paused):
             if not self.scheduler.fits(self.running, cand):
                 return
+            resuming = cand.status is Status.PAUSED
             while True:
                 trial = self.running + [cand]
                 plan = self.controller.solve(self._plan_requests(trial), self.stats.steps, "batch")
@@ -241,8 +248,11 @@ class Engine:
                     self._finish(cand, "error", error="request does not fit the device KV budget even fully offloaded")
                     break
                 victim = self._victim(plan, trial)
-                if victim is cand:
+                # A paused request comes back only when a plan holds it without pausing anyone (the
+                # overload has cleared); until then nobody overtakes it, so it cannot starve.
+                if resuming or victim is cand:
                     self.controller.forget()
+                    self._admission_blocked_at = self._batch_version
                     return  # it would be paused at once: keep it waiting until load allows
                 self._pause(victim)
             if cand.finished:
@@ -287,6 +297,7 @@ class Engine:
         req.paused_at_step = self.stats.steps
         self.paused.append(req)
         self.stats.pauses += 1
+        self._batch_version += 1
         if req.request_id in self.kv.tables:
             self.kv.pause(req.request_id)
         self.controller.forget()
@@ -296,11 +307,9 @@ class Engine:
         plan, ids = self.controller.plan, self.controller.plan_ids
         rows = {rid: [bool(x) for x in plan.placement.mask[i]] for i, rid in enumerate(ids)}
         for req in self.running:
-            row = rows[req.request_id]
-            if req.request_id in self.kv.tables:
-                self.kv.apply_placement(req.request_id, row)
-            else:
-                self.kv.allocate(req.request_id, 0, row)
+            if req.request_id not in self.kv.tables:
+                self.kv.allocate(req.request_id, 0, rows[req.request_id])
+        self.kv.apply_placements({r.request_id: rows[r.request_id] for r in self.running})
 
     def _build_inputs(self) -> tuple[list[SeqInput], list[Request]]:
         try:
@@ -365,6 +374,7 @@ class Engine:
         req.error = error
         req.finished_s = now
         self.finished.append(req)
+        self._batch_version += 1
         self._notify(TokenEvent(req.request_id, None, now, now, finished=True, finish_reason=reason, error=error))
 
     def _notify(self, event: TokenEvent) -> None:

@@ -96,7 +96,7 @@ class ModelExecutor:
                 lo, hi = bounds[b], bounds[b + 1]
                 k_new, v_new = k[lo:hi], v[lo:hi]
                 if s.start_pos > 0:
-                    blocks = t.blocks[layer] if t.on_device[layer] else transfer.staging(b, layer)
+                    blocks = t.blocks[layer] if t.on_device[layer] else transfer.staged(b, layer)
                     k_old, v_old = kv.read(blocks, s.start_pos)
                     keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
                 else:

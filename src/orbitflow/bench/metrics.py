@@ -1,0 +1,280 @@
+"""Serving metrics, defined once for the engine's accounting and the client's stopwatch.
+
+- TBT: gap between consecutive tokens of a request as *delivered* (after Token-Deposit); a request's
+  first token has no gap. TBT attainment = share of gaps within the SLO (a gap equal to it meets it).
+- TPOT: per request (last - first delivered) / (tokens - 1); attainment = share of requests within the
+  SLO (a one-token request meets it).
+- TTFT = first delivered - arrival; E2E = last delivered - arrival.
+- Throughput over the makespan, first arrival to last finish.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Gaps come from differences of float timestamps; treat a gap within this of the SLO as equal to it.
+SLO_TOLERANCE_S = 1e-9
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    generated_s: list[float]  # when the engine produced each token
+    delivered_s: list[float] | None = None  # when the client got each token; None: same as generated_s
+    finished_s: float | None = None  # None: did not finish (aborted, still running)
+    slo_s: float | None = None  # per-request TBT SLO; None: the run's SLO
+    num_pauses: int = 0
+    tokens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.delivered_s is None:
+            self.delivered_s = list(self.generated_s)
+        if len(self.delivered_s) != len(self.generated_s) and self.generated_s:
+            raise ValueError(f"request {self.request_id}: {len(self.generated_s)} generated_s but "
+                             f"{len(self.delivered_s)} delivered_s")
+        for name in ("generated_s", "delivered_s"):
+            times = getattr(self, name)
+            if any(b < a for a, b in itertools.pairwise(times)):
+                raise ValueError(f"request {self.request_id}: {name} must be non-decreasing")
+
+    @property
+    def delivered(self) -> list[float]:
+        assert self.delivered_s is not None
+        return self.delivered_s
+
+
+@dataclass
+class RunMetrics:
+    num_requests: int
+    num_finished: int
+    slo_s: float | None
+    tbt_attainment: float
+    tbt_attainment_generated: float
+    tpot_attainment: float
+    tbt_violations: int
+    tbt_violations_generated: int
+    num_tbt_gaps: int
+    tbt_mean_s: float
+    p50_tbt_s: float
+    p95_tbt_s: float
+    p99_tbt_s: float
+    tpot_mean_s: float
+    p50_tpot_s: float
+    p95_tpot_s: float
+    p99_tpot_s: float
+    ttft_mean_s: float
+    p50_ttft_s: float
+    p95_ttft_s: float
+    p99_ttft_s: float
+    e2e_mean_s: float
+    p50_e2e_s: float
+    p95_e2e_s: float
+    p99_e2e_s: float
+    makespan_s: float
+    throughput_rpm: float
+    tokens_per_s: float
+    total_output_tokens: int
+    num_pauses: int
+    device_mem_util: float | None = None
+    solver_calls: int | None = None
+    solver_time_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        return out
+
+
+def _summary(name: str, values: Sequence[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return {f"{name}_mean_s": math.nan, **{f"p{q}_{name}_s": math.nan for q in PERCENTILES}}
+    out = {f"{name}_mean_s": float(arr.mean())}
+    for q, v in zip(PERCENTILES, np.percentile(arr, PERCENTILES)):
+        out[f"p{q}_{name}_s"] = float(v)
+    return out
+
+
+def _meets(value: float, slo: float) -> bool:
+    return value <= slo + SLO_TOLERANCE_S
+
+
+def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None,
+                    device_mem_util: float | Sequence[float] | None = None, solver_calls: int | None = None,
+                    solver_time_s: float | None = None, **extra: Any) -> RunMetrics:
+    """Metrics of one run. ``slo_s`` is the TBT/TPOT SLO for records without their own.
+
+    ``device_mem_util`` may be per-step samples (averaged) or an already averaged value. Attainment with
+    nothing to measure (no gaps, no requests) is 1.0.
+    """
+    tbt: list[float] = []
+    tbt_met = tbt_met_gen = gen_gaps = 0
+    tpots: list[float] = []
+    tpot_met = tpot_count = 0
+    ttfts: list[float] = []
+    e2es: list[float] = []
+    total_tokens = pauses = finished = 0
+    first_arrival = math.inf
+    last_event = -math.inf
+
+    for rec in records:
+        slo = rec.slo_s if rec.slo_s is not None else slo_s
+        if slo is None:
+            raise ValueError(f"request {rec.request_id}: no slo_s on the record and none given for the run")
+        first_arrival = min(first_arrival, rec.arrival_s)
+        pauses += rec.num_pauses
+        if rec.finished_s is not None:
+            finished += 1
+            last_event = max(last_event, rec.finished_s)
+        times = rec.delivered
+        total_tokens += len(times)
+        if not times:
+            continue
+        last_event = max(last_event, times[-1])
+        gaps = np.diff(times)
+        tbt.extend(gaps.tolist())
+        tbt_met += int(np.count_nonzero(gaps <= slo + SLO_TOLERANCE_S))
+        gen_diffs = np.diff(rec.generated_s)
+        gen_gaps += len(gen_diffs)
+        tbt_met_gen += int(np.count_nonzero(gen_diffs <= slo + SLO_TOLERANCE_S))
+        ttfts.append(times[0] - rec.arrival_s)
+        e2es.append(times[-1] - rec.arrival_s)
+        tpot_count += 1
+        if len(times) == 1:
+            tpot_met += 1
+        else:
+            tpot = (times[-1] - times[0]) / (len(times) - 1)
+            tpots.append(tpot)
+            tpot_met += _meets(tpot, slo)
+
+    makespan = last_event - first_arrival if records and last_event > -math.inf else 0.0
+    if device_mem_util is not None and not isinstance(device_mem_util, int | float):
+        samples = list(device_mem_util)
+        device_mem_util = float(np.mean(samples)) if samples else None
+
+    return RunMetrics(
+        num_requests=len(records),
+        num_finished=finished,
+        slo_s=slo_s,
+        tbt_attainment=tbt_met / len(tbt) if tbt else 1.0,
+        tbt_attainment_generated=tbt_met_gen / gen_gaps if gen_gaps else 1.0,
+        tpot_attainment=tpot_met / tpot_count if tpot_count else 1.0,
+        tbt_violations=len(tbt) - tbt_met,
+        tbt_violations_generated=gen_gaps - tbt_met_gen,
+        num_tbt_gaps=len(tbt),
+        **_summary("tbt", tbt),
+        **_summary("tpot", tpots),
+        **_summary("ttft", ttfts),
+        **_summary("e2e", e2es),
+        makespan_s=makespan,
+        throughput_rpm=finished / makespan * 60.0 if makespan > 0 else math.nan,
+        tokens_per_s=total_tokens / makespan if makespan > 0 else math.nan,
+        total_output_tokens=total_tokens,
+        num_pauses=pauses,
+        device_mem_util=None if device_mem_util is None else float(device_mem_util),
+        solver_calls=solver_calls,
+        solver_time_s=solver_time_s,
+        extra=dict(extra),
+    )
+
+
+# ----------------------------------------------------------------------------- text output
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str | None = None
+    fmt: str | None = None  # format spec for numbers, e.g. ".1%" or ".3f"
+
+
+def _cell(value: Any, fmt: str | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int | float | np.number):
+        if fmt:
+            return format(value, fmt)
+        return str(value) if isinstance(value, int | np.integer) else f"{value:.4g}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str | tuple[str, str] | Column],
+                 title: str | None = None) -> str:
+    """An aligned text table: text columns left-aligned, numbers right-aligned, missing values as '-'."""
+    cols = [c if isinstance(c, Column) else Column(c) if isinstance(c, str) else Column(c[0], c[1])
+            for c in columns]
+    headers = [c.header or c.key for c in cols]
+    cells = [[_cell(row.get(c.key), c.fmt) for c in cols] for row in rows]
+    numeric = [all(isinstance(row.get(c.key), int | float | np.number) or row.get(c.key) is None
+                   for row in rows) for c in cols]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)]
+        return "  ".join(parts).rstrip()
+
+    rule_width = max(sum(widths) + 2 * (len(widths) - 1), len(title or ""))
+    out = []
+    if title:
+        out += [f" {title} ".center(rule_width, "="), ]
+    else:
+        out.append("=" * rule_width)
+    out += [line(headers), "-" * rule_width, *(line(r) for r in cells), "=" * rule_width]
+    return "\n".join(out)
+
+
+SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("num_requests", "Requests", ""),
+    ("num_finished", "Finished requests", ""),
+    ("makespan_s", "Makespan (s)", ".2f"),
+    ("throughput_rpm", "Throughput (req/min)", ".3f"),
+    ("tokens_per_s", "Output tokens/s", ".2f"),
+    ("slo_s", "TBT SLO (ms)", "ms"),
+    ("tbt_attainment", "TBT attainment", ".1%"),
+    ("tbt_attainment_generated", "TBT attainment (generated)", ".1%"),
+    ("tpot_attainment", "TPOT attainment", ".1%"),
+    ("tbt_violations", "TBT violations (delivered)", ""),
+    ("tbt_violations_generated", "TBT violations (generated)", ""),
+    ("tbt_mean_s", "Mean TBT (ms)", "ms"),
+    ("p50_tbt_s", "P50 TBT (ms)", "ms"),
+    ("p95_tbt_s", "P95 TBT (ms)", "ms"),
+    ("p99_tbt_s", "P99 TBT (ms)", "ms"),
+    ("tpot_mean_s", "Mean TPOT (ms)", "ms"),
+    ("p95_tpot_s", "P95 TPOT (ms)", "ms"),
+    ("p99_tpot_s", "P99 TPOT (ms)", "ms"),
+    ("ttft_mean_s", "Mean TTFT (s)", ".3f"),
+    ("p95_ttft_s", "P95 TTFT (s)", ".3f"),
+    ("e2e_mean_s", "Mean E2E (s)", ".3f"),
+    ("p95_e2e_s", "P95 E2E (s)", ".3f"),
+    ("num_pauses", "Pauses", ""),
+    ("device_mem_util", "Device memory utilisation", ".1%"),
+    ("solver_calls", "Solver calls", ""),
+    ("solver_time_s", "Solver time (s)", ".4f"),
+)
+
+
+def format_summary(metrics: RunMetrics | dict[str, Any], title: str = "Serving Benchmark Result") -> str:
+    """A vLLM-style two-column summary block (label left, value right)."""
+    data = metrics.to_dict() if isinstance(metrics, RunMetrics) else metrics
+    lines = []
+    for key, label, fmt in SUMMARY_ROWS:
+        value = data.get(key)
+        if fmt == "ms":
+            text = _cell(None if value is None else value * 1000.0, ".2f")
+        else:
+            text = _cell(value, fmt or None)
+        lines.append(f"{label + ':':<40}{text:>12}")
+    width = 52
+    return "\n".join([f" {title} ".center(width, "="), *lines, "=" * width])

@@ -1,0 +1,93 @@
+"""The simulated executor: the same step interface as ModelExecutor, on a virtual clock.
+
+A step costs what the planner's own step-latency model (`edf`, over a hardware profile) predicts
+for the placement the KV manager holds, optionally perturbed by multiplicative compute noise and by
+link-contention episodes (which is what exercises the controller's profile-mismatch trigger).
+Placement changes between steps cost their bytes over the link. KV is only counted, never stored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orbitflow.kv.manager import KVManager
+from orbitflow.plan import CostModel, Placement
+from orbitflow.runtime.executor import SeqInput, StepResult
+from orbitflow.sim.profiles import HardwareProfile
+
+
+def accounting_kv(profile: HardwareProfile, device_blocks: int | None = None) -> KVManager:
+    """A KV manager that counts blocks of the profile's size without allocating them."""
+    import torch
+
+    # One "head" of kv_bytes/4 fp16 values per token makes a block weigh exactly block_size * kv_bytes.
+    heads = max(1, profile.kv_bytes_per_token_per_layer // 4)
+    return KVManager(
+        profile.num_layers, heads, 1, device_blocks or profile.device_kv_blocks, profile.host_kv_blocks,
+        block_size=profile.block_size, dtype=torch.float16, materialize=False,
+    )
+
+
+class SimExecutor:
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        kv: KVManager,
+        clock,
+        noise: float = 0.0,
+        contention: list[tuple[float, float, float]] | None = None,
+        seed: int = 0,
+    ):
+        self.profile = profile
+        self.kv = kv
+        self.clock = clock
+        self.num_layers = profile.num_layers
+        self.block_size = profile.block_size
+        self.cost_model = CostModel(profile.layer_compute_s, profile.link_blocks_per_s, num_layers=self.num_layers)
+        self.noise = noise
+        self.contention = contention or []  # (start_s, end_s, link slowdown factor)
+        self.rng = np.random.default_rng(seed)
+        self._moved_bytes = 0
+
+    def link_slowdown(self, t: float) -> float:
+        return max([f for start, end, f in self.contention if start <= t < end], default=1.0)
+
+    def step(self, seqs: list[SeqInput]) -> StepResult:
+        kv, transfer = self.kv, self.kv.transfer
+        for s in seqs:
+            kv.ensure_capacity(s.req_id, s.start_pos + len(s.token_ids))
+        slowdown = self.link_slowdown(self.clock.now())
+        moved = transfer.bytes_h2d + transfer.bytes_d2h
+        move_s = (moved - self._moved_bytes) / (self.profile.effective_link_bytes_per_s / slowdown)
+        self._moved_bytes = moved
+        prefill = [s for s in seqs if len(s.token_ids) > 1 or s.start_pos == 0]
+        decode = [s for s in seqs if not (len(s.token_ids) > 1 or s.start_pos == 0)]
+        noise = float(np.exp(self.rng.normal(0.0, self.noise))) if self.noise > 0 else 1.0
+        prefill_tokens = sum(len(s.token_ids) for s in prefill)
+        prefill_s = self.profile.prefill_s(prefill_tokens) * noise
+        compute = np.zeros(self.num_layers)
+        stall = np.zeros(self.num_layers)
+        h2d = 0
+        if decode:
+            mask = np.array([kv.tables[s.req_id].on_device for s in decode], dtype=bool)
+            blocks = [kv.blocks_for(s.start_pos) for s in decode]
+            total_tokens = sum(s.start_pos + 1 for s in decode)
+            model = self.cost_model
+            if slowdown != 1.0:
+                model = model.with_updates(link_blocks_per_s=model.link_blocks_per_s / slowdown)
+            est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
+            compute = np.asarray(est.compute_per_layer_s) * noise
+            stall = np.asarray(est.stall_per_layer_s)
+            h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)
+        compute[0] += prefill_s + move_s  # prefill and re-placement traffic delay the whole step
+        device_used, host_used = kv.usage()
+        return StepResult(
+            tokens=[0 if s.sample else None for s in seqs],
+            step_s=float(compute.sum() + stall.sum()),
+            layer_compute_s=compute.tolist(),
+            layer_stall_s=stall.tolist(),
+            bytes_h2d=h2d,
+            device_blocks_used=device_used,
+            host_blocks_used=host_used,
+            prefill_tokens=prefill_tokens,
+        )

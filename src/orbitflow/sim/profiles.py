@@ -1,0 +1,284 @@
+"""Hardware profiles: the latency and capacity facts the cost model and the simulator run on.
+
+A profile is plain data (JSON on disk). Units: seconds, bytes, tokens, and *layer-blocks*: one
+layer-block is ``block_size`` tokens of one layer's KV (all KV heads of the model), the unit the
+planner counts in. Under tensor parallelism a layer-block is spread over the TP group; each GPU moves
+its ``1 / tensor_parallel`` share over its own link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Default prefill model: prefill_b = decode_b (one pass over the weights) and prefill_a = decode_b / RIDGE.
+# A batch of prompt tokens turns the weight GEMMs compute-bound around the GPU's roofline ridge
+# (FLOP/s over bytes/s, ~150-300 for fp16 on A5000/A6000/A100), so every further ~RIDGE prompt tokens
+# cost about one more weight pass. Quadratic attention cost is ignored.
+PREFILL_RIDGE_TOKENS = 256
+
+VALID_TP = (1, 2, 4)
+
+
+class ProfileError(ValueError):
+    """A profile (or a profile file) is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    num_layers: int
+    kv_bytes_per_token_per_layer: int  # whole model (all KV heads), not per GPU
+    decode_a: float  # decode step seconds per token in the batch
+    decode_b: float  # decode step seconds per step
+    link_bytes_per_s: float  # host-to-device copy rate of one GPU, without contention
+    device_kv_blocks: int  # device KV budget in layer-blocks (whole TP group)
+    host_kv_blocks: int  # host KV capacity in layer-blocks
+    block_size: int = 16
+    # Optional measured per-layer compute: rows [total_tokens, seconds per layer], interpolated linearly
+    # (extrapolated from the end segments). Overrides decode_a/decode_b for layer compute.
+    layer_compute_table: list[list[float]] | None = None
+    prefill_a: float | None = None  # seconds per prompt token; None: decode_b / PREFILL_RIDGE_TOKENS
+    prefill_b: float | None = None  # seconds per prefill call; None: decode_b
+    tensor_parallel: int = 1
+    # Divides the link rate: TP all-reduces ride the same PCIe links and the GPUs share the host's root
+    # complex. None: 1 + 0.5 * log2(tensor_parallel), i.e. 1.0 / 1.5 / 2.0 for TP 1 / 2 / 4 (assumed).
+    link_contention: float | None = None
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance, carried through JSON
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ----------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        def need(ok: bool, fname: str, why: str) -> None:
+            if not ok:
+                raise ProfileError(f"profile {self.name!r}: field '{fname}' {why}")
+
+        need(isinstance(self.name, str) and bool(self.name), "name", "must be a non-empty string")
+        for fname in ("num_layers", "kv_bytes_per_token_per_layer", "block_size", "device_kv_blocks",
+                      "host_kv_blocks", "tensor_parallel"):
+            value = getattr(self, fname)
+            need(isinstance(value, int) and not isinstance(value, bool), fname,
+                 f"must be an integer, got {value!r}")
+        for fname in ("num_layers", "kv_bytes_per_token_per_layer", "block_size"):
+            need(getattr(self, fname) > 0, fname, f"must be > 0, got {getattr(self, fname)}")
+        for fname in ("device_kv_blocks", "host_kv_blocks"):
+            need(getattr(self, fname) >= 0, fname, f"must be >= 0, got {getattr(self, fname)}")
+        need(self.tensor_parallel in VALID_TP, "tensor_parallel",
+             f"must be one of {VALID_TP}, got {self.tensor_parallel}")
+        need(self.kv_bytes_per_token_per_layer % self.tensor_parallel == 0, "kv_bytes_per_token_per_layer",
+             f"must divide evenly over tensor_parallel={self.tensor_parallel}")
+        for fname, positive in (("decode_a", False), ("decode_b", False), ("link_bytes_per_s", True),
+                                ("prefill_a", False), ("prefill_b", False), ("link_contention", True)):
+            value = getattr(self, fname)
+            if value is None and fname in ("prefill_a", "prefill_b", "link_contention"):
+                continue
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            need(ok, fname, f"must be a finite number, got {value!r}")
+            need(value > 0 if positive else value >= 0, fname, f"must be {'>' if positive else '>='} 0")
+        if self.link_contention is not None:
+            need(self.link_contention >= 1.0, "link_contention", "must be >= 1 (it divides the link rate)")
+        need(isinstance(self.notes, str), "notes", "must be a string")
+        need(isinstance(self.extra, dict), "extra", "must be a JSON object")
+        if self.layer_compute_table is not None:
+            self._validate_table(need)
+
+    def _validate_table(self, need: Any) -> None:
+        table = self.layer_compute_table
+        need(isinstance(table, list) and len(table) >= 1, "layer_compute_table", "must be a non-empty list")
+        prev = -math.inf
+        for i, row in enumerate(table):
+            ok = (isinstance(row, list | tuple) and len(row) == 2
+                  and all(isinstance(v, int | float) and math.isfinite(v) for v in row))
+            need(ok, f"layer_compute_table[{i}]", f"must be [tokens, seconds], got {row!r}")
+            need(row[0] >= 0 and row[1] >= 0, f"layer_compute_table[{i}]", "must be non-negative")
+            need(row[0] > prev, f"layer_compute_table[{i}]", "tokens must be strictly increasing")
+            prev = row[0]
+
+    # ----------------------------------------------------------------- derived quantities
+    @property
+    def effective_link_contention(self) -> float:
+        if self.link_contention is not None:
+            return self.link_contention
+        return 1.0 + 0.5 * math.log2(self.tensor_parallel)
+
+    @property
+    def effective_link_bytes_per_s(self) -> float:
+        """Per-GPU host-to-device rate left for KV after TP traffic."""
+        return self.link_bytes_per_s / self.effective_link_contention
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one layer-block (whole model; each TP rank holds 1 / tensor_parallel of it)."""
+        return self.block_size * self.kv_bytes_per_token_per_layer
+
+    @property
+    def link_blocks_per_s(self) -> float:
+        """Layer-blocks per second over the link. Under TP all ranks move their shards in parallel."""
+        shard_bytes = self.block_bytes / self.tensor_parallel
+        return self.effective_link_bytes_per_s / shard_bytes
+
+    @property
+    def device_kv_tokens(self) -> int:
+        """Tokens whose KV (all layers) fits in the device budget."""
+        return self.device_kv_blocks * self.block_size // self.num_layers
+
+    def layer_compute_s(self, total_tokens: float) -> np.ndarray:
+        """Per-layer decode compute seconds for a batch holding ``total_tokens`` tokens, shape [L]."""
+        if total_tokens < 0:
+            raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
+        if self.layer_compute_table is None:
+            per_layer = (self.decode_a * total_tokens + self.decode_b) / self.num_layers
+        else:
+            per_layer = _interp_extrapolate(self.layer_compute_table, float(total_tokens))
+        return np.full(self.num_layers, max(per_layer, 0.0), dtype=np.float64)
+
+    def decode_step_no_offload_s(self, total_tokens: float) -> float:
+        """Decode step seconds when every layer's KV is on the device."""
+        return float(self.layer_compute_s(total_tokens).sum())
+
+    def prefill_s(self, num_tokens: int) -> float:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens == 0:
+            return 0.0
+        a = self.prefill_a if self.prefill_a is not None else self.decode_b / PREFILL_RIDGE_TOKENS
+        b = self.prefill_b if self.prefill_b is not None else self.decode_b
+        return a * num_tokens + b
+
+    def layer_transfer_s(self, tokens: float) -> float:
+        """Seconds to move ``tokens`` tokens of one layer's KV from host to device."""
+        return tokens / self.block_size / self.link_blocks_per_s
+
+    def transfer_to_compute_ratio(self, tokens: float) -> float:
+        """Moving one layer's KV of ``tokens`` tokens over computing that layer (paper section 2.2)."""
+        return self.layer_transfer_s(tokens) / float(self.layer_compute_s(tokens)[0])
+
+    def base_slo_s(self) -> float:
+        """Base TBT SLO: decode step without offloading when the KV in use fills the device budget."""
+        return self.decode_step_no_offload_s(self.device_kv_tokens)
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "profile") -> HardwareProfile:
+        if not isinstance(data, dict):
+            raise ProfileError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ProfileError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        required = [f.name for f in known.values()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ProfileError(f"{source}: missing required field(s) {missing}")
+        kwargs = dict(data)
+        if isinstance(kwargs.get("layer_compute_table"), list):
+            kwargs["layer_compute_table"] = [list(r) if isinstance(r, list | tuple) else r
+                                             for r in kwargs["layer_compute_table"]]
+        # JSON has one number type: accept 4096.0 for an integer field, not 4096.5.
+        for name in ("num_layers", "kv_bytes_per_token_per_layer", "block_size", "device_kv_blocks",
+                     "host_kv_blocks", "tensor_parallel"):
+            value = kwargs.get(name)
+            if isinstance(value, float) and value.is_integer():
+                kwargs[name] = int(value)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "profile") -> HardwareProfile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{source}: invalid JSON: {exc}") from exc
+        return cls.from_dict(data, source=source)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareProfile:
+        path = Path(path)
+        return cls.from_json(path.read_text(), source=str(path))
+
+    def with_overrides(self, **overrides: Any) -> HardwareProfile:
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ProfileError(f"profile {self.name!r}: cannot override unknown field(s) {unknown}")
+        return dataclasses.replace(self, **overrides)
+
+
+def _interp_extrapolate(table: list[list[float]], x: float) -> float:
+    xs = [row[0] for row in table]
+    ys = [row[1] for row in table]
+    if len(xs) == 1:
+        return ys[0]
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        return float(np.interp(x, xs, ys))
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return ys[i] + slope * (x - xs[i])
+
+
+# ----------------------------------------------------------------------------- calibration
+def fit_link_rate(profile: HardwareProfile, targets: dict[int, float]) -> float:
+    """Link bytes/s whose transfer-to-compute ratios best match ``targets`` ({tokens: ratio}).
+
+    With a pure bandwidth model the ratio at ``tokens`` is inversely proportional to the rate, so the
+    least-squares fit in log space is the geometric mean of the rates each target implies alone.
+    The result is the raw link rate (before TP contention).
+    """
+    if not targets:
+        raise ValueError("targets must not be empty")
+    logs = []
+    for tokens, ratio in targets.items():
+        kv_bytes = tokens * profile.kv_bytes_per_token_per_layer / profile.tensor_parallel
+        implied = kv_bytes / (ratio * float(profile.layer_compute_s(tokens)[0]))
+        logs.append(math.log(implied * profile.effective_link_contention))
+    return math.exp(sum(logs) / len(logs))
+
+
+# ----------------------------------------------------------------------------- presets
+_PRESET_PACKAGE = "orbitflow.sim"
+_PRESET_DIR = "presets"
+
+
+def list_presets() -> list[str]:
+    root = resources.files(_PRESET_PACKAGE).joinpath(_PRESET_DIR)
+    return sorted(p.name[: -len(".json")] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name: str) -> HardwareProfile:
+    names = list_presets()
+    if name not in names:
+        raise ProfileError(f"unknown hardware preset {name!r}; available: {', '.join(names)}")
+    text = resources.files(_PRESET_PACKAGE).joinpath(_PRESET_DIR).joinpath(f"{name}.json").read_text()
+    return HardwareProfile.from_json(text, source=f"preset {name}")
+
+
+def resolve_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A preset name, or a path to a profile JSON file."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        return HardwareProfile.load(path)
+    return load_preset(str(name_or_path))

@@ -1,0 +1,140 @@
+"""Engine loop on a tiny model: Pause-Resume, Token-Deposit, chunked prefill, SRTF, the controller."""
+
+import pytest
+import torch
+from tiny_models import hf_greedy, make_llm
+
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.sim.profiles import HardwareProfile
+
+
+def prompts(n, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[int(x) for x in torch.randint(3, 250, (length + 7 * i,), generator=g)] for i in range(n)]
+
+
+def tiny_profile(layers=6, link_bytes_per_s=1e9, device_kv_blocks=64):
+    return HardwareProfile(name="tiny", num_layers=layers, kv_bytes_per_token_per_layer=2 * 2 * 16 * 4,
+                           decode_a=1e-6, decode_b=6e-3, link_bytes_per_s=link_bytes_per_s,
+                           device_kv_blocks=device_kv_blocks, host_kv_blocks=4096, block_size=16)
+
+
+def test_pause_and_resume_under_a_budget_that_cannot_hold_the_batch(tiny_llama):
+    ps = prompts(4, 40)
+    reference = [hf_greedy(tiny_llama.hf, p, 48) for p in ps]
+    # The planner believes in a slow link (2 MB/s): offloading everything would miss a 30 ms SLO, so the
+    # batch cannot all run within 24 device blocks and someone must be paused.
+    llm = make_llm(tiny_llama, profile=tiny_profile(device_kv_blocks=24, link_bytes_per_s=2e6),
+                   device_kv_blocks=24, max_num_seqs=4, slo_ms=30, window_min=1, window_max=8)
+    try:
+        reqs = llm.generate(ps, SamplingParams(max_tokens=48, ignore_eos=False))
+        stats = llm.engine.stats
+        assert stats.pauses >= 1 and stats.resumes >= 1
+        assert any(r.num_pauses > 0 for r in reqs)
+        assert [r.output_ids for r in reqs] == reference
+        assert llm.kv.usage() == (0, 0)
+        assert all(rec.solve_s >= 0 for rec in llm.engine.controller.records)
+        assert any(not rec.feasible for rec in llm.engine.controller.records)
+    finally:
+        llm.close()
+
+
+def _gaps(times):
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def test_without_deposit_delivered_gaps_equal_generated_gaps(tiny_llama):
+    llm = make_llm(tiny_llama, profile=tiny_profile(), token_deposit=False, slo_ms=1.0, max_num_seqs=2)
+    try:
+        reqs = llm.generate(prompts(2, 20), SamplingParams(max_tokens=20, ignore_eos=True))
+        for r in reqs:
+            assert r.delivered_s == r.generated_s
+    finally:
+        llm.close()
+
+
+def test_deposit_hides_violations_when_early_steps_are_fast(tiny_llama):
+    """A request decodes alone (fast steps bank a deposit), then a long prompt's prefill stalls it:
+    the generated gap violates the SLO, the delivered stream does not."""
+    from orbitflow.runtime.deposit import TokenDeposit
+
+    d = TokenDeposit(slo_s=0.010)
+    gen = [0.000, 0.002, 0.004, 0.006, 0.008, 0.010, 0.040, 0.042]  # a 30 ms hiccup after fast steps
+    due = [d.push(i, t) for i, t in enumerate(gen)]
+    generated_violations = sum(g > 0.010 + 1e-12 for g in _gaps(gen))
+    delivered_violations = sum(g > 0.010 + 1e-12 for g in _gaps(due))
+    assert generated_violations == 1 and delivered_violations == 0
+    assert d.balance(0.011) == 6  # tokens 2.. are still held at t = 11 ms
+    burst = d.flush(0.045)
+    assert [t for _, t in burst][-1] <= 0.045
+
+    # The same effect inside the engine, with a real workload and clock.
+    llm = make_llm(tiny_llama, profile=tiny_profile(), slo_ms=20.0, max_num_seqs=2)
+    try:
+        first = llm.engine.add_request("short", prompts(1, 8)[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        for _ in range(25):
+            llm.engine.step()
+        llm.engine.add_request("long", prompts(1, 600, seed=3)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.engine.run_until_done()
+        slo = first.slo_s
+        gen_viol = sum(g > slo for g in _gaps(first.generated_s))
+        del_viol = sum(g > slo for g in _gaps(first.delivered_s))
+        assert del_viol <= gen_viol
+        assert llm.engine.stats.delivered_violations <= llm.engine.stats.generated_violations
+    finally:
+        llm.close()
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_llama):
+    ps = prompts(3, 45, seed=5)
+    reference = [hf_greedy(tiny_llama.hf, p, 16) for p in ps]
+    llm = make_llm(tiny_llama, profile=tiny_profile(), chunked_prefill=16, max_num_seqs=3)
+    try:
+        reqs = llm.generate(ps, SamplingParams(max_tokens=16))
+        assert [r.output_ids for r in reqs] == reference
+        assert llm.engine.stats.prefill_steps >= 3  # 45+ tokens in chunks of 16
+    finally:
+        llm.close()
+
+
+def test_srtf_admits_shortest_remaining_first(tiny_llama):
+    llm = make_llm(tiny_llama, profile=tiny_profile(), scheduling="srtf", max_num_seqs=1)
+    try:
+        e = llm.engine
+        long = e.add_request("long", prompts(1, 8)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+        short = e.add_request("short", prompts(1, 8)[0], SamplingParams(max_tokens=3, ignore_eos=True))
+        e.run_until_done()
+        assert short.finished_s < long.finished_s
+    finally:
+        llm.close()
+
+
+def test_abort_frees_blocks_on_both_tiers(tiny_llama):
+    llm = make_llm(tiny_llama, profile=tiny_profile(device_kv_blocks=30), device_kv_blocks=30, max_num_seqs=3)
+    try:
+        e = llm.engine
+        for i, p in enumerate(prompts(3, 40)):
+            e.add_request(f"r{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(5):
+            e.step()
+        assert llm.kv.usage() != (0, 0)
+        for i in range(3):
+            e.abort(f"r{i}")
+        e.step()
+        assert llm.kv.usage() == (0, 0)
+        assert all(r.finish_reason == "abort" for r in e.finished)
+    finally:
+        llm.close()
+
+
+def test_rejects_what_can_never_fit(tiny_llama):
+    from orbitflow.runtime.engine import RequestRejected
+
+    llm = make_llm(tiny_llama, profile=tiny_profile(), max_model_len=128)
+    try:
+        with pytest.raises(RequestRejected, match="context length of 128"):
+            llm.engine.add_request("x", list(range(3, 100)), SamplingParams(max_tokens=64))
+        with pytest.raises(RequestRejected, match="at least one token"):
+            llm.engine.add_request("y", [], SamplingParams(max_tokens=4))
+    finally:
+        llm.close()
