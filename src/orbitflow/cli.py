@@ -121,6 +121,69 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- simulate ------------------------------------------------------------------------------------------
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CLIError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise CLIError(f"{flag} must list positive numbers, got {text!r}")
+    return values
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from orbitflow.bench.metrics import format_table
+    from orbitflow.policies import ABLATIONS, BASELINES, policy_names
+    from orbitflow.sim.profiles import ProfileError, resolve_profile
+    from orbitflow.sim.sweep import run_sweep, summary_rows
+
+    try:
+        profile = resolve_profile(args.profile or args.preset)
+    except (ProfileError, FileNotFoundError, KeyError, ValueError) as exc:
+        raise CLIError(f"--preset/--profile: {exc}") from None
+    if args.policies == "all":
+        policies = ["orbitflow", *BASELINES]
+    else:
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        unknown = [p for p in policies if p not in policy_names()]
+        if unknown:
+            raise CLIError(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(policy_names())})")
+    if args.ablations:
+        policies += [p for p in ABLATIONS if p not in policies]
+    slo_scales = _floats(args.slo_scales, "--slo-scales")
+    rate_scales = _floats(args.rate_scales, "--rate-scales")
+    overrides = {"max_num_seqs": args.max_num_seqs}
+    if args.device_kv_blocks:
+        overrides["device_kv_blocks"] = args.device_kv_blocks
+    total = len(policies) * len(slo_scales) * len(rate_scales) * 2
+    with tqdm(total=total, desc=f"simulate {profile.name}", unit="run", disable=not sys.stderr.isatty()) as bar:
+        runs = run_sweep(profile, policies, slo_scales, rate_scales, num_requests=args.num_requests, seed=args.seed,
+                         workers=args.workers, progress=lambda _: bar.update(1), **overrides)
+    columns = [("policy", "Policy"), ("rate_scale", "Rate x"), ("tbt_attainment", "TBT att"),
+               ("tbt_attainment_no_deposit", "TBT att (no dep)"), ("tpot_attainment", "TPOT att"),
+               ("p95_tbt_s", "P95 TBT s"), ("p99_tbt_s", "P99 TBT s"), ("throughput_rpm", "req/min"),
+               ("e2e_mean_s", "E2E s"), ("device_mem_util", "Dev mem"), ("pauses", "Pauses"),
+               ("solver_calls", "Solves")]
+    rows = summary_rows(runs)
+    for s in slo_scales:
+        print(format_table([r for r in rows if r["slo_scale"] == s], columns,
+                           title=f"{profile.name} | SLO scale {s} | {args.num_requests} requests per run"))
+        print()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"preset": profile.name, "runs": runs}, fh, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plots:
+        from orbitflow.bench.plots import write_plots
+
+        for path in write_plots(runs, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orbitflow",
@@ -140,6 +203,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
     add_engine_args(p, max_num_seqs_default=None)
     p.set_defaults(func=cmd_generate)
+
+    from orbitflow.serve.server import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args, engine_config)
+
+    p = sub.add_parser("simulate", help="paper-scale sweeps of policies on the simulator (tables, JSON, plots)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.sim presets)")
+    p.add_argument("--profile", default=None, help="a profile JSON file (from `orbitflow profile`) instead of a preset")
+    p.add_argument("--policies", default="all", help="'all' (OrbitFlow and every baseline) or a comma list")
+    p.add_argument("--ablations", action="store_true", help="also run the ablation steps of paper Fig. 13a")
+    p.add_argument("--slo-scales", default="1,1.5,2.5", help="comma list of SLO scales")
+    p.add_argument("--rate-scales", default="1,2,3,4,5", help="comma list of arrival-rate scales")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per run")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="batch size cap")
+    p.add_argument("--device-kv-blocks", type=int, default=None, help="override the preset's device KV budget")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write every run's metrics as JSON")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots mirroring paper Figs. 9-13")
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("profile", help="measure this machine's engine and print a hardware profile (JSON)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -13,38 +13,14 @@ import torch
 
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
-from orbitflow.plan import CostModel
 from orbitflow.policies import Policy, make_policy
-from orbitflow.policies.base import PlanContext
+from orbitflow.policies.base import PlanContext, default_slo_s
 from orbitflow.runtime.clock import WallClock
 from orbitflow.runtime.engine import Engine
 from orbitflow.runtime.executor import ModelExecutor
 from orbitflow.runtime.request import Request
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.sim.profiles import HardwareProfile
-
-
-def cost_model_for(profile: HardwareProfile) -> CostModel:
-    return CostModel(profile.layer_compute_s, profile.link_blocks_per_s, num_layers=profile.num_layers)
-
-
-def plan_context(config: EngineConfig, profile: HardwareProfile) -> PlanContext:
-    return PlanContext(
-        num_layers=profile.num_layers,
-        block_size=config.block_size,
-        capacity_blocks=config.device_kv_blocks,
-        cost_model=cost_model_for(profile),
-        alpha=config.alpha,
-        window=(config.window_min, config.window_max),
-        victim=config.victim,
-        seed=config.seed,
-    )
-
-
-def default_slo_s(config: EngineConfig, profile: HardwareProfile) -> float:
-    if config.slo_ms is not None:
-        return config.slo_ms / 1000.0
-    return config.slo_scale * profile.with_overrides(device_kv_blocks=config.device_kv_blocks).base_slo_s()
 
 
 @dataclass
@@ -99,7 +75,7 @@ class LLM:
         self.clock = WallClock()
         max_len = cfg.max_model_len or mc.max_position_embeddings
         self.engine = Engine(
-            cfg, self.executor, self.policy, plan_context(cfg, self.profile), self.clock,
+            cfg, self.executor, self.policy, PlanContext.from_profile(cfg, self.profile), self.clock,
             default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
         )
         self._ids = itertools.count()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from orbitflow.plan import CostModel, Plan, Planner, PlanRequest
 
 
@@ -26,6 +28,24 @@ class PlanContext:
     window: tuple[int, int] = (4, 64)
     victim: str = "largest-kv+deposit"
     seed: int = 0
+    max_num_seqs: int = 4
+    max_batch_tokens: int = 32768  # the workload's worst case (FlexGen plans for it offline)
+
+    @classmethod
+    def from_profile(cls, config, profile) -> PlanContext:
+        """Planning inputs for an engine built from `config` on hardware described by `profile`."""
+        return cls(
+            num_layers=profile.num_layers,
+            block_size=config.block_size,
+            capacity_blocks=config.device_kv_blocks,
+            cost_model=CostModel(profile.layer_compute_s, profile.link_blocks_per_s, num_layers=profile.num_layers),
+            alpha=config.alpha,
+            window=(config.window_min, config.window_max),
+            victim=config.victim,
+            seed=config.seed,
+            max_num_seqs=config.max_num_seqs,
+            max_batch_tokens=config.max_num_batched_tokens,
+        )
 
     def planner(self, space: str = "pruned", alpha: float | None = None) -> Planner:
         return Planner(
@@ -40,6 +60,8 @@ class PlanContext:
 
 
 class Policy:
+    """Subclasses set `name`, `replan_on`, `pause_resume` and implement `plan`."""
+
     name = "policy"
     replan_on: frozenset[str] = frozenset({"batch"})
     pause_resume = False  # may the engine pause a victim when the plan is infeasible?
@@ -51,7 +73,36 @@ class Policy:
         return self.name
 
 
+def default_slo_s(config, profile) -> float:
+    """--slo-ms if given, else --slo-scale x the base SLO: a no-offload decode step with the device
+    budget full of KV (DESIGN.md, "Metrics")."""
+    if config.slo_ms is not None:
+        return config.slo_ms / 1000.0
+    return config.slo_scale * profile.with_overrides(device_kv_blocks=config.device_kv_blocks).base_slo_s()
+
+
 def final_blocks(request: PlanRequest, block_size: int) -> int:
     """Blocks per layer the request will hold when it has generated everything it may."""
     left = request.tokens_left or 0
     return math.ceil((request.tokens + left) / block_size)
+
+
+def evenly_spaced_row(num_layers: int, count: int) -> np.ndarray:
+    """Device mask offloading `count` layers spread evenly over the depth (distance d when count = L/d)."""
+    row = np.ones(num_layers, dtype=bool)
+    if count:
+        row[(np.arange(1, count + 1) * num_layers) // count - 1] = False
+    return row
+
+
+def uniform_count_plans(requests: list[PlanRequest], ctx: PlanContext, counts) -> list[tuple[int, Plan]]:
+    """Evaluate, for each offload count, that many evenly spaced layers offloaded for every request
+    (the layer-granular, batch-uniform placement of DeepSpeed/FlexGen-style systems)."""
+    from orbitflow.plan import Placement
+
+    planner = ctx.planner(alpha=float("inf"))
+    out = []
+    for n in counts:
+        mask = np.tile(evenly_spaced_row(ctx.num_layers, n), (len(requests), 1))
+        out.append((n, planner.evaluate(Placement.from_mask(mask), requests)))
+    return out

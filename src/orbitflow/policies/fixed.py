@@ -51,8 +51,8 @@ class FixedPlacementPolicy(Policy):
         self.spec = spec
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
-        mask = np.array([placement_row(self.spec, ctx.num_layers, r.request_id) for r in requests], dtype=bool)
-        placement = Placement.from_mask(mask.reshape(len(requests), ctx.num_layers))
+        rows = [placement_row(self.spec, ctx.num_layers, r.request_id) for r in requests]
+        placement = Placement.from_mask(np.array(rows, dtype=bool).reshape(len(requests), ctx.num_layers))
         needed = placement.memory_blocks([final_blocks(r, ctx.block_size) for r in requests])
         if needed > ctx.capacity_blocks:
             raise PlacementError(

@@ -1,0 +1,184 @@
+"""Tokenizer wrapper over `tokenizers` + jinja2, so that loading a model never imports transformers.
+
+Mirrors transformers' behaviour: `encode` adds special tokens through tokenizer.json's post-processor, and
+chat templates render in the same sandboxed jinja2 environment transformers uses.
+"""
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        tokenizer_config: dict[str, Any],
+        chat_template: str | None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = {
+            key: _token_content(tokenizer_config[key])
+            for key in _SPECIAL_TOKEN_KEYS
+            if tokenizer_config.get(key) is not None
+        }
+        self._clean_up_spaces = bool(tokenizer_config.get("clean_up_tokenization_spaces", False))
+        eos_ids = list(extra_eos_token_ids)
+        eos_token = self.special_tokens.get("eos_token")
+        if eos_token is not None and (eos_id := tokenizer.token_to_id(eos_token)) is not None:
+            eos_ids.append(eos_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
+
+    @classmethod
+    def from_dir(cls, path: str | Path, extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
+        """Reads tokenizer.json, tokenizer_config.json and the chat template (config or .jinja file)."""
+        path = Path(path)
+        tokenizer = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+        return cls(tokenizer, config, _read_chat_template(path, config), extra_eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def render_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        template = self._template_environment.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            tools=kwargs.pop("tools", None),
+            documents=kwargs.pop("documents", None),
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+            **kwargs,
+        )
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        # The rendered template already contains its special tokens, so none are added (as in transformers).
+        text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def _template_environment(self) -> ImmutableSandboxedEnvironment:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer: `push` returns the text completed by each new token.
+
+    Decodes a short window of recent ids rather than single tokens, so that word-boundary spaces come out
+    right and a multi-byte character split across tokens is only emitted once complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # end of the text already returned
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end of the stream (e.g. an incomplete character)."""
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+
+def _token_content(token: str | dict) -> str:
+    return token["content"] if isinstance(token, dict) else token
+
+
+def _read_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    json_file = path / "chat_template.json"
+    if template is None and json_file.exists():
+        template = json.loads(json_file.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {entry["name"]: entry["template"] for entry in template}
+        template = named.get("default", next(iter(named.values()), None))
+    return template
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(before, after)
+    return text

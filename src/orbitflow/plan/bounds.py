@@ -1,0 +1,128 @@
+"""Lower bounds on the step latency of any link schedule (used by the branch and bound).
+
+Both bounds hold for every schedule that respects the executor's rules (one buffer slot per request, one
+transfer at a time on the link), so they are valid for ``"edf"``; they only grow when host layers are added,
+so a partial assignment (unassigned requests offload nothing) bounds all its completions.
+
+* Link bound. Let ``C`` be the total compute. Layer ``l`` cannot start before every transfer it needs has
+  arrived. Transfers of request ``r`` whose previous host layer is ``>= m`` are released only after layer
+  ``m`` finished, i.e. not before ``sum_{k<=m} comp_k``. Hence for all ``m < l``::
+
+      T >= C + V(m, l) - sum_{m<k<l} comp_k,   V(m, l) = sum_r xfer_r * max(0, n_r[m..l] - 1)
+
+  and, with every transfer released at t=0, ``T >= C + W(<=l) - sum_{k<l} comp_k``.  ``N_c`` stores the
+  transfer counts of one host row, ``D`` the compute offsets, so the bound is ``C + max(D + sum xfer_r N_r)``.
+* Chain bound. Between the end of request r's (j-1)-th host layer and the start of its j-th, its j-th
+  transfer must fit, so the stalls in that stretch are at least ``xfer_r - (compute strictly between)``.
+  The stretches are disjoint, so the total stall is at least their sum, for each request separately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+NEG = -1e30
+
+
+def count_matrix(host_row: np.ndarray) -> np.ndarray:
+    """``N[(L+1), L]`` transfer counts of one host row (True = offloaded) for the link bound."""
+    h = np.asarray(host_row, dtype=np.int64)
+    n_layers = h.size
+    cum = np.concatenate(([0], np.cumsum(h)))  # cum[i] = host layers among 0..i-1
+    out = np.zeros((n_layers + 1, n_layers))
+    out[0] = cum[1:]
+    # rows m+1: for l > m, max(0, (cum[l+1] - cum[m]) - 1)
+    m_idx = np.arange(n_layers)[:, None]
+    l_idx = np.arange(n_layers)[None, :]
+    cnt = cum[1:][None, :] - cum[:-1][:, None]
+    val = np.where(l_idx > m_idx, np.maximum(cnt - 1, 0), 0)
+    out[1:] = val
+    return out
+
+
+def offset_matrix(comp: np.ndarray) -> np.ndarray:
+    """``D[(L+1), L]``: minus the compute that can overlap, ``NEG`` where the pair is not a constraint."""
+    comp = np.asarray(comp, dtype=float)
+    n_layers = comp.size
+    cum = np.concatenate(([0.0], np.cumsum(comp)))  # cum[i] = sum comp[0..i-1]
+    out = np.full((n_layers + 1, n_layers), NEG)
+    out[0] = -cum[:-1]
+    m_idx = np.arange(n_layers)[:, None]
+    l_idx = np.arange(n_layers)[None, :]
+    between = cum[:-1][None, :] - cum[1:][:, None]  # sum comp[m+1 .. l-1]
+    out[1:] = np.where(l_idx > m_idx, -between, NEG)
+    return out
+
+
+def chain_gaps(host_row: np.ndarray, comp: np.ndarray) -> np.ndarray:
+    """Compute that can hide each transfer of one host row (length = offload count)."""
+    comp = np.asarray(comp, dtype=float)
+    cum = np.concatenate(([0.0], np.cumsum(comp)))
+    hl = np.flatnonzero(host_row)
+    if hl.size == 0:
+        return np.zeros(0)
+    prev_end = np.concatenate(([0.0], cum[hl[:-1] + 1]))
+    return cum[hl] - prev_end
+
+
+def chain_bound(gaps: np.ndarray, xfer: float) -> float:
+    """Minimum total stall forced by one request's own transfer chain."""
+    if gaps.size == 0:
+        return 0.0
+    return float(np.maximum(xfer - gaps, 0.0).sum())
+
+
+def dp_bound(v: np.ndarray, comp: np.ndarray) -> np.ndarray:
+    """Propagated link bound for a batch of transfer-time matrices ``v[K, L+1, L]`` (= sum xfer_r N_r).
+
+    ``S[l] >= max(F[l-1], v[0, l], max_{m<l} F[m] + v[m+1, l])`` with ``F[m] = S[m] + comp[m]``: the same
+    constraints as the link bound, but stalls propagate to later layers (which also subsumes the chain
+    bound, as a request's consecutive host layers give ``v[m+1, l] >= xfer_r``). Returns ``T >= F[L-1]``.
+    """
+    comp = np.asarray(comp, dtype=float)
+    n_layers = comp.size
+    k = v.shape[0]
+    f = np.empty((k, n_layers))
+    s = v[:, 0, 0].copy()
+    f[:, 0] = s + comp[0]
+    for layer in range(1, n_layers):
+        s = np.maximum(f[:, layer - 1], v[:, 0, layer])
+        cand = (f[:, :layer] + v[:, 1 : layer + 1, layer]).max(axis=1)
+        f[:, layer] = np.maximum(s, cand) + comp[layer]
+    return f[:, -1]
+
+
+def relaxed_latency(comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float]) -> float:
+    """Step latency of a relaxation of the ``"edf"`` schedule (a lower bound on the exact latency).
+
+    Layer ``l`` starts no earlier than (a) the end of layer ``l-1``, (b) the time the link needs to move
+    every host block of layers ``<= l`` from t=0 (one transfer at a time), and (c), for each request whose
+    ``j``-th host layer is ``l``, the end of its ``(j-1)``-th host layer plus one transfer (single buffer
+    slot). The executor's schedule satisfies all three, so this is ``<=`` the exact latency; adding a host
+    layer only adds volume or constraints, so the value is monotone in the host mask.
+    """
+    n_layers = len(comp)
+    vol = [0.0] * n_layers
+    chain: list[list[tuple[int, float]]] = [[] for _ in range(n_layers)]
+    for hl, x in zip(hosts, xfer):
+        prev = -1
+        for layer in hl:
+            vol[layer] += x
+            if prev >= 0:
+                chain[layer].append((prev, x))
+            prev = layer
+    finish = [0.0] * n_layers
+    t = 0.0  # end of the previous layer
+    w = 0.0  # cumulative link volume
+    for layer in range(n_layers):
+        w += vol[layer]
+        s = t if t > w else w
+        for prev, x in chain[layer]:
+            c = finish[prev] + x
+            if c > s:
+                s = c
+        t = s + comp[layer]
+        finish[layer] = t
+    return t

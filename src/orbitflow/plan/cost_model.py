@@ -1,0 +1,300 @@
+"""Step-latency model of one decode iteration under a KV placement.
+
+Two transfer models:
+
+* ``"edf"`` (default) is exactly the schedule the executor runs. Layers run in order, layer ``l`` taking
+  ``comp[l]``. Each request owns ONE prefetch buffer slot, free at step start, so each request's first
+  host-resident layer may start moving at t=0; its next host layer may start moving once the previously
+  fetched layer has finished running. The link moves one transfer at a time, non-preemptively; whenever it
+  is free it picks, among the ready transfers, the one whose layer is needed earliest (ties: lower request
+  index), and idles only when nothing is ready. A layer starts when the previous layer has finished and all
+  of its host-resident KV has arrived; the wait is that layer's stall.
+* ``"fair"`` is the paper's Algorithm 1 as printed (active streams share the bandwidth equally, the share
+  is redistributed as the smallest finishes; transfers only advance at the boundary of a layer that needs
+  them and overlap only with the previous layer's compute). Kept for comparison.
+
+A transfer of request ``r`` takes ``b_r / link_blocks_per_s`` seconds.
+
+``CostModel`` is immutable: the runtime controller refreshes it (EWMA of measured compute / bandwidth)
+with :meth:`CostModel.with_updates`, which returns a new model, so a plan never changes under a solver
+that is running on another thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from orbitflow.plan.placement import Placement
+
+__all__ = ["CostModel", "StepEstimate", "edf_stalls", "fair_stalls"]
+
+ComputeSpec = Sequence[float] | np.ndarray | Callable[[int], Sequence[float] | np.ndarray]
+_TRANSFERS = ("edf", "fair")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Predicted latency of one decode step."""
+
+    total_s: float
+    compute_s: float
+    stall_s: float
+    stall_per_layer_s: np.ndarray
+    compute_per_layer_s: np.ndarray
+
+
+def edf_stalls(comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float]) -> list[float]:
+    """Per-layer stalls of the executor's schedule (see module docstring).
+
+    ``comp``: per-layer compute seconds; ``hosts[r]``: sorted 0-based host layers of request ``r``;
+    ``xfer[r]``: seconds to move one layer of request ``r``.
+
+    The link is simulated lazily: decisions are taken when a layer needs its KV. A decision at time ``t``
+    only depends on transfers released by ``t``, and every transfer released after an unfinished layer
+    is released later than any decision taken before that layer starts, so the lazy order is exact.
+    """
+    inf = float("inf")
+    n_layers = len(comp)
+    n_req = len(hosts)
+    big = (n_layers + 1) * (n_req + 1)
+    need_at: list[list[int]] = [[] for _ in range(n_layers)]
+    release_at: list[list[int]] = [[] for _ in range(n_layers)]
+    for r, hl in enumerate(hosts):
+        for layer in hl:
+            need_at[layer].append(r)
+    lens = [len(h) for h in hosts]
+    ptr = [0] * n_req
+    # pending transfer of each request: release time (inf = not released yet) and EDF key layer*R + r
+    rel = [0.0 if lens[r] else inf for r in range(n_req)]
+    key = [hosts[r][0] * n_req + r if lens[r] else big for r in range(n_req)]
+    last_done = [0.0] * n_req
+    stall = [0.0] * n_layers
+    t_link = 0.0
+    t_prev = 0.0
+    reqs = [r for r in range(n_req) if lens[r]]
+    for layer in range(n_layers):
+        rs = need_at[layer]
+        if rs:
+            ready = 0.0
+            for r in rs:
+                target = layer * n_req + r
+                while key[r] == target:
+                    thr = t_link + 1e-12 + 1e-9 * t_link
+                    best = big
+                    q_best = -1
+                    for q in reqs:
+                        if rel[q] <= thr and key[q] < best:
+                            best = key[q]
+                            q_best = q
+                    if q_best < 0:  # idle until the earliest release, then pick among those ready then
+                        t_link = min(rel[q] for q in reqs)
+                        thr = t_link + 1e-12 + 1e-9 * t_link
+                        for q in reqs:
+                            if rel[q] <= thr and key[q] < best:
+                                best = key[q]
+                                q_best = q
+                    t_link += xfer[q_best]
+                    last_done[q_best] = t_link
+                    release_at[best // n_req].append(q_best)
+                    p = ptr[q_best] + 1
+                    ptr[q_best] = p
+                    rel[q_best] = inf
+                    key[q_best] = hosts[q_best][p] * n_req + q_best if p < lens[q_best] else big
+                if last_done[r] > ready:
+                    ready = last_done[r]
+            if ready > t_prev:
+                stall[layer] = ready - t_prev
+                t_prev = ready
+        t_prev += comp[layer]
+        for q in release_at[layer]:
+            if key[q] != big:
+                rel[q] = t_prev
+    return stall
+
+
+def fair_stalls(
+    comp: Sequence[float], host_mask: np.ndarray, sizes_s: Sequence[float]
+) -> list[float]:
+    """Per-layer stalls of Algorithm 1 as printed in the paper (equal bandwidth sharing).
+
+    ``host_mask[r, l]`` True = offloaded; ``sizes_s[r]``: seconds to move one layer of request ``r`` at the
+    full link bandwidth (so a share of ``1/n`` makes it take ``n`` times longer).
+    """
+    n_req, n_layers = host_mask.shape
+    pending = [list(np.flatnonzero(host_mask[r])) for r in range(n_req)]
+    cur: dict[int, int] = {}  # request -> layer in flight
+    stall = [0.0] * n_layers
+    comp_prev = 0.0
+    for layer in range(n_layers):
+        for r in range(n_req):  # CanStart + Promote
+            if r in cur or not pending[r]:
+                continue
+            nxt = pending[r][0]
+            if nxt == layer or not host_mask[r, layer]:
+                cur[r] = pending[r].pop(0)
+        dest = {r for r, lay in cur.items() if lay == layer}
+        order = sorted(cur, key=lambda q: (sizes_s[q], q))
+        elapsed = 0.0
+        n = len(order)
+        s = 0.0
+        i = 0
+        while dest:
+            q = order[i]
+            elapsed += sizes_s[q] * n
+            if elapsed > comp_prev:
+                s = elapsed - comp_prev
+            dest.discard(q)
+            del cur[q]
+            n -= 1
+            i += 1
+        stall[layer] = s
+        comp_prev = comp[layer]
+    return stall
+
+
+class CostModel:
+    """Predicts decode-step latency from per-layer compute and link bandwidth.
+
+    ``layer_compute_s``: L floats, or ``callable(total_tokens) -> L floats`` (then ``step`` needs
+    ``total_tokens``). ``layer_compute_scale`` (scalar or L floats) multiplies compute; it is what the
+    controller's EWMA refresh updates. Instances are immutable; use :meth:`with_updates`.
+    """
+
+    def __init__(
+        self,
+        layer_compute_s: ComputeSpec,
+        link_blocks_per_s: float,
+        transfer: str = "edf",
+        *,
+        layer_compute_scale: float | Sequence[float] | np.ndarray = 1.0,
+        num_layers: int | None = None,
+    ) -> None:
+        if transfer not in _TRANSFERS:
+            raise ValueError(f"transfer must be one of {_TRANSFERS}, got {transfer!r}")
+        if not link_blocks_per_s > 0:
+            raise ValueError(f"link_blocks_per_s must be > 0, got {link_blocks_per_s}")
+        self._transfer = transfer
+        self._link = float(link_blocks_per_s)
+        self._fn: Callable[[int], Sequence[float] | np.ndarray] | None
+        if callable(layer_compute_s):
+            self._fn = layer_compute_s
+            self._fixed = None
+            n = num_layers if num_layers is not None else len(np.asarray(layer_compute_s(1)))
+        else:
+            self._fn = None
+            self._fixed = np.asarray(layer_compute_s, dtype=float).copy()
+            if self._fixed.ndim != 1 or self._fixed.size == 0:
+                raise ValueError("layer_compute_s must be a non-empty 1-D sequence of seconds")
+            if np.any(self._fixed < 0):
+                raise ValueError("layer_compute_s must be non-negative")
+            n = self._fixed.size
+        self._num_layers = int(n)
+        scale = np.broadcast_to(np.asarray(layer_compute_scale, dtype=float), (self._num_layers,)).copy()
+        if np.any(scale <= 0):
+            raise ValueError("layer_compute_scale must be > 0")
+        self._scale = scale
+        self._cache: dict[int, np.ndarray] = {}
+
+    # -- parameters -----------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def link_blocks_per_s(self) -> float:
+        return self._link
+
+    @property
+    def transfer(self) -> str:
+        return self._transfer
+
+    @property
+    def layer_compute_scale(self) -> np.ndarray:
+        return self._scale.copy()
+
+    @property
+    def depends_on_tokens(self) -> bool:
+        """True when per-layer compute is a function of the batch's total tokens."""
+        return self._fn is not None
+
+    def with_updates(
+        self,
+        *,
+        layer_compute_s: ComputeSpec | None = None,
+        layer_compute_scale: float | Sequence[float] | np.ndarray | None = None,
+        link_blocks_per_s: float | None = None,
+        transfer: str | None = None,
+    ) -> CostModel:
+        """A copy with some parameters replaced (the controller's EWMA refresh)."""
+        comp: ComputeSpec = layer_compute_s if layer_compute_s is not None else (self._fn or self._fixed)
+        return CostModel(
+            comp,
+            self._link if link_blocks_per_s is None else link_blocks_per_s,
+            self._transfer if transfer is None else transfer,
+            layer_compute_scale=self._scale if layer_compute_scale is None else layer_compute_scale,
+            num_layers=self._num_layers,
+        )
+
+    def compute(self, total_tokens: int | None = None) -> np.ndarray:
+        """Per-layer compute seconds (read-only array)."""
+        if self._fn is None:
+            key = -1
+        else:
+            if total_tokens is None:
+                raise ValueError("this CostModel's compute depends on total_tokens; pass total_tokens=")
+            key = int(total_tokens)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        base = self._fixed if self._fn is None else np.asarray(self._fn(key), dtype=float)
+        if base.shape != (self._num_layers,):
+            raise ValueError(f"layer compute must have {self._num_layers} entries, got shape {base.shape}")
+        out = base * self._scale
+        out.setflags(write=False)
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[key] = out
+        return out
+
+    def transfer_s(self, blocks: float | np.ndarray) -> float | np.ndarray:
+        """Seconds to move ``blocks`` KV blocks over the link."""
+        if isinstance(blocks, np.ndarray):
+            return blocks.astype(float) / self._link
+        return float(blocks) / self._link
+
+    # -- prediction -------------------------------------------------------------------------------------
+    def stalls(
+        self, host_mask: np.ndarray, blocks_per_layer: Sequence[float] | np.ndarray, comp: np.ndarray
+    ) -> list[float]:
+        """Per-layer stall seconds for a host mask ``[R, L]`` (True = offloaded)."""
+        b = np.asarray(blocks_per_layer, dtype=float)
+        xfer = (b / self._link).tolist()
+        if self._transfer == "fair":
+            return fair_stalls(comp.tolist(), host_mask, xfer)
+        hosts = [np.flatnonzero(row).tolist() for row in host_mask]
+        return edf_stalls(comp.tolist(), hosts, xfer)
+
+    def step(
+        self,
+        placement: Placement,
+        blocks_per_layer: Sequence[float] | np.ndarray,
+        total_tokens: int | None = None,
+    ) -> StepEstimate:
+        """Predicted latency of one decode step for ``placement`` with ``b_r = blocks_per_layer[r]``."""
+        if placement.num_layers != self._num_layers:
+            raise ValueError(
+                f"placement has {placement.num_layers} layers, cost model {self._num_layers}"
+            )
+        b = np.asarray(blocks_per_layer, dtype=float)
+        if b.shape != (placement.num_requests,):
+            raise ValueError(
+                f"blocks_per_layer must have length {placement.num_requests}, got shape {b.shape}"
+            )
+        comp = self.compute(total_tokens)
+        st = np.asarray(self.stalls(placement.host, b, comp), dtype=float)
+        c = float(comp.sum())
+        s = float(st.sum())
+        return StepEstimate(c + s, c, s, st, np.array(comp))

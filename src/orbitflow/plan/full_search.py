@@ -1,0 +1,76 @@
+"""``space="full"``: free per-layer masks, searched by local search seeded from the pruned optimum.
+
+This search is a heuristic (no optimality proof over the 2^(R*L) masks). Starting from the exact optimum of
+the pruned space, it repeatedly applies the first improving move, in a fixed order, among
+
+* shift: move one host layer of a request to a neighbouring device layer (same offload count),
+* drop: bring one host layer back on the device (fewer transfers; needs capacity slack),
+* swap: bring one host layer of request ``r`` back and offload one device layer of request ``q`` that
+  frees at least as many blocks (trades KV between requests),
+
+where "improving" means feasible (capacity and alpha over some window) and strictly better in
+(step latency, moved blocks). It stops at a local optimum or after ``planner.full_max_evals`` exact
+evaluations. The result is never worse than the pruned optimum.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from orbitflow.plan.planner import Planner, _Window
+
+
+def _moves(host: np.ndarray, blocks: np.ndarray):
+    n_req, n_layers = host.shape
+    for r in range(n_req):
+        hl = np.flatnonzero(host[r])
+        for layer in hl:  # shift
+            for nb in (layer - 1, layer + 1):
+                if 0 <= nb < n_layers and not host[r, nb]:
+                    yield ((r, layer, False), (r, nb, True))
+        for layer in hl:  # drop
+            yield ((r, layer, False),)
+    for r in range(n_req):  # swap
+        for layer in np.flatnonzero(host[r]):
+            for q in range(n_req):
+                if q == r or blocks[q] < blocks[r]:
+                    continue
+                dev = np.flatnonzero(~host[q])
+                if dev.size:
+                    # offload the device layer of q closest after `layer` (keeps transfers spread out)
+                    after = dev[dev > layer]
+                    pick = int(after[0]) if after.size else int(dev[-1])
+                    yield ((r, layer, False), (q, pick, True))
+
+
+def improve_full(planner: Planner, win: _Window, host: np.ndarray, stats: dict[str, float]) -> np.ndarray:
+    """Local search from ``host`` (feasible); returns a feasible mask no worse than ``host``."""
+    from orbitflow.plan.planner import _better
+
+    b0 = win.blocks[0]
+    cur = host.copy()
+    cur_key = (planner._seg_latencies(win, cur, upto=1)[0], float(cur.sum(axis=1) @ b0))
+    evals = 0
+    improved = True
+    while improved and evals < planner.full_max_evals:
+        improved = False
+        for move in _moves(cur, b0):
+            cand = cur.copy()
+            for r, layer, val in move:
+                cand[r, layer] = val
+            evals += 1
+            lat0 = planner._seg_latencies(win, cand, upto=1)[0]
+            key = (lat0, float(cand.sum(axis=1) @ b0))
+            if _better(key, cur_key):
+                seg = [lat0] + planner._seg_latencies(win, cand)[1:]
+                if planner._window_of(win, cand, seg)[0] > 0:
+                    cur, cur_key = cand, key
+                    improved = True
+                    break
+            if evals >= planner.full_max_evals:
+                break
+    stats["full_evals"] = evals
+    return cur

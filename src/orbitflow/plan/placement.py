@@ -1,0 +1,162 @@
+"""KV placement: a boolean matrix ``x[r, l]`` (True = layer ``l`` of request ``r`` stays on the device).
+
+Distance-driven rows (the paper's pruned space) offload the 1-based layers ``d, 2d, 3d, ...``;
+``d=None`` offloads nothing and ``d=1`` offloads everything (DeepSpeed-style).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["Placement", "distance_row", "widest_distance", "pruned_distances"]
+
+
+def distance_row(num_layers: int, distance: int | None) -> np.ndarray:
+    """Device mask (True = on device) of one request offloading every ``distance``-th layer."""
+    row = np.ones(num_layers, dtype=bool)
+    if distance is not None:
+        if distance < 1:
+            raise ValueError(f"offload distance must be >= 1 or None, got {distance}")
+        row[distance - 1 :: distance] = False
+    return row
+
+
+def widest_distance(num_layers: int, count: int) -> int | None:
+    """Largest distance ``d`` that offloads exactly ``count`` layers (``None`` for 0)."""
+    if count == 0:
+        return None
+    if not 1 <= count <= num_layers:
+        raise ValueError(f"offload count must be in [0, {num_layers}], got {count}")
+    return num_layers // count
+
+
+def pruned_distances(num_layers: int) -> list[int | None]:
+    """The per-request candidate distances of the pruned space, ordered by increasing offload count.
+
+    Offload counts are the paper's D(L) set ``{floor(L/k) : k = 2..L}`` plus 0 ("none") and L ("all");
+    each count is realised by its widest distance.
+    """
+    counts = {num_layers // k for k in range(2, num_layers + 1)} | {0, num_layers}
+    return [widest_distance(num_layers, c) for c in sorted(counts)]
+
+
+class Placement:
+    """Per-request, per-layer KV placement. ``mask[r, l]`` is True when the KV is on the device."""
+
+    __slots__ = ("_mask",)
+
+    def __init__(self, mask: np.ndarray) -> None:
+        m = np.asarray(mask)
+        if m.ndim != 2:
+            raise ValueError(f"placement mask must be 2-D [requests, layers], got shape {m.shape}")
+        if m.shape[1] < 1:
+            raise ValueError("placement needs at least one layer")
+        self._mask = m.astype(bool, copy=True)
+        self._mask.setflags(write=False)
+
+    # -- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_mask(cls, mask: np.ndarray | Sequence[Sequence[bool]]) -> Placement:
+        """Build from a bool array ``[R, L]`` (True = on device)."""
+        return cls(np.asarray(mask, dtype=bool))
+
+    @classmethod
+    def from_distances(cls, num_layers: int, distances: Sequence[int | None]) -> Placement:
+        """One offload distance per request (``None``: nothing offloaded, ``1``: everything)."""
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        rows = [distance_row(num_layers, d) for d in distances]
+        mask = np.stack(rows) if rows else np.ones((0, num_layers), dtype=bool)
+        return cls(mask)
+
+    # -- views --------------------------------------------------------------------------------------
+    @property
+    def mask(self) -> np.ndarray:
+        """Read-only ``[R, L]`` bool array, True = on device."""
+        return self._mask
+
+    @property
+    def num_requests(self) -> int:
+        return int(self._mask.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._mask.shape[1])
+
+    @property
+    def host(self) -> np.ndarray:
+        """``[R, L]`` bool array, True = offloaded to host."""
+        return ~self._mask
+
+    def offload_counts(self) -> np.ndarray:
+        """Number of host-resident layers per request."""
+        return (~self._mask).sum(axis=1)
+
+    def host_layers(self, r: int) -> list[int]:
+        """0-based host-resident layers of request ``r``, in order."""
+        return [int(i) for i in np.flatnonzero(~self._mask[r])]
+
+    def row_distance(self, r: int) -> int | None:
+        """The distance that generates row ``r``; raises ValueError if the row is not distance-driven."""
+        row = self._mask[r]
+        host = np.flatnonzero(~row)
+        if host.size == 0:
+            return None
+        d = int(host[0]) + 1
+        if np.array_equal(row, distance_row(self.num_layers, d)):
+            return d
+        raise ValueError(f"row {r} is not a distance-driven placement")
+
+    def distances(self) -> list[int | None] | None:
+        """Per-request distances, or None when some row is not distance-driven."""
+        try:
+            return [self.row_distance(r) for r in range(self.num_requests)]
+        except ValueError:
+            return None
+
+    # -- capacity equation --------------------------------------------------------------------------
+    def resident_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
+        """``sum_r sum_l b_r x[r, l]``: blocks kept on the device."""
+        b = self._check_blocks(blocks_per_layer)
+        return float(self._mask.sum(axis=1) @ b)
+
+    def buffer_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
+        """Prefetch buffer ``B_buf = max_l sum_r (1 - x[r, l]) b_r``."""
+        b = self._check_blocks(blocks_per_layer)
+        if self.num_requests == 0:
+            return 0.0
+        return float((b @ (~self._mask)).max())
+
+    def memory_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
+        """Left side of the capacity equation: resident blocks plus prefetch buffer."""
+        return self.resident_blocks(blocks_per_layer) + self.buffer_blocks(blocks_per_layer)
+
+    def host_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
+        """Blocks moved over the link in one decode step (``blocks_to_fetch``)."""
+        b = self._check_blocks(blocks_per_layer)
+        return float(self.offload_counts() @ b)
+
+    def _check_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> np.ndarray:
+        b = np.asarray(blocks_per_layer, dtype=float)
+        if b.shape != (self.num_requests,):
+            raise ValueError(f"blocks_per_layer must have length {self.num_requests}, got shape {b.shape}")
+        return b
+
+    # -- misc ---------------------------------------------------------------------------------------
+    def key(self) -> bytes:
+        """Hashable identity of the mask."""
+        return np.packbits(self._mask).tobytes() + bytes(str(self._mask.shape), "ascii")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Placement) and np.array_equal(self._mask, other._mask)
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __repr__(self) -> str:
+        d = self.distances()
+        if d is not None:
+            return f"Placement(L={self.num_layers}, distances={d})"
+        return f"Placement(R={self.num_requests}, L={self.num_layers}, host={int((~self._mask).sum())})"

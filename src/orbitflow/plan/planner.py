@@ -1,0 +1,452 @@
+"""Placement planner: exact search of the pruned space, constraints, decode window and expiry.
+
+Problem (paper section 4.3): choose one KV placement for the batch that minimises the predicted latency of
+the target step (step 0 of the window), subject to
+
+* capacity: resident blocks + prefetch buffer <= ``capacity_blocks`` at every step of the decode window,
+  while each request grows to ``b_r(t) = max(b_r, ceil((tokens_r + min(t, tokens_left_r)) / block_size))``;
+* bounded SLO violations: with the Token-Deposit fluid model (per step of predicted latency ``T``,
+  ``balance_r += 1 - T / slo_r``; a step whose balance would go negative is one violation of ``r`` and the
+  balance clamps at 0), the violations summed over requests and averaged over the window are ``<= alpha``.
+
+Window rule: a placement is feasible when some ``Delta`` in ``[min_steps, max_steps]`` satisfies both
+constraints over steps ``0..Delta-1``; the plan's window is the LARGEST such ``Delta``.
+
+Ties in latency (within 1e-12 relative) are broken by fewer host blocks moved, then by search order
+(requests by decreasing size, candidates by increasing offload count), which is deterministic.
+
+``tokens`` of a PlanRequest is the context length at the step the plan is for: the runtime calls the
+planner one step ahead and passes the counts of that target step.
+
+Token-dependent compute (``CostModel`` given a callable) is evaluated at the batch's total tokens at the
+start of each block-constant stretch of the window.
+
+The search (``space="pruned"``) is a depth-first branch and bound over per-request candidates, exact for
+the pruned space: bounds are valid lower bounds (see :mod:`orbitflow.plan.bounds`), capacity is bounded
+below by ``resident + max(max_l buf_l, mean_l buf_l + unassigned blocks)``, and leaves use the exact model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orbitflow.plan.cost_model import CostModel
+from orbitflow.plan.placement import Placement
+from orbitflow.plan.search import REL_TOL as _REL_TOL
+from orbitflow.plan.search import BranchAndBound, candidate_tables
+from orbitflow.plan.search import better as _better
+
+__all__ = ["PlanRequest", "Plan", "Planner", "VICTIM_ORDERS", "resolve_victim_order"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One running request as the planner sees it (counts at the target step)."""
+
+    request_id: Hashable
+    blocks_per_layer: int
+    tokens: int
+    tokens_left: int | None = None
+    deposit: float = 0.0
+    slo_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.blocks_per_layer < 0 or self.tokens < 0:
+            raise ValueError(f"request {self.request_id!r}: blocks_per_layer and tokens must be >= 0")
+        if self.tokens_left is not None and self.tokens_left < 0:
+            raise ValueError(f"request {self.request_id!r}: tokens_left must be >= 0 or None")
+        if not self.slo_s > 0:
+            raise ValueError(f"request {self.request_id!r}: slo_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Result of :meth:`Planner.plan` / :meth:`Planner.evaluate`.
+
+    ``placement`` is None when no placement is feasible (then ``victims`` gives the pause order).
+    ``expiry_step`` is None when nothing within ``max_steps`` invalidates the plan.
+    """
+
+    request_ids: tuple[Hashable, ...]
+    placement: Placement | None
+    distances: tuple[int | None, ...] | None
+    feasible: bool
+    window: int
+    expiry_step: int | None
+    predicted_step_s: float
+    step_latencies_s: tuple[float, ...] = ()
+    violations: float = 0.0
+    memory_blocks: float = 0.0
+    peak_memory_blocks: float = 0.0
+    host_blocks: float = 0.0
+    victims: tuple[Hashable, ...] = ()
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def replan_step(self) -> int:
+        """Steps after which the runtime should call the planner again."""
+        if self.expiry_step is None:
+            return self.window
+        return max(1, min(self.window, self.expiry_step))
+
+
+# -- victim ordering --------------------------------------------------------------------------------------
+VictimOrder = Callable[[Sequence[PlanRequest]], list[Hashable]]
+
+
+def _largest_kv_deposit(reqs: Sequence[PlanRequest], num_layers: int) -> list[Hashable]:
+    return [
+        q.request_id
+        for q in sorted(reqs, key=lambda q: -(q.blocks_per_layer * num_layers + q.deposit))
+    ]
+
+
+VICTIM_ORDERS = ("largest-kv+deposit", "longest", "shortest", "random")
+
+
+def resolve_victim_order(
+    name: str | VictimOrder, num_layers: int, seed: int = 0
+) -> Callable[[Sequence[PlanRequest]], list[Hashable]]:
+    """Resolve a victim rule: a name among :data:`VICTIM_ORDERS` or ``callable(requests) -> ids``."""
+    if callable(name):
+        return name
+    if name == "largest-kv+deposit":
+        return lambda reqs: _largest_kv_deposit(reqs, num_layers)
+    if name == "longest":
+        return lambda reqs: [q.request_id for q in sorted(reqs, key=lambda q: -q.tokens)]
+    if name == "shortest":
+        return lambda reqs: [q.request_id for q in sorted(reqs, key=lambda q: q.tokens)]
+    if name == "random":
+        rng = np.random.default_rng(seed)
+        return lambda reqs: [reqs[i].request_id for i in rng.permutation(len(reqs))]
+    raise ValueError(f"victim_order must be one of {VICTIM_ORDERS} or a callable, got {name!r}")
+
+
+class _Window:
+    """Block counts, segments and compute over the horizon, for requests advanced by ``offset`` steps."""
+
+    def __init__(self, planner: Planner, reqs: Sequence[PlanRequest], offset: int = 0) -> None:
+        self.horizon = planner.max_steps
+        bs = planner.block_size
+        b_now = np.array([q.blocks_per_layer for q in reqs], dtype=np.int64)
+        tok = np.array([q.tokens for q in reqs], dtype=np.int64)
+        left = np.array([q.tokens_left if q.tokens_left is not None else 1 << 40 for q in reqs], np.int64)
+        t = offset + np.arange(self.horizon + 1)[:, None]
+        grown = np.minimum(t, left[None, :])
+        blocks = np.maximum(b_now[None, :], -(-(tok[None, :] + grown) // bs))
+        self.blocks = blocks.astype(float)  # [H+1, R]
+        self.total_tokens = (tok[None, :] + grown).sum(axis=1)  # [H+1]
+        change = np.any(self.blocks[1:] != self.blocks[:-1], axis=1)
+        starts = [0] + [int(i) + 1 for i in np.flatnonzero(change[: self.horizon - 1])]
+        self.seg_starts = starts
+        self.seg_ends = starts[1:] + [self.horizon]
+        self.boundaries = [int(i) + 1 for i in np.flatnonzero(change)]  # steps 1..H where b changes
+        self.cm = planner.cost_model
+        self.comp = [self.cm.compute(int(self.total_tokens[s]) if self.cm.depends_on_tokens else None)
+                     for s in starts]
+        self.slo = np.array([q.slo_s for q in reqs], dtype=float)
+        self.deposit = np.array([max(0.0, float(q.deposit)) for q in reqs], dtype=float)
+
+
+class Planner:
+    """Request-wise KV placement planner (paper section 4.3).
+
+    ``space``: ``"pruned"`` (per-request distances, exact branch and bound), ``"uniform"`` (one distance
+    for the whole batch, the Batch-Uniform ablation) or ``"full"`` (free per-layer masks; local search
+    seeded from the pruned optimum, see :mod:`orbitflow.plan.full_search`).
+    ``window``: ``(min_steps, max_steps)`` of the decode window. ``check_better``: whether expiry also
+    looks for a strictly better plan at future block boundaries (one extra bounded search per boundary).
+    ``node_limit``: safety budget of branch-and-bound nodes per search; when it is hit the best plan found
+    so far is returned and ``plan.stats["exact"]`` is 0 (1 when optimality over the space is proven).
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        capacity_blocks: float,
+        alpha: float = 1.0,
+        window: tuple[int, int] = (1, 16),
+        space: str = "pruned",
+        *,
+        block_size: int = 16,
+        victim_order: str | VictimOrder = "largest-kv+deposit",
+        seed: int = 0,
+        check_better: bool = True,
+        full_max_evals: int = 2000,
+        node_limit: int | None = 2000,
+    ) -> None:
+        if space not in ("pruned", "uniform", "full"):
+            raise ValueError(f"space must be 'pruned', 'uniform' or 'full', got {space!r}")
+        lo, hi = int(window[0]), int(window[1])
+        if not 1 <= lo <= hi:
+            raise ValueError(f"window must satisfy 1 <= min_steps <= max_steps, got {window}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        self.cost_model = cost_model
+        self.capacity_blocks = float(capacity_blocks)
+        self.alpha = float(alpha)
+        self.min_steps, self.max_steps = lo, hi
+        self.space = space
+        self.block_size = int(block_size)
+        self.check_better = check_better
+        self.full_max_evals = int(full_max_evals)
+        self.node_limit = node_limit
+        self._victims = resolve_victim_order(victim_order, cost_model.num_layers, seed)
+
+    @property
+    def num_layers(self) -> int:
+        return self.cost_model.num_layers
+
+    # ==== public entry points ===========================================================================
+    def plan(self, requests: Sequence[PlanRequest]) -> Plan:
+        """Best feasible placement for the batch (see module docstring)."""
+        t0 = time.perf_counter()
+        reqs = list(requests)
+        self._check_ids(reqs)
+        if not reqs:
+            comp = self.cost_model.compute(0 if self.cost_model.depends_on_tokens else None)
+            return Plan((), Placement(np.ones((0, self.num_layers), bool)), (), True, self.max_steps, None,
+                        float(comp.sum()))
+        win = _Window(self, reqs)
+        stats: dict[str, float] = {"nodes": 0, "leaves": 0}
+        if self.space == "uniform":
+            mask = self._solve_uniform(win, stats)
+        else:
+            mask = self._solve_pruned(win, stats)
+            if mask is not None and self.space == "full":
+                from orbitflow.plan.full_search import improve_full
+
+                mask = improve_full(self, win, mask, stats)
+        if mask is None:
+            stats["solve_s"] = time.perf_counter() - t0
+            return Plan(tuple(q.request_id for q in reqs), None, None, False, 0, None, math.inf,
+                        victims=tuple(self._victims(reqs)), stats=stats)
+        plan = self._make_plan(reqs, win, mask, stats, search_better=self.check_better)
+        stats["solve_s"] = time.perf_counter() - t0
+        return plan
+
+    def evaluate(self, placement: Placement, requests: Sequence[PlanRequest]) -> Plan:
+        """Check a given placement against the constraints (no search; expiry = capacity only)."""
+        reqs = list(requests)
+        self._check_ids(reqs)
+        if placement.num_requests != len(reqs) or placement.num_layers != self.num_layers:
+            raise ValueError(
+                f"placement is {placement.num_requests}x{placement.num_layers}, "
+                f"expected {len(reqs)}x{self.num_layers}"
+            )
+        win = _Window(self, reqs)
+        stats: dict[str, float] = {"nodes": 0, "leaves": 1}
+        return self._make_plan(reqs, win, placement.host.copy(), stats, search_better=False)
+
+    # ==== evaluation of one host mask ===================================================================
+    def _seg_latencies(
+        self, win: _Window, host: np.ndarray, upto: int | None = None, first: int = 0
+    ) -> list[float]:
+        """Exact step latency of each block-constant segment (segments ``first..upto-1``)."""
+        out = []
+        n = len(win.seg_starts) if upto is None else upto
+        for i in range(first, n):
+            s = win.seg_starts[i]
+            comp = win.comp[i]
+            st = self.cost_model.stalls(host, win.blocks[s], comp)
+            out.append(float(comp.sum()) + float(sum(st)))
+        return out
+
+    def _memory(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Capacity-equation left side for each row of ``blocks`` [T, R]."""
+        resident = blocks @ (~host).sum(axis=1)
+        buf = (blocks @ host).max(axis=1) if host.shape[0] else np.zeros(blocks.shape[0])
+        return resident + buf
+
+    def _violations(self, win: _Window, seg_lat: Sequence[float]) -> np.ndarray:
+        """Cumulative violations ``V[k]`` over the first ``k`` steps, k = 0..H (fluid Token-Deposit)."""
+        per_step = np.zeros(win.horizon)
+        bal = win.deposit.copy()
+        for i, lat in enumerate(seg_lat):
+            s, e = win.seg_starts[i], win.seg_ends[i]
+            n = e - s
+            delta = 1.0 - lat / win.slo
+            neg = delta < 0
+            if not neg.any():
+                bal += n * delta
+                continue
+            ok_steps = np.full(bal.shape, n, dtype=np.int64)
+            ok_steps[neg] = np.minimum(np.floor(bal[neg] / -delta[neg] + 1e-9).astype(np.int64), n)
+            for k in ok_steps[neg]:
+                if k < n:
+                    per_step[s + k : e] += 1
+            bal = np.where(neg, np.where(ok_steps >= n, bal + n * delta, 0.0), bal + n * delta)
+        return np.concatenate(([0.0], np.cumsum(per_step)))
+
+    def _window_of(self, win: _Window, host: np.ndarray, seg_lat: Sequence[float]) -> tuple[int, float]:
+        """Largest feasible Delta (0 if none) and the violations over it."""
+        mem = self._memory(host, win.blocks[: win.horizon])
+        over = np.flatnonzero(mem > self.capacity_blocks * (1 + _REL_TOL) + 1e-9)
+        cap_max = int(over[0]) if over.size else win.horizon
+        if cap_max < self.min_steps:
+            return 0, 0.0
+        cum = self._violations(win, seg_lat)
+        for d in range(cap_max, self.min_steps - 1, -1):
+            if cum[d] <= self.alpha * d + 1e-9:
+                return d, float(cum[d])
+        return 0, 0.0
+
+    def _make_plan(
+        self,
+        reqs: list[PlanRequest],
+        win: _Window,
+        host: np.ndarray,
+        stats: dict[str, float],
+        search_better: bool,
+    ) -> Plan:
+        seg_lat = self._seg_latencies(win, host)
+        window, viol = self._window_of(win, host, seg_lat)
+        feasible = window > 0
+        lat_steps: list[float] = []
+        for i, lat in enumerate(seg_lat):
+            lat_steps += [lat] * (win.seg_ends[i] - win.seg_starts[i])
+        mem_all = self._memory(host, win.blocks)
+        over = np.flatnonzero(mem_all > self.capacity_blocks * (1 + _REL_TOL) + 1e-9)
+        expiry: int | None = int(over[0]) if over.size and over[0] >= 1 else None
+        if feasible and search_better and self.space != "uniform":
+            expiry = self._better_expiry(reqs, host, seg_lat, expiry, stats)
+        placement = Placement(~host)
+        shown = window if feasible else 0
+        return Plan(
+            request_ids=tuple(q.request_id for q in reqs),
+            placement=placement,
+            distances=tuple(placement.distances()) if placement.distances() is not None else None,
+            feasible=feasible,
+            window=shown,
+            expiry_step=expiry,
+            predicted_step_s=seg_lat[0],
+            step_latencies_s=tuple(lat_steps[: max(shown, 1)]),
+            violations=viol,
+            memory_blocks=float(mem_all[0]),
+            peak_memory_blocks=float(mem_all[max(shown, 1) - 1]),
+            host_blocks=float(host.sum(axis=1) @ win.blocks[0]),
+            victims=() if feasible else tuple(self._victims(reqs)),
+            stats=stats,
+        )
+
+    def _better_expiry(
+        self,
+        reqs: list[PlanRequest],
+        host: np.ndarray,
+        seg_lat: list[float],
+        expiry: int | None,
+        stats: dict[str, float],
+    ) -> int | None:
+        """First block boundary (before ``expiry``) at which some feasible plan is strictly faster."""
+        base = _Window(self, reqs)
+        for t in base.boundaries:
+            if expiry is not None and t >= expiry:
+                break
+            if t > self.max_steps:
+                break
+            # latency of the current plan at step t
+            shifted = [
+                PlanRequest(q.request_id, q.blocks_per_layer, q.tokens + t,
+                            None if q.tokens_left is None else max(0, q.tokens_left - t),
+                            self._deposit_after(q, seg_lat, base, t), q.slo_s)
+                for q in reqs
+            ]
+            win_t = _Window(self, shifted)
+            cur = self._seg_latencies(win_t, host, upto=1)[0]
+            comp_floor = float(win_t.comp[0].sum())
+            if cur <= comp_floor * (1 + _REL_TOL) + 1e-15:
+                continue  # nothing can beat a stall-free step
+            sub: dict[str, float] = {"nodes": 0, "leaves": 0}
+            better = self._solve_pruned(win_t, sub, upper=cur * (1 - 1e-9), first_only=True)
+            stats["nodes"] += sub["nodes"]
+            stats["expiry_searches"] = stats.get("expiry_searches", 0) + 1
+            if better is not None:
+                return t
+        return expiry
+
+    @staticmethod
+    def _deposit_after(q: PlanRequest, seg_lat: list[float], win: _Window, t: int) -> float:
+        """Token-Deposit balance of ``q`` after ``t`` steps under the plan (fluid model)."""
+        bal = max(0.0, float(q.deposit))
+        for i, lat in enumerate(seg_lat):
+            s, e = win.seg_starts[i], min(win.seg_ends[i], t)
+            for _ in range(max(0, e - s)):
+                bal = max(0.0, bal + 1.0 - lat / q.slo_s)
+        return bal
+
+    # ==== searches ======================================================================================
+    def _solve_uniform(self, win: _Window, stats: dict[str, float]) -> np.ndarray | None:
+        dists, hosts, *_ = candidate_tables(self.num_layers)
+        n_req = win.blocks.shape[1]
+        best = None
+        best_key = (math.inf, math.inf)
+        for k in range(len(dists)):
+            host = np.repeat(hosts[k][None, :], n_req, axis=0)
+            stats["leaves"] += 1
+            seg_lat = self._seg_latencies(win, host)
+            if self._window_of(win, host, seg_lat)[0] == 0:
+                continue
+            key = (seg_lat[0], float(host.sum(axis=1) @ win.blocks[0]))
+            if _better(key, best_key):
+                best, best_key = host, key
+        return best
+
+    def _solve_pruned(
+        self,
+        win: _Window,
+        stats: dict[str, float],
+        upper: float = math.inf,
+        first_only: bool = False,
+    ) -> np.ndarray | None:
+        """Exact branch and bound over per-request distance candidates; returns the host mask or None."""
+        return BranchAndBound(self, win, stats, upper=upper, first_only=first_only).run()
+
+    def _feasible(self, win: _Window, host: np.ndarray, lat0: float) -> bool:
+        """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments)."""
+        mem = self._memory(host, win.blocks[: win.horizon])
+        over = np.flatnonzero(mem > self.capacity_blocks * (1 + _REL_TOL) + 1e-9)
+        cap_max = int(over[0]) if over.size else win.horizon
+        if cap_max < self.min_steps:
+            return False
+        if not np.isfinite(win.slo).any():
+            return True
+        n_seg = sum(1 for s in win.seg_starts if s < cap_max)
+        seg_lat = [lat0] + self._seg_latencies(win, host, upto=n_seg, first=1)
+        cum = self._violations(win, seg_lat)
+        d = np.arange(self.min_steps, cap_max + 1)
+        return bool(np.any(cum[d] <= self.alpha * d + 1e-9))
+
+    def _lat_prefilter(self, win: _Window) -> Callable[[float], bool]:
+        """Whether a constant per-step latency lower bound still admits some window under alpha."""
+        slo = win.slo
+        if not np.isfinite(slo).any():
+            return lambda lb: True
+        dep = win.deposit
+        d_arr = np.arange(self.min_steps, self.max_steps + 1)
+        slo_min = float(slo.min())
+
+        def ok(lb: float) -> bool:
+            if lb <= slo_min:
+                return True
+            delta = 1.0 - lb / slo
+            neg = delta < 0
+            safe = np.floor(dep[neg] / -delta[neg] + 1e-9)
+            viol = np.maximum(d_arr[:, None] - safe[None, :], 0).sum(axis=1)
+            return bool(np.any(viol <= self.alpha * d_arr + 1e-9))
+
+        return ok
+
+    @staticmethod
+    def _check_ids(reqs: list[PlanRequest]) -> None:
+        ids = [q.request_id for q in reqs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request_id values must be unique")
+
+

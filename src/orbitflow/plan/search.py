@@ -1,0 +1,250 @@
+"""Exact branch and bound over the pruned placement space (one candidate distance per request).
+
+Requests are assigned in decreasing order of size; the children of a node are the candidate distances of
+the next request, evaluated all at once with NumPy. A node is cut when
+
+* capacity cannot hold at step ``min_steps - 1`` even if every unassigned request offloads all its layers
+  (memory only falls when a layer is offloaded: the resident part drops by ``b_r``, the buffer grows by at
+  most ``b_r``), or
+* a lower bound on the step-0 latency of every completion is no better than the incumbent in
+  (latency, moved blocks), or cannot meet the SLO cap even as a constant per-step latency.
+
+The latency bound of a partial assignment (unassigned requests offload nothing; every term only grows when
+a host layer is added, so it bounds every completion) is the largest of
+
+* compute: ``C = sum comp``;
+* link: layer ``l`` cannot start before the link moved every host block of layers ``<= l`` from t=0, then
+  layers ``l..L-1`` still run: ``W(l) + sum_{k>=l} comp_k``;
+* forced volume: the unassigned requests must together offload at least ``y`` blocks for capacity to hold,
+  so the link moves at least ``W(L-1) + y / rate`` before the last host layer runs (``+ min comp``);
+* chain: each request's own transfers are serialised with its compute (single buffer slot).
+
+Complete assignments are screened with :func:`orbitflow.plan.bounds.relaxed_latency` (the same constraints
+propagated layer by layer) and only then evaluated with the exact schedule and the window rule.
+Identical requests (same sizes over the window, deposit and SLO) are interchangeable, so their offload
+counts are forced non-increasing along the search order.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from orbitflow.plan.bounds import chain_bound, chain_gaps, relaxed_latency
+from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.plan.placement import distance_row, pruned_distances
+
+if TYPE_CHECKING:  # pragma: no cover
+    from orbitflow.plan.planner import Planner, _Window
+
+REL_TOL = 1e-12
+
+
+def better(key: tuple[float, float], best: tuple[float, float]) -> bool:
+    """Lexicographic (latency, moved blocks) with a relative tolerance on latency."""
+    tol = REL_TOL * max(abs(best[0]), 1.0) if math.isfinite(best[0]) else 0.0
+    if key[0] < best[0] - tol:
+        return True
+    if key[0] <= best[0] + tol:
+        return key[1] < best[1] - 1e-9
+    return False
+
+
+def prunable(lb: float, moved_lb: float, best: tuple[float, float]) -> bool:
+    """Whether no completion with latency ``>= lb`` and moved blocks ``>= moved_lb`` can beat ``best``."""
+    if not math.isfinite(best[0]):
+        return False
+    tol = REL_TOL * max(abs(best[0]), 1.0)
+    if lb > best[0] + tol:
+        return True
+    if lb >= best[0] - tol:
+        return moved_lb >= best[1] - 1e-9
+    return False
+
+
+@lru_cache(maxsize=64)
+def candidate_tables(num_layers: int) -> tuple:
+    """Per-L tables of the pruned candidates, in increasing offload count.
+
+    Returns distances, host rows ``[K, L]`` (bool), host rows as float, counts ``[K]``, cumulative host
+    counts ``[K, L]`` (host layers among ``0..l``) and the host layer lists.
+    """
+    dists = tuple(pruned_distances(num_layers))
+    hosts = np.stack([~distance_row(num_layers, d) for d in dists])
+    hosts_f = hosts.astype(float)
+    counts = hosts.sum(axis=1)
+    cumh = np.cumsum(hosts_f, axis=1)
+    lists = tuple(tuple(int(i) for i in np.flatnonzero(h)) for h in hosts)
+    for a in (hosts, hosts_f, counts, cumh):
+        a.setflags(write=False)
+    return dists, hosts, hosts_f, counts, cumh, lists
+
+
+class BranchAndBound:
+    """One exact search of the pruned space for a window; :meth:`run` returns the host mask or None."""
+
+    def __init__(
+        self,
+        planner: Planner,
+        win: _Window,
+        stats: dict[str, float],
+        upper: float = math.inf,
+        first_only: bool = False,
+    ) -> None:
+        self.pl = planner
+        self.win = win
+        self.stats = stats
+        self.first_only = first_only
+        n_layers = planner.num_layers
+        self.n_layers = n_layers
+        _, self.hosts, self.hosts_f, self.counts, self.cumh, self.lists = candidate_tables(n_layers)
+        n_cand = len(self.counts)
+        cm = planner.cost_model
+        self.edf = cm.transfer == "edf"
+        self.link = cm.link_blocks_per_s
+        self.b0 = win.blocks[0]
+        self.bcap = win.blocks[planner.min_steps - 1]
+        n_req = self.b0.size
+        self.n_req = n_req
+        comp0 = np.asarray(win.comp[0], dtype=float)
+        self.comp0 = comp0
+        self.comp0_list = comp0.tolist()
+        self.comp_total = float(comp0.sum())
+        self.comp_min = float(comp0.min())
+        self.suffix_comp = np.cumsum(comp0[::-1])[::-1]  # sum_{k>=l} comp_k
+        self.x0 = self.b0 / self.link
+        self.x0_list = self.x0.tolist()
+        self.cap = planner.capacity_blocks * (1 + REL_TOL) + 1e-9
+        # search order: larger requests first; identical requests adjacent (symmetry breaking)
+        sig = [
+            (tuple(win.blocks[:, r].tolist()), float(win.deposit[r]), float(win.slo[r])) for r in range(n_req)
+        ]
+        self.order = sorted(range(n_req), key=lambda r: (-self.bcap[r], -self.b0[r], sig[r], r))
+        self.same_as_prev = [d > 0 and sig[self.order[d]] == sig[self.order[d - 1]] for d in range(n_req)]
+        o = self.order
+        self.rest_b = np.concatenate((np.cumsum(self.bcap[o][::-1])[::-1], [0.0]))
+        ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
+        self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
+        # per-request chain stall lower bound of each candidate
+        gaps = [chain_gaps(self.hosts[k], comp0) for k in range(n_cand)]
+        self.chain = np.array(
+            [[chain_bound(gaps[k], self.x0[r]) for k in range(n_cand)] for r in range(n_req)]
+        )
+        self.lat_ok = planner._lat_prefilter(win)
+        self.best_host: np.ndarray | None = None
+        self.best_key = (upper, math.inf)
+        self.choice = [0] * n_req
+        self.done = False
+
+    # -- driver ---------------------------------------------------------------------------------------
+    def run(self) -> np.ndarray | None:
+        self.stats.setdefault("exact", 1)
+        if self._try_no_offload():
+            return self.best_host
+        n_layers = self.n_layers
+        self._node(0, 0.0, np.zeros(n_layers), np.zeros(n_layers), self.comp_total, 0.0)
+        return self.best_host
+
+    def _try_no_offload(self) -> bool:
+        """Offloading nothing is optimal whenever it is feasible (no stall, nothing moved)."""
+        host = np.zeros((self.n_req, self.n_layers), dtype=bool)
+        if self.pl._memory(host, self.bcap[None])[0] > self.cap:
+            return False
+        self._leaf([0] * self.n_req, host)
+        return self.best_host is not None
+
+    # -- search ---------------------------------------------------------------------------------------
+    def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, chain_lb: float,
+              moved: float) -> None:
+        stats = self.stats
+        stats["nodes"] += 1
+        limit = self.pl.node_limit
+        if limit is not None and stats["nodes"] > limit:
+            stats["exact"] = 0  # budget exhausted: best found so far, optimality not proven
+            self.done = True
+            return
+        r = self.order[depth]
+        n_layers = self.n_layers
+        n_kids = self.choice[depth - 1] + 1 if self.same_as_prev[depth] else len(self.counts)
+        counts = self.counts[:n_kids]
+        bc = self.bcap[r]
+        rest = float(self.rest_b[depth + 1])
+        # capacity at step min_steps-1, with every unassigned request fully offloaded (the minimum)
+        new_res = res + bc * (n_layers - counts)
+        new_buf = buf[None, :] + bc * self.hosts_f[:n_kids]
+        bmax = new_buf.max(axis=1)
+        mem_lb = new_res + bmax + rest
+        alive = mem_lb <= self.cap
+        if not alive.any():
+            return
+        # forced offload volume y of the unassigned requests (bcap blocks):
+        # new_res + rest*L - y + max(bmax, bmean + y/L) <= cap
+        bmean = new_buf.mean(axis=1)
+        rhs = new_res + rest * n_layers - self.cap
+        y1 = rhs + bmax
+        if n_layers > 1:
+            y2 = (rhs + bmean) / (1 - 1 / n_layers)
+            ymin = np.where(y1 / n_layers <= bmax - bmean, y1, y2)
+        else:
+            ymin = y1
+        ymin = np.maximum(ymin, 0.0)
+        x = self.x0[r]
+        new_vol = vol[None, :] + x * self.cumh[:n_kids]
+        lat_lb = (new_vol + self.suffix_comp).max(axis=1)
+        forced = new_vol[:, -1] + ymin * (self.ratio_suffix[depth + 1] / self.link)
+        lat_lb = np.maximum(lat_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
+        kid_chain = np.maximum(self.comp_total + self.chain[r, :n_kids], chain_lb)
+        if self.edf:
+            lat_lb = np.maximum(lat_lb, kid_chain)
+        else:  # the bounds are proven for the executor's schedule only
+            lat_lb = np.full(n_kids, self.comp_total)
+        new_moved = moved + self.b0[r] * counts
+        last = depth == self.n_req - 1
+        for k in np.lexsort((counts, lat_lb)):
+            if self.done:
+                return
+            if not alive[k]:
+                continue
+            lb = float(lat_lb[k])
+            if prunable(lb, float(new_moved[k]), self.best_key):
+                continue
+            if not self.lat_ok(lb):
+                continue
+            self.choice[depth] = int(k)
+            if last:
+                self._leaf(self.choice)
+            else:
+                self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], float(kid_chain[k]),
+                           float(new_moved[k]))
+
+    def _leaf(self, choice: list[int], host: np.ndarray | None = None) -> None:
+        """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``)."""
+        stats = self.stats
+        stats["leaves"] += 1
+        order = self.order
+        k_of = [0] * self.n_req
+        for d, k in enumerate(choice):
+            k_of[order[d]] = k
+        moved = float(sum(self.b0[r] * self.counts[k_of[r]] for r in range(self.n_req)))
+        lists = [list(self.lists[k]) for k in k_of]
+        if self.edf:
+            relax = relaxed_latency(self.comp0_list, lists, self.x0_list)
+            if prunable(relax, moved, self.best_key) or not self.lat_ok(relax):
+                stats["relax_cuts"] = stats.get("relax_cuts", 0) + 1
+                return
+            lat0 = self.comp_total + float(sum(edf_stalls(self.comp0_list, lists, self.x0_list)))
+        if host is None:
+            host = self.hosts[k_of]
+        if not self.edf:
+            lat0 = self.pl._seg_latencies(self.win, host, upto=1)[0]
+        key = (lat0, moved)
+        if not better(key, self.best_key):
+            return
+        if not self.pl._feasible(self.win, host, lat0):
+            return
+        self.best_host, self.best_key = host.copy(), key
+        if self.first_only:
+            self.done = True

@@ -1,0 +1,81 @@
+"""OpenAI-shaped error bodies, and the exception handlers that make every failure one of them."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("orbitflow.serve")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error, with its location in the body as `param` (e.g. "messages.0.role")."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    err = errors[0]
+    loc = [str(part) for part in err.get("loc", ()) if not _is_union_tag(part)]
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    if err.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+    if not loc:
+        if err.get("type") == "missing":
+            return bad_request("a JSON request body is required")
+        return bad_request(f"request body: {err.get('msg')}")
+    param = ".".join(loc)
+    return bad_request(f"{param}: {err.get('msg')}", param=param)
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """pydantic puts the member of a union it tried into `loc` ("str", "list[int]", "TextPart", ...)."""
+    if isinstance(part, int):
+        return False
+    return not part.isidentifier() or part in ("str", "int", "float", "bool") or part[0].isupper()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, message, type_).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one served app, on a registry of its own.
+
+Latency histograms are taken on the stream as delivered to the client (after Token-Deposit), so the
+inter-token latency here is the TBT the SLO is about. Engine state (batch, KV blocks, solver, pauses,
+violations) is read at scrape time by a collector, so it never goes stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from orbitflow.runtime.engine import Engine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        buckets = (("running", engine.running), ("waiting", engine.waiting), ("paused", engine.paused))
+        for name, bucket in buckets:
+            yield GaugeMetricFamily(f"orbitflow:num_requests_{name}", f"Requests {name} in the engine",
+                                    value=len(bucket))
+        device_used, host_used = engine.kv.usage()
+        yield GaugeMetricFamily("orbitflow:kv_device_blocks_used", "Device KV blocks in use",
+                                value=device_used)
+        yield GaugeMetricFamily("orbitflow:kv_host_blocks_used", "Host KV blocks in use", value=host_used)
+        yield GaugeMetricFamily("orbitflow:kv_device_blocks_total", "Device KV block budget",
+                                value=engine.kv.device_pool.num_blocks)
+        yield GaugeMetricFamily("orbitflow:kv_host_blocks_total", "Host KV pool size in blocks",
+                                value=engine.kv.host_pool.num_blocks)
+        stats = engine.stats
+        counters = (
+            ("orbitflow:solver_calls", "Placement solver calls", engine.controller.solver_calls),
+            ("orbitflow:solver_seconds", "Time spent in the placement solver",
+             engine.controller.solver_time_s),
+            ("orbitflow:slo_violations_delivered", "Token gaps over the SLO as delivered",
+             stats.delivered_violations),
+            ("orbitflow:slo_violations_generated", "Token gaps over the SLO as generated",
+             stats.generated_violations),
+            ("orbitflow:pauses", "Requests paused to make the plan feasible", stats.pauses),
+            ("orbitflow:resumes", "Paused requests resumed", stats.resumes),
+            ("orbitflow:engine_steps", "Engine steps run", stats.steps),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("orbitflow:time_to_first_token_seconds", "Time to first token, as delivered",
+                              buckets=_LATENCY_BUCKETS + (20.0, 40.0), registry=self.registry)
+        self.itl = Histogram("orbitflow:inter_token_latency_seconds",
+                             "Gap between consecutive tokens as delivered (after Token-Deposit)",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("orbitflow:time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (tokens - 1), as delivered",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("orbitflow:e2e_request_latency_seconds", "Request arrival to last token",
+                             buckets=_REQUEST_BUCKETS, registry=self.registry)
+        self.requests = Counter("orbitflow:requests", "Requests ended, by finish reason", ["finish_reason"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("orbitflow:prompt_tokens", "Prompt tokens of served requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("orbitflow:generation_tokens", "Tokens delivered",
+                                         registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, arrival_s: float, num_prompt: int) -> RequestTracker:
+        return RequestTracker(self, arrival_s, num_prompt)
+
+
+class RequestTracker:
+    """Stopwatch of one request's delivered stream."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_s: float, num_prompt: int) -> None:
+        self.metrics = metrics
+        self.arrival_s = arrival_s
+        self.num_prompt = num_prompt
+        self.first_s: float | None = None
+        self.last_s: float | None = None
+        self.num_tokens = 0
+
+    def on_token(self, now: float) -> None:
+        if self.first_s is None:
+            self.first_s = now
+            self.metrics.ttft.observe(now - self.arrival_s)
+        else:
+            self.metrics.itl.observe(now - self.last_s)
+        self.last_s = now
+        self.num_tokens += 1
+
+    def on_finish(self, finish_reason: str) -> None:
+        m = self.metrics
+        m.requests.labels(finish_reason).inc()
+        m.prompt_tokens.inc(self.num_prompt)
+        m.generation_tokens.inc(self.num_tokens)
+        if self.last_s is not None:
+            m.e2e.observe(self.last_s - self.arrival_s)
+        if self.num_tokens > 1:
+            m.tpot.observe((self.last_s - self.first_s) / (self.num_tokens - 1))

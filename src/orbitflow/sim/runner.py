@@ -1,0 +1,88 @@
+"""Replay a trace through the real engine loop on the simulated executor and a virtual clock.
+
+Everything above the executor is the code that serves real requests: scheduler, controller, policy,
+planner, Token-Deposit, Pause-Resume and metrics. Only the step latencies come from the profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics
+from orbitflow.bench.workload import Trace
+from orbitflow.config import EngineConfig
+from orbitflow.policies import make_policy
+from orbitflow.policies.base import PlanContext, default_slo_s
+from orbitflow.runtime.clock import VirtualClock
+from orbitflow.runtime.engine import Engine, RequestRejected
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.runtime.sim_executor import SimExecutor, accounting_kv
+from orbitflow.sim.profiles import HardwareProfile
+
+
+def sim_config(profile: HardwareProfile, **overrides) -> EngineConfig:
+    values = dict(model=profile.name, block_size=profile.block_size, device_kv_blocks=profile.device_kv_blocks,
+                  host_kv_blocks=profile.host_kv_blocks, plan_in_background=False)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    metrics: RunMetrics
+    records: list[RequestRecord]
+    engine: Engine
+
+
+def simulate_trace(
+    profile: HardwareProfile,
+    trace: Trace,
+    config: EngineConfig,
+    noise: float = 0.0,
+    contention: list[tuple[float, float, float]] | None = None,
+    max_steps: int = 2_000_000,
+) -> SimResult:
+    clock = VirtualClock()
+    kv = accounting_kv(profile, config.device_kv_blocks)
+    executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.seed)
+    policy = make_policy(config.policy)
+    ctx = PlanContext.from_profile(config, profile)
+    engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
+    pending = sorted(trace.requests, key=lambda r: r.arrival_s)
+    rejected: list[str] = []
+    i = 0
+    for _ in range(max_steps):
+        while i < len(pending) and pending[i].arrival_s <= clock.now():
+            r = pending[i]
+            i += 1
+            try:
+                engine.add_request(r.request_id, [0] * r.input_tokens, SamplingParams(max_tokens=r.output_tokens),
+                                   slo_s=r.slo_s, arrival_s=r.arrival_s, target_output_tokens=r.output_tokens)
+            except RequestRejected:
+                rejected.append(r.request_id)
+        if not engine.has_work():
+            if i == len(pending):
+                break
+            clock.sleep_until(pending[i].arrival_s)
+            continue
+        if engine.step() is None and i < len(pending) and not engine.running:
+            clock.sleep_until(pending[i].arrival_s)  # blocked until something arrives
+    else:
+        raise RuntimeError(f"simulation did not finish within {max_steps} steps")
+    records = [
+        RequestRecord(
+            request_id=r.request_id, arrival_s=r.arrival_s, input_tokens=r.num_prompt,
+            output_tokens=len(r.output_ids), generated_s=r.generated_s, delivered_s=r.delivered_s,
+            finished_s=r.finished_s, slo_s=r.slo_s, num_pauses=r.num_pauses,
+        )
+        for r in engine.finished
+    ]
+    c = engine.controller
+    metrics = compute_metrics(
+        records, engine.default_slo_s, device_mem_util=engine.stats.device_mem_util,
+        solver_calls=c.solver_calls, solver_time_s=c.solver_time_s, rejected=len(rejected),
+        pauses=engine.stats.pauses,
+    )
+    engine.close()
+    return SimResult(policy.name, metrics, records, engine)

@@ -1,0 +1,134 @@
+import numpy as np
+import pytest
+
+from orbitflow.plan import CostModel, Placement
+from orbitflow.plan.bounds import chain_bound, chain_gaps, count_matrix, dp_bound, offset_matrix
+
+# Paper section 2.3: 9 layers, 1.0 compute per layer, 3 blocks per layer-time, b = (3, 6) then (4, 6).
+CM = CostModel([1.0] * 9, 3.0)
+STEP1, STEP16 = [3, 6], [4, 6]
+
+
+@pytest.mark.parametrize(
+    "dists, stall1, stall16",
+    [([3, 3], 3.0, 4.0), ([None, 3], 0.0, 0.0), ([4, 3], 0.0, 2.0 / 3.0)],
+    ids=["A", "B", "C"],
+)
+def test_paper_example_edf(dists, stall1, stall16):
+    p = Placement.from_distances(9, dists)
+    e1, e16 = CM.step(p, STEP1), CM.step(p, STEP16)
+    assert e1.stall_s == pytest.approx(stall1, abs=1e-12)
+    assert e16.stall_s == pytest.approx(stall16, abs=1e-12)
+    assert e1.compute_s == 9.0
+    assert e1.total_s == pytest.approx(9.0 + stall1)
+    assert e16.stall_per_layer_s.shape == (9,)
+    assert e16.stall_per_layer_s.sum() == pytest.approx(stall16)
+
+
+def test_paper_example_placement_a_per_layer():
+    e = CM.step(Placement.from_distances(9, [3, 3]), STEP1)
+    assert np.allclose(e.stall_per_layer_s, [0, 0, 1, 0, 0, 1, 0, 0, 1])
+
+
+def test_fair_is_algorithm_1_as_printed():
+    cm = CostModel([1.0] * 9, 3.0, transfer="fair")
+    # the paper's text: placement A moves 9 blocks per offloaded layer and stalls 9 units
+    assert cm.step(Placement.from_distances(9, [3, 3]), STEP1).stall_s == pytest.approx(9.0)
+    assert cm.step(Placement.from_distances(9, [None, None]), STEP1).stall_s == 0.0
+
+
+def _reference_edf(comp, host, xfer):
+    """Independent event-by-event simulation of the executor's schedule (slow, for checking)."""
+    n_req, n_layers = host.shape
+    hosts = [list(np.flatnonzero(host[r])) for r in range(n_req)]
+    nxt = [0] * n_req
+    release = [0.0 if hosts[r] else None for r in range(n_req)]
+    arrived = {}
+    link_free = 0.0
+    t = 0.0
+    stalls = []
+    for layer in range(n_layers):
+        needed = [r for r in range(n_req) if host[r, layer]]
+        while any((r, layer) not in arrived for r in needed):
+            ready = [r for r in range(n_req) if nxt[r] < len(hosts[r]) and release[r] is not None
+                     and release[r] <= link_free + 1e-12]
+            if not ready:
+                link_free = min(release[r] for r in range(n_req)
+                                if nxt[r] < len(hosts[r]) and release[r] is not None)
+                continue
+            r = min(ready, key=lambda q: (hosts[q][nxt[q]], q))
+            link_free += xfer[r]
+            arrived[(r, hosts[r][nxt[r]])] = link_free
+            nxt[r] += 1
+            release[r] = None  # released when the fetched layer finishes
+        start = max([t] + [arrived[(r, layer)] for r in needed])
+        stalls.append(start - t)
+        t = start + comp[layer]
+        for r in needed:
+            if nxt[r] < len(hosts[r]):
+                release[r] = t
+    return stalls
+
+
+def test_edf_matches_reference_simulation_random():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 14))
+        comp = rng.uniform(0.5, 2.0, n_layers)
+        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
+        b = rng.integers(1, 30, n_req)
+        cm = CostModel(comp, float(rng.uniform(2, 40)))
+        got = cm.step(Placement.from_mask(~host), b).stall_per_layer_s
+        ref = _reference_edf(comp, host, b / cm.link_blocks_per_s)
+        assert np.allclose(got, ref, atol=1e-9)
+
+
+def test_bounds_are_lower_bounds_random():
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 14))
+        comp = rng.uniform(0.5, 2.0, n_layers)
+        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
+        b = rng.integers(1, 30, n_req).astype(float)
+        cm = CostModel(comp, float(rng.uniform(2, 40)))
+        exact = cm.step(Placement.from_mask(~host), b).total_s
+        x = b / cm.link_blocks_per_s
+        v = sum(x[r] * count_matrix(host[r]) for r in range(n_req))
+        link_lb = comp.sum() + (offset_matrix(comp) + v).max()
+        chain_lb = comp.sum() + max(chain_bound(chain_gaps(host[r], comp), x[r]) for r in range(n_req))
+        dp_lb = dp_bound(v[None], comp)[0]
+        assert link_lb <= exact + 1e-9
+        assert chain_lb <= exact + 1e-9
+        assert dp_lb <= exact + 1e-9
+        assert dp_lb >= chain_lb - 1e-9
+
+
+def test_no_offload_has_no_stall_and_all_offload_single_request_serialises():
+    cm = CostModel([1.0] * 4, 2.0)
+    assert cm.step(Placement.from_distances(4, [None, None]), [5, 7]).stall_s == 0.0
+    # one request, all layers on host, 2 blocks per layer at 2 blocks/s: 1 s transfer, 1 s compute each,
+    # and the next fetch waits for the previous layer: 1 + (1 + 1) * 3 + 1 = 8 s.
+    assert cm.step(Placement.from_distances(4, [1]), [2]).total_s == pytest.approx(8.0)
+
+
+def test_token_dependent_compute_and_updates():
+    cm = CostModel(lambda tok: np.full(3, 1e-3 * (1 + tok / 1000)), 100.0)
+    assert cm.depends_on_tokens
+    p = Placement.from_distances(3, [None])
+    with pytest.raises(ValueError):
+        cm.step(p, [4])
+    assert cm.step(p, [4], total_tokens=1000).compute_s == pytest.approx(6e-3)
+    cm2 = cm.with_updates(layer_compute_scale=2.0, link_blocks_per_s=50.0)
+    assert cm2.step(p, [4], total_tokens=1000).compute_s == pytest.approx(12e-3)
+    assert cm2.link_blocks_per_s == 50.0 and cm.link_blocks_per_s == 100.0  # original untouched
+    fixed = CostModel([1.0, 2.0], 1.0).with_updates(layer_compute_scale=[1.0, 0.5])
+    assert np.allclose(fixed.compute(), [1.0, 1.0])
+
+
+def test_cost_model_bad_inputs():
+    with pytest.raises(ValueError):
+        CostModel([1.0], 0.0)
+    with pytest.raises(ValueError):
+        CostModel([1.0], 1.0, transfer="magic")
+    with pytest.raises(ValueError):
+        CostModel([1.0, 1.0], 1.0).step(Placement.from_distances(3, [None]), [1])

@@ -1,0 +1,82 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from orbitflow.plan import Placement, pruned_distances, widest_distance
+
+
+def test_from_distances_rows():
+    p = Placement.from_distances(9, [None, 3, 1, 4])
+    host = p.host
+    assert not host[0].any()
+    assert p.host_layers(1) == [2, 5, 8]  # 1-based layers 3, 6, 9
+    assert host[2].all()
+    assert p.host_layers(3) == [3, 7]
+    assert p.distances() == [None, 3, 1, 4]
+    assert list(p.offload_counts()) == [0, 3, 9, 2]
+
+
+def test_from_mask_roundtrip_and_custom_rows():
+    mask = np.ones((2, 5), bool)
+    mask[1, [0, 3]] = False
+    p = Placement.from_mask(mask)
+    assert np.array_equal(p.mask, mask)
+    assert p.distances() is None  # row 1 offloads layers 1 and 4: not distance-driven
+    assert p.row_distance(0) is None
+    with pytest.raises(ValueError):
+        p.row_distance(1)
+    with pytest.raises(ValueError):
+        p.mask[0, 0] = False  # read-only
+
+
+def test_capacity_equation_paper_example():
+    b1, b16 = [3, 6], [4, 6]
+    a = Placement.from_distances(9, [3, 3])
+    b = Placement.from_distances(9, [None, 3])
+    c = Placement.from_distances(9, [4, 3])
+    assert (a.memory_blocks(b1), a.memory_blocks(b16)) == (63, 70)
+    assert (b.memory_blocks(b1), b.memory_blocks(b16)) == (69, 78)
+    assert (c.memory_blocks(b1), c.memory_blocks(b16)) == (63, 70)
+
+
+def test_memory_blocks_matches_definition_random():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        mask = rng.random((4, 7)) < 0.6
+        b = rng.integers(1, 50, 4)
+        p = Placement.from_mask(mask)
+        resident = sum(b[r] * mask[r, l] for r in range(4) for l in range(7))
+        buf = max(sum(b[r] * (not mask[r, l]) for r in range(4)) for l in range(7))
+        assert p.memory_blocks(b) == resident + buf
+        assert p.host_blocks(b) == sum(b[r] * (not mask[r, l]) for r in range(4) for l in range(7))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError):
+        Placement.from_distances(4, [0])
+    with pytest.raises(ValueError):
+        Placement.from_mask(np.ones(3, bool))
+    with pytest.raises(ValueError):
+        Placement.from_distances(4, [2]).memory_blocks([1, 2])
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 9, 16, 32, 80])
+def test_pruned_distances_cover_paper_set(n_layers):
+    dists = pruned_distances(n_layers)
+    counts = [int((~Placement.from_distances(n_layers, [d]).mask).sum()) for d in dists]
+    expected = {n_layers // k for k in range(2, n_layers + 1)} | {0, n_layers}
+    assert counts == sorted(expected)
+    for d, c in zip(dists, counts):
+        if d is not None:  # widest distance realising the count
+            assert n_layers // d == c and (d + 1 > n_layers or n_layers // (d + 1) != c)
+    assert widest_distance(n_layers, 0) is None
+    if n_layers == 32:
+        assert len(dists) - 2 + (1 if 1 in {n_layers // k for k in range(2, 33)} else 0) >= 9
+
+
+def test_import_does_not_pull_torch():
+    code = "import sys, orbitflow.plan; assert 'torch' not in sys.modules, 'torch imported'"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

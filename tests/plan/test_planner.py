@@ -1,0 +1,182 @@
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances
+
+# Paper section 2.3: tokens 34 -> 3 blocks at step 1, 49 -> 4 blocks 15 steps later; request 2: 6 blocks.
+CM = CostModel([1.0] * 9, 3.0)
+
+
+def paper_requests(offset=0, slo=math.inf):
+    return [PlanRequest("r1", 3 if offset < 15 else 4, 34 + offset, None, 0.0, slo),
+            PlanRequest("r2", 6, 81 + offset, None, 0.0, slo)]
+
+
+def test_paper_example_plans():
+    pl = Planner(CM, 70, alpha=1, window=(1, 16))
+    b_ok = pl.evaluate(Placement.from_distances(9, [None, 3]), paper_requests())
+    # B fits at step 1 (69 blocks) but the window shrinks to the 15 steps before request 1 grows to 78
+    assert b_ok.feasible and b_ok.window == 15 and b_ok.memory_blocks == 69 and b_ok.expiry_step == 15
+    b_late = pl.evaluate(Placement.from_distances(9, [None, 3]), paper_requests(15))
+    assert not b_late.feasible and b_late.memory_blocks == 78
+    a = pl.evaluate(Placement.from_distances(9, [3, 3]), paper_requests(15))
+    c = pl.evaluate(Placement.from_distances(9, [4, 3]), paper_requests(15))
+    assert a.feasible and a.predicted_step_s == pytest.approx(13.0) and a.memory_blocks == 70
+    assert c.feasible and c.predicted_step_s == pytest.approx(9 + 2 / 3) and c.memory_blocks == 70
+    # at step 16 the planner finds a stall-no-worse-than-C plan within 70 blocks
+    p16 = pl.plan(paper_requests(15))
+    assert p16.feasible and p16.predicted_step_s <= c.predicted_step_s + 1e-12
+    assert p16.placement.memory_blocks([4, 6]) <= 70
+
+
+def test_paper_example_window_forces_growth_aware_choice():
+    # a window that must cover the growth at step 16 rules out B already at step 1
+    pl = Planner(CM, 70, alpha=1, window=(16, 16))
+    b = pl.evaluate(Placement.from_distances(9, [None, 3]), paper_requests())
+    assert not b.feasible
+    p = pl.plan(paper_requests())
+    assert p.feasible and p.window == 16
+    assert p.placement.memory_blocks([4, 6]) <= 70
+    assert p.predicted_step_s == pytest.approx(9.0)  # stall-free (e.g. C) is still possible
+
+
+def random_case(rng, n_req, n_layers):
+    comp = rng.uniform(1e-3, 2e-3, n_layers)
+    b = rng.integers(1, 60, n_req)
+    link = float(b.sum() / (comp.mean() * rng.uniform(1.5, 6.0)))
+    cap = float(b.sum() * n_layers * rng.uniform(0.25, 0.9))
+    reqs = [PlanRequest(i, int(b[i]), int(b[i] * 16 - rng.integers(0, 16)),
+                        int(rng.integers(1, 40)) if rng.random() < 0.7 else None,
+                        float(rng.uniform(0, 6)), float(rng.uniform(1.0, 2.5) * comp.sum()))
+            for i in range(n_req)]
+    return CostModel(comp, link), cap, reqs
+
+
+def brute_force(pl, reqs, n_layers):
+    best = None
+    for ds in itertools.product(pruned_distances(n_layers), repeat=len(reqs)):
+        e = pl.evaluate(Placement.from_distances(n_layers, ds), reqs)
+        if e.feasible and (best is None or e.predicted_step_s < best):
+            best = e.predicted_step_s
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pruned_search_is_exact_vs_brute_force(seed):
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(5):
+        n_req = int(rng.integers(1, 6))
+        n_layers = int(rng.integers(2, 17)) if n_req <= 3 else int(rng.integers(2, 9))
+        cm, cap, reqs = random_case(rng, n_req, n_layers)
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False)
+        got = pl.plan(reqs)
+        best = brute_force(pl, reqs, n_layers)
+        assert got.feasible == (best is not None)
+        if best is not None:
+            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
+            again = pl.evaluate(got.placement, reqs)
+            assert again.feasible and again.predicted_step_s == pytest.approx(got.predicted_step_s)
+        else:
+            assert got.placement is None and len(got.victims) == n_req
+
+
+def test_window_is_largest_feasible_and_capacity_holds():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        cm, cap, reqs = random_case(rng, 3, 8)
+        pl = Planner(cm, cap, window=(1, 12), check_better=False)
+        p = pl.plan(reqs)
+        if not p.feasible:
+            continue
+        assert 1 <= p.window <= 12
+        for t in range(p.window):  # capacity holds at every step of the window
+            b = [max(q.blocks_per_layer, -(-(q.tokens + min(t, q.tokens_left if q.tokens_left is not None
+                                                          else t)) // 16)) for q in reqs]
+            assert p.placement.memory_blocks(b) <= cap + 1e-6
+        assert p.violations <= pl.alpha * p.window + 1e-9
+
+
+def test_alpha_zero_rejects_violations_and_deposit_helps():
+    cm = CostModel([1.0] * 4, 1.0)
+    reqs = [PlanRequest("a", 4, 60, None, 0.0, 4.5)]
+    # capacity 0 blocks: impossible. capacity 13: must offload >= 1 layer (4 resident-blocks per layer)
+    pl = Planner(cm, 13, alpha=0.0, window=(4, 4))
+    p = pl.plan(reqs)
+    # one host layer at 4 blocks takes 4 s to move: the step exceeds the 4.5 s SLO with no deposit
+    assert p.predicted_step_s > 4.5 and not p.feasible
+    rich = [PlanRequest("a", 4, 60, None, 100.0, 4.5)]
+    q = pl.plan(rich)
+    assert q.feasible and q.violations == 0
+    assert Planner(cm, 13, alpha=1.0, window=(4, 4)).plan(reqs).feasible
+
+
+def test_victim_orders():
+    cm = CostModel([1.0] * 4, 1.0)
+    reqs = [PlanRequest("small", 2, 20, None, 5.0), PlanRequest("big", 9, 140, None, 0.0),
+            PlanRequest("mid", 4, 60, None, 100.0)]
+    assert Planner(cm, 0).plan(reqs).victims == ("mid", "big", "small")  # 4*4+100 > 9*4 > 2*4+5
+    assert Planner(cm, 0, victim_order="longest").plan(reqs).victims == ("big", "mid", "small")
+    assert Planner(cm, 0, victim_order="shortest").plan(reqs).victims == ("small", "mid", "big")
+    rnd = Planner(cm, 0, victim_order="random", seed=1).plan(reqs).victims
+    assert sorted(rnd) == sorted(["small", "big", "mid"])
+    custom = Planner(cm, 0, victim_order=lambda rs: [r.request_id for r in rs][::-1]).plan(reqs)
+    assert custom.victims == ("mid", "big", "small")
+    with pytest.raises(ValueError):
+        Planner(cm, 0, victim_order="nope")
+
+
+def test_uniform_space_is_one_distance_and_never_beats_pruned():
+    rng = np.random.default_rng(11)
+    for _ in range(15):
+        cm, cap, reqs = random_case(rng, 3, 10)
+        u = Planner(cm, cap, window=(2, 8), space="uniform", check_better=False).plan(reqs)
+        p = Planner(cm, cap, window=(2, 8), check_better=False).plan(reqs)
+        if u.feasible:
+            assert len(set(u.distances)) == 1
+            assert p.feasible and p.predicted_step_s <= u.predicted_step_s + 1e-12
+
+
+def test_full_space_never_worse_than_pruned():
+    rng = np.random.default_rng(12)
+    for _ in range(6):
+        cm, cap, reqs = random_case(rng, 3, 10)
+        p = Planner(cm, cap, window=(2, 8), check_better=False).plan(reqs)
+        f = Planner(cm, cap, window=(2, 8), space="full", check_better=False, full_max_evals=200).plan(reqs)
+        assert f.feasible == p.feasible
+        if p.feasible:
+            assert f.predicted_step_s <= p.predicted_step_s + 1e-12
+            assert Planner(cm, cap, window=(2, 8)).evaluate(f.placement, reqs).feasible
+
+
+def test_expiry_detects_better_plan_after_growth():
+    # B is optimal at step 1 only while request 1 has 3 blocks; the plan must expire at the boundary
+    pl = Planner(CM, 70, alpha=1, window=(1, 20))
+    p = pl.plan(paper_requests())
+    assert p.feasible and p.predicted_step_s == pytest.approx(9.0)
+    assert p.expiry_step is not None and 1 <= p.expiry_step <= 15
+    assert p.replan_step <= p.window
+
+
+def test_expiry_better_plan_check():
+    # capacity is ample now, then growth makes offloading necessary -> expiry at the block boundary
+    cm = CostModel([1.0] * 4, 100.0)
+    reqs = [PlanRequest("a", 2, 32, None, 0.0)]  # 2 blocks, grows to 3 at step 1
+    p = Planner(cm, 8, window=(1, 4)).plan(reqs)
+    assert p.feasible and p.expiry_step == 1 and p.window == 1
+
+
+def test_empty_batch_and_bad_args():
+    cm = CostModel([1.0] * 3, 1.0)
+    p = Planner(cm, 10).plan([])
+    assert p.feasible and p.predicted_step_s == 3.0
+    with pytest.raises(ValueError):
+        Planner(cm, 10, window=(3, 2))
+    with pytest.raises(ValueError):
+        Planner(cm, 10, space="nope")
+    with pytest.raises(ValueError):
+        Planner(cm, 10).plan([PlanRequest("x", 1, 1), PlanRequest("x", 1, 1)])
+    with pytest.raises(ValueError):
+        PlanRequest("x", 1, 1, slo_s=0.0)

@@ -1,0 +1,125 @@
+"""AsyncEngine against a scripted fake engine: Token-Deposit pacing, finish flush, abort on cancel."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from orbitflow.runtime.engine import TokenEvent
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.serve.async_engine import AsyncEngine, EngineError
+from orbitflow.serve.stop import StopStringFilter
+
+
+class LetterTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+class Clock:
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+class ScriptedEngine:
+    """Emits a fixed script of (delay_s, TokenEvent factory) from its own thread when a request is added."""
+
+    def __init__(self, script):
+        self.script = script
+        self.clock = Clock()
+        self.listeners = []
+        self.aborted: list[str] = []
+
+    def has_work(self) -> bool:
+        return False
+
+    def wait_for_work(self, timeout=None) -> None:
+        time.sleep(timeout or 0.01)
+
+    def step(self) -> None:
+        pass
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def add_request(self, request_id, prompt_ids, sampling):
+        start = self.clock.now()
+
+        def play():
+            for delay, make in self.script:
+                time.sleep(delay)
+                for listener in self.listeners:
+                    listener(make(request_id, start))
+
+        threading.Thread(target=play, daemon=True).start()
+
+
+def token(i: int, due_after: float):
+    return lambda rid, start: TokenEvent(rid, i, time.perf_counter(), start + due_after)
+
+
+def finish(reason="length", error=None):
+    def make(rid, start):
+        now = time.perf_counter()
+        return TokenEvent(rid, None, now, now, finished=True, finish_reason=reason, error=error)
+    return make
+
+
+async def consume(engine: AsyncEngine, limit: int | None = None):
+    out = []
+    gen = engine.generate("r1", [1], SamplingParams())
+    async for item in gen:
+        out.append((time.perf_counter(), item))
+        if limit is not None and len(out) == limit:
+            await gen.aclose()
+            break
+    return out
+
+
+@pytest.fixture
+def run():
+    engines = []
+
+    def _run(script, limit=None):
+        fake = ScriptedEngine(script)
+        engine = AsyncEngine(fake, LetterTokenizer())
+        engines.append(engine)
+        engine.start()
+        start = time.perf_counter()
+        return fake, start, asyncio.run(consume(engine, limit))
+
+    yield _run
+    for engine in engines:
+        engine.shutdown()
+
+
+def test_tokens_wait_for_their_due_time_and_finish_flushes(run):
+    # Three tokens generated at once, due at +0.15, +0.6, +0.9; the request finishes at +0.35.
+    script = [(0.0, token(0, 0.15)), (0.0, token(1, 0.6)), (0.0, token(2, 0.9)), (0.35, finish())]
+    fake, start, out = run(script)
+    times = [t - start for t, _ in out]
+    assert [item.text_delta for _, item in out] == ["a", "b", "c", ""]
+    assert [item.finish_reason for _, item in out] == [None, None, None, "length"]
+    assert times[0] >= 0.15  # held until due
+    assert 0.3 <= times[1] < 0.55 and times[2] < 0.55  # released by the finish, before their due time
+    assert fake.aborted == []
+
+
+def test_closing_the_stream_aborts_the_request(run):
+    script = [(0.0, token(0, 0.0)), (0.05, token(1, 0.05)), (5.0, finish())]
+    fake, _, out = run(script, limit=1)
+    assert len(out) == 1 and fake.aborted == ["r1"]
+
+
+def test_engine_error_raises(run):
+    with pytest.raises(EngineError, match="boom"):
+        run([(0.0, token(0, 0.0)), (0.01, finish("error", "boom"))])
+
+
+def test_stop_string_filter_holds_back_and_truncates():
+    f = StopStringFilter(["STOP"])
+    out = [f.push(piece) for piece in ["hello S", "T", "OP and more"]]
+    assert "".join(out) == "hello " and f.stopped
+    g = StopStringFilter(["STOP"])
+    assert "".join([g.push("ST"), g.push("ay"), g.flush()]) == "STay" and not g.stopped

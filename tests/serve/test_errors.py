@@ -1,0 +1,123 @@
+"""Bad requests get OpenAI-shaped 4xx errors naming the field, and the server keeps serving."""
+
+import httpx
+import pytest
+from serve.live import MODEL_NAME, live_server, make_server_llm
+
+KEY = "sk-orbitflow-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_dir):
+    with live_server(make_server_llm(tiny_chat_dir), api_key=KEY) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def _completion(**changes):
+    return ("/v1/completions", {**GOOD, **changes})
+
+
+def _chat(**changes):
+    return ("/v1/chat/completions", {**CHAT, **changes})
+
+
+CASES = {
+    "wrong type max_tokens": (*_completion(max_tokens="ten"), 400, "max_tokens"),
+    "wrong type temperature": (*_completion(temperature="hot"), 400, "temperature"),
+    "wrong type prompt": (*_completion(prompt=5), 400, "prompt"),
+    "wrong type stream": (*_completion(stream="yes"), 400, "stream"),
+    "wrong type messages": (*_chat(messages="hi"), 400, "messages"),
+    "bad role": (*_chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    "missing messages": ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages"),
+    "missing prompt": ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
+    "empty messages": (*_chat(messages=[]), 400, "messages"),
+    "empty prompt": (*_completion(prompt=""), 400, "prompt"),
+    "negative max_tokens": (*_completion(max_tokens=-1), 400, "max_tokens"),
+    "zero max_tokens": (*_chat(max_tokens=0), 400, "max_tokens"),
+    "absurd max_tokens": (*_completion(max_tokens=1_000_000_000), 400, "max_tokens"),
+    "absurd max_tokens as float": (*_completion(max_tokens=1e9), 400, "max_tokens"),
+    "prompt longer than the context": (*_completion(prompt=[5] * 600), 400, "prompt"),
+    "token id outside the vocabulary": (*_completion(prompt=[5, 10**9]), 400, "prompt"),
+    "two prompts": (*_completion(prompt=["a", "b"]), 400, "prompt"),
+    "n > 1": (*_completion(n=2), 400, "n"),
+    "unknown model": (*_completion(model="gpt-9"), 404, "model"),
+}
+
+
+def assert_error(reply: httpx.Response, status: int, param: str | None) -> dict:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param
+    return error
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    reply = http.post("/v1/completions", json=GOOD, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request(http, case):
+    path, body, status, param = CASES[case]
+    assert_error(http.post(path, json=body, headers=AUTH), status, param)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]"])
+def test_malformed_body(http, body):
+    headers = {**AUTH, "Content-Type": "application/json"}
+    reply = http.post("/v1/chat/completions", content=body, headers=headers)
+    assert_error(reply, 400, None)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_api_key_required(http, headers):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        error = assert_error(http.post(path, json=GOOD, headers=headers), 401, None)
+        assert error["code"] == "invalid_api_key"
+    assert_error(http.get("/v1/models", headers=headers), 401, None)
+    assert http.get("/health").status_code == 200  # open, for load balancers
+    assert_still_serving(http)
+
+
+def test_unknown_route_is_openai_shaped(http):
+    assert_error(http.get("/v1/nothing", headers=AUTH), 404, None)
+
+
+def test_error_after_streaming_began(http, server):
+    """A step failure mid-stream ends the stream with an error chunk and [DONE]; the next request is fine."""
+    executor = server.llm.executor
+    real_step = executor.step
+    chunks: list[str] = []
+    body = {**GOOD, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    try:
+        with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunks.append(line.removeprefix("data: "))
+                if len(chunks) == 1:
+                    executor.step = _failing_step
+    finally:
+        executor.step = real_step
+    assert chunks[-1] == "[DONE]"
+    assert '"error"' in chunks[-2] and "engine step failed" in chunks[-2]
+    assert_still_serving(http)
+
+
+def _failing_step(seqs):
+    raise RuntimeError("injected failure")

@@ -1,0 +1,83 @@
+"""The official openai client against a live server: streaming equals non-streaming (greedy), usage."""
+
+import httpx
+import openai
+import pytest
+from serve.live import MODEL_NAME, live_server, make_server_llm
+
+PROMPT = "The planets move"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_dir):
+    with live_server(make_server_llm(tiny_chat_dir)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "Write one sentence about orbits."}]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens == 12 or full.choices[0].finish_reason == "stop"
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_completion_stream_equals_non_stream(client, server):
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert full.object == "text_completion" and full.choices[0].text
+    assert full.usage.prompt_tokens == len(server.llm.tokenizer.encode(PROMPT))
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_token_id_prompt_and_stop_string(client, server):
+    ids = server.llm.tokenizer.encode(PROMPT)
+    by_text = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0)
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    text = by_text.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10,
+                                         temperature=0, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    with httpx.Client() as http:
+        assert http.get(f"{server.url}/health").json() == {"status": "ok"}
+        text = http.get(f"{server.url}/metrics").text
+    for name in (
+        "orbitflow:time_to_first_token_seconds_bucket", "orbitflow:inter_token_latency_seconds_count",
+        "orbitflow:time_per_output_token_seconds_sum", "orbitflow:e2e_request_latency_seconds_count",
+        "orbitflow:num_requests_running", "orbitflow:kv_device_blocks_total 512.0",
+        "orbitflow:solver_calls_total",
+        "orbitflow:slo_violations_delivered_total", "orbitflow:slo_violations_generated_total",
+        "orbitflow:pauses_total",
+    ):
+        assert name in text
