@@ -49,6 +49,7 @@ class TransferEngine:
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.overflow_blocks = 0
+        self.busy_s = 0.0  # time the link spent moving prefetches (for the controller's bandwidth estimate)
         self.overflow_blocks_peak = 0
         self._link = threading.Lock()  # one transfer on the link at a time
         self._cond = threading.Condition()
@@ -81,6 +82,7 @@ class TransferEngine:
             else:
                 dst.storage.index_copy_(0, dst_index, src.storage.index_select(0, src_index))
             self._throttle(nbytes, start)
+            self.busy_s += time.perf_counter() - start
         return nbytes
 
     def move_to_host(self, device_ids: list[int], host_ids: list[int]) -> None:
@@ -177,6 +179,7 @@ class TransferEngine:
             start = time.perf_counter()
             fetch.scratch = self.host_pool.storage.index_select(0, index).to(self.device_pool.storage.device)
             self._throttle(n * self.host_pool.bytes_per_block, start)
+            self.busy_s += time.perf_counter() - start
         self.bytes_h2d += n * self.host_pool.bytes_per_block
         with self._cond:
             self.overflow_blocks += n

@@ -29,7 +29,7 @@ class DynamicHeuristicPolicy(Policy):
         level = [0] * len(requests)
         blocks = [max(r.blocks_per_layer, min(final_blocks(r, ctx.block_size), r.blocks_per_layer + 1))
                   for r in requests]
-        by_size = sorted(range(len(requests)), key=lambda i: -blocks[i])
+        by_size = sorted(range(len(requests)), key=lambda i: -blocks[i])  # largest first
 
         def placement() -> Placement:
             return Placement.from_distances(ctx.num_layers, [options[k] for k in level])
@@ -38,7 +38,5 @@ class DynamicHeuristicPolicy(Policy):
             growable = [i for i in by_size if level[i] < len(options) - 1]
             if not growable:
                 break
-            # the largest request that is offloaded least (relative to the others) gives up a layer first
-            i = min(growable, key=lambda j: (level[j], -blocks[j]))
-            level[i] += 1
+            level[growable[0]] += 1  # the largest request gives up layers first: fewest layers moved
         return ctx.planner(alpha=float("inf")).evaluate(placement(), requests)

@@ -182,7 +182,7 @@ class Engine:
                 self._finish(req, "error", error=f"engine step failed: {exc}")
             self.controller.forget()
             return None
-        self.clock.advance(result.step_s)
+        self.clock.advance(result.replacement_s + result.step_s)  # a wall clock has moved by itself
         now = self.clock.now()
         self._account(result, is_decode)
         for seq, req, token in zip(seqs, reqs, result.tokens):
@@ -191,7 +191,8 @@ class Engine:
                 self._emit_token(req, token, now)
         if is_decode and self._last_prediction is not None:
             total = sum(r.num_tokens for r in self.running)
-            self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total, None)
+            self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total,
+                                    result.link_blocks_per_s)
         self.stats.steps += 1
         if self.running:
             self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.stats.steps + 1)

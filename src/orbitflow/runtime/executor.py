@@ -39,6 +39,8 @@ class StepResult:
     device_blocks_used: int = 0
     host_blocks_used: int = 0
     prefill_tokens: int = 0
+    link_blocks_per_s: float | None = None  # measured effective link rate of this step's prefetches
+    replacement_s: float = 0.0  # simulated time of the placement changes installed before the step
 
     @property
     def compute_s(self) -> float:
@@ -86,7 +88,7 @@ class ModelExecutor:
             bounds.append(bounds[-1] + len(s.token_ids))
         entered = [0.0] * self.num_layers
         stalls = [0.0] * self.num_layers
-        bytes_h2d, bytes_d2h = transfer.bytes_h2d, transfer.bytes_d2h
+        bytes_h2d, bytes_d2h, busy = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             entered[layer] = time.perf_counter()
@@ -132,14 +134,16 @@ class ModelExecutor:
         compute = [boundaries[l] - entered[l] - stalls[l] for l in range(self.num_layers)]
         compute[0] += entered[0] - start  # embedding and the first projections
         device_used, host_used = kv.usage()
+        moved, busy = transfer.bytes_h2d - bytes_h2d, transfer.busy_s - busy
         return StepResult(
             tokens=tokens,
             step_s=end - start,
             layer_compute_s=compute,
             layer_stall_s=stalls,
-            bytes_h2d=transfer.bytes_h2d - bytes_h2d,
+            bytes_h2d=moved,
             bytes_d2h=transfer.bytes_d2h - bytes_d2h,
             device_blocks_used=device_used,
             host_blocks_used=host_used,
             prefill_tokens=sum(len(s.token_ids) for s in seqs if len(s.token_ids) > 1 or s.start_pos == 0),
+            link_blocks_per_s=moved / busy / kv.host_pool.bytes_per_block if moved and busy > 0 else None,
         )

@@ -79,7 +79,7 @@ class SimExecutor:
             compute = np.asarray(est.compute_per_layer_s) * noise
             stall = np.asarray(est.stall_per_layer_s)
             h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)
-        compute[0] += prefill_s + move_s  # prefill and re-placement traffic delay the whole step
+        compute[0] += prefill_s  # a prefill in the batch delays the whole step
         device_used, host_used = kv.usage()
         return StepResult(
             tokens=[0 if s.sample else None for s in seqs],
@@ -90,4 +90,6 @@ class SimExecutor:
             device_blocks_used=device_used,
             host_blocks_used=host_used,
             prefill_tokens=prefill_tokens,
+            link_blocks_per_s=self.profile.link_blocks_per_s / slowdown if h2d else None,
+            replacement_s=move_s,
         )

@@ -1,0 +1,85 @@
+"""Every policy answers through the same interface; the baselines behave as the paper describes them."""
+
+import numpy as np
+import pytest
+
+from orbitflow.plan import CostModel, PlanRequest
+from orbitflow.policies import ABLATIONS, POLICIES, make_policy
+from orbitflow.policies.base import PlanContext, evenly_spaced_row
+
+L = 8
+
+
+def ctx(capacity=400, link=40.0, **kw):
+    return PlanContext(num_layers=L, block_size=16, capacity_blocks=capacity,
+                       cost_model=CostModel([0.01] * L, link), window=(1, 8), **kw)
+
+
+def reqs(blocks, slo=0.2, deposit=0.0):
+    return [PlanRequest(f"r{i}", b, b * 16, 32, deposit, slo) for i, b in enumerate(blocks)]
+
+
+@pytest.mark.parametrize("name", list(POLICIES) + list(ABLATIONS))
+def test_every_policy_returns_a_plan_for_the_batch(name):
+    plan = make_policy(name).plan(reqs([10, 20, 5]), ctx())
+    assert plan.placement is not None and plan.placement.mask.shape == (3, L)
+    assert plan.feasible
+
+
+def test_deepspeed_keeps_everything_on_the_host():
+    plan = make_policy("deepspeed").plan(reqs([10, 20]), ctx())
+    assert not plan.placement.mask.any()
+
+
+def test_evenly_spaced_rows_match_distances():
+    assert evenly_spaced_row(8, 4).tolist() == [True, False] * 4  # every 2nd layer, as distance 2
+    assert (~evenly_spaced_row(8, 3)).sum() == 3
+    assert evenly_spaced_row(8, 0).all() and not evenly_spaced_row(8, 8).any()
+
+
+def test_flexgen_fixes_one_count_offline_for_the_worst_case():
+    policy = make_policy("flexgen")
+    c = ctx(capacity=300, max_num_seqs=2, max_batch_tokens=2 * 16 * 20)  # worst case: 2 x 20 blocks/layer
+    small = policy.plan(reqs([2, 3]), c)
+    large = policy.plan(reqs([15, 18]), c)
+    rows = np.vstack([small.placement.mask, large.placement.mask])
+    assert (rows == rows[0]).all()  # the same layers for every request, whatever the batch
+    assert (~rows[0]).sum() > 0  # the worst case does not fit on device, so it offloads even tiny batches
+
+
+def test_flexgen_plus_rechooses_for_the_current_batch():
+    policy = make_policy("flexgen+")
+    small = policy.plan(reqs([2, 3]), ctx(capacity=200))
+    large = policy.plan(reqs([15, 18]), ctx(capacity=200))
+    assert small.placement.mask.all()  # fits: nothing offloaded
+    assert not large.placement.mask.all() and large.feasible
+    assert (large.placement.mask == large.placement.mask[0]).all()  # still uniform
+
+
+def test_dynamic_offloads_the_fewest_layers_that_fit_largest_first():
+    plan = make_policy("dynamic").plan(reqs([4, 30]), ctx(capacity=250))
+    host = (~plan.placement.mask).sum(axis=1)
+    assert plan.feasible and host[1] > 0 and host[0] == 0
+
+
+def test_slo_aware_offloads_as_much_as_the_slo_allows():
+    loose = make_policy("slo-aware").plan(reqs([10, 10], slo=10.0), ctx(capacity=1000))
+    tight = make_policy("slo-aware").plan(reqs([10, 10], slo=0.081), ctx(capacity=1000))
+    assert (~loose.placement.mask).sum() > (~tight.placement.mask).sum()
+
+
+def test_deposit_balance_reaches_the_planner_and_changes_the_plan():
+    """Without a balance no plan meets the SLO cap (so OrbitFlow would pause someone); with a balance
+    the deposit covers the slow steps and the whole batch runs."""
+    c = ctx(capacity=150, link=300.0, alpha=0.0)
+    without = make_policy("orbitflow").plan(reqs([12, 12], slo=0.085), c)
+    with_balance = make_policy("orbitflow").plan(reqs([12, 12], slo=0.085, deposit=5.0), c)
+    assert not without.feasible and without.victims
+    assert with_balance.feasible
+
+
+def test_unknown_policy_names_the_flag():
+    from orbitflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--policy"):
+        make_policy("nope")
