@@ -184,6 +184,56 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- plan ----------------------------------------------------------------------------------------------
+def _plan_request(text: str, index: int, block_size: int, slo_s: float):
+    from orbitflow.plan import PlanRequest
+
+    fields = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in ("tokens", "left", "deposit", "slo_ms"):
+            raise CLIError(f"--request {text!r}: expected tokens=N[,left=N][,deposit=N][,slo_ms=X]")
+        try:
+            fields[key.strip()] = float(value)
+        except ValueError:
+            raise CLIError(f"--request {text!r}: {key} must be a number") from None
+    if "tokens" not in fields or fields["tokens"] < 1:
+        raise CLIError(f"--request {text!r}: tokens=N (N >= 1) is required")
+    tokens = int(fields["tokens"])
+    return PlanRequest(f"r{index}", -(-tokens // block_size), tokens,
+                       int(fields["left"]) if "left" in fields else None, fields.get("deposit", 0.0),
+                       fields["slo_ms"] / 1000 if "slo_ms" in fields else slo_s)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from orbitflow.policies.base import PlanContext
+    from orbitflow.sim.profiles import ProfileError, resolve_profile
+
+    try:
+        profile = resolve_profile(args.profile or args.preset)
+    except (ProfileError, FileNotFoundError, KeyError, ValueError) as exc:
+        raise CLIError(f"--preset/--profile: {exc}") from None
+    config = EngineConfig(block_size=profile.block_size, device_kv_blocks=args.device_kv_blocks or
+                          profile.device_kv_blocks, alpha=args.alpha, window_min=args.window_min,
+                          window_max=args.window_max)
+    slo_s = args.slo_ms / 1000 if args.slo_ms else config.slo_scale * profile.base_slo_s()
+    requests = [_plan_request(t, i, profile.block_size, slo_s) for i, t in enumerate(args.request)]
+    plan = PlanContext.from_profile(config, profile).planner(space=args.space).plan(requests)
+    out = {
+        "feasible": plan.feasible, "distances": list(plan.distances) if plan.distances else None,
+        "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
+        "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
+        "memory_blocks": plan.memory_blocks, "capacity_blocks": config.device_kv_blocks,
+        "victims": list(plan.victims), "solve_s": plan.stats.get("solve_s"), "slo_s": slo_s,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key:>17}: {value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orbitflow",
@@ -224,6 +274,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", help="write every run's metrics as JSON")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots mirroring paper Figs. 9-13")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("plan", help="run the placement planner on a described batch",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--request", action="append", required=True, metavar="tokens=N[,left=N][,deposit=N][,slo_ms=X]",
+                   help="one request of the batch (repeat)")
+    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset")
+    p.add_argument("--profile", default=None, help="a profile JSON file instead of a preset")
+    p.add_argument("--device-kv-blocks", type=int, default=None, help="override the device KV budget")
+    p.add_argument("--slo-ms", type=float, default=None, help="TBT SLO (default: 1.5 x the base SLO)")
+    p.add_argument("--alpha", type=float, default=EngineConfig().alpha, help="tolerated violations per step")
+    p.add_argument("--window-min", type=int, default=EngineConfig().window_min)
+    p.add_argument("--window-max", type=int, default=EngineConfig().window_max)
+    p.add_argument("--space", choices=("pruned", "uniform", "full"), default="pruned", help="search space")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("profile", help="measure this machine's engine and print a hardware profile (JSON)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -1,0 +1,39 @@
+"""CLI surfaces that need no model: plan and simulate (generate is covered in test_generate_smollm2.py)."""
+
+import json
+
+from orbitflow.cli import main
+
+
+def test_plan_prints_a_feasible_plan_as_json(capsys):
+    argv = ["plan", "--json", "--device-kv-blocks", "20000", "--slo-ms", "300",
+            "--request", "tokens=12000,left=500", "--request", "tokens=900,left=800"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] and len(out["distances"]) == 2
+    assert out["memory_blocks"] <= out["capacity_blocks"]
+
+
+def test_plan_rejects_a_malformed_request(capsys):
+    assert main(["plan", "--request", "tokenz=3"]) == 2
+    assert "--request" in capsys.readouterr().err
+
+
+def test_simulate_writes_json_and_plots(tmp_path, capsys):
+    out = tmp_path / "runs.json"
+    argv = ["simulate", "--policies", "orbitflow,flexgen+", "--slo-scales", "1.5", "--rate-scales", "2",
+            "--num-requests", "4", "--workers", "1", "--json", str(out), "--plots", str(tmp_path / "plots")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "orbitflow" in printed and "flexgen+" in printed
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["policy"] for r in runs} == {"orbitflow", "flexgen+"}
+    assert all(0 <= r["tbt_attainment"] <= 1 and 0 <= r["tbt_attainment_no_deposit"] <= 1 for r in runs)
+    assert any((tmp_path / "plots").glob("*.png"))
+
+
+def test_simulate_names_a_bad_flag(capsys):
+    assert main(["simulate", "--slo-scales", "fast"]) == 2
+    assert "--slo-scales" in capsys.readouterr().err
+    assert main(["simulate", "--policies", "warp-drive"]) == 2
+    assert "--policies" in capsys.readouterr().err
