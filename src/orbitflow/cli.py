@@ -153,6 +153,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise CLIError(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(policy_names())})")
     if args.ablations:
         policies += [p for p in ABLATIONS if p not in policies]
+    if args.victims:
+        victims = [v.strip() for v in args.victims.split(",") if v.strip()]
+        bad = [v for v in victims if v not in VICTIM_CHOICES]
+        if bad:
+            raise CLIError(f"--victims: unknown {', '.join(bad)} (choose from {', '.join(VICTIM_CHOICES)})")
+        policies += [f"orbitflow@{v}" for v in victims]
     slo_scales = _floats(args.slo_scales, "--slo-scales")
     rate_scales = _floats(args.rate_scales, "--rate-scales")
     overrides = {"max_num_seqs": args.max_num_seqs}
@@ -254,9 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, max_num_seqs_default=None)
     p.set_defaults(func=cmd_generate)
 
+    from orbitflow.bench.client import add_bench_parser
     from orbitflow.serve.server import add_serve_parser
 
     add_serve_parser(sub, add_engine_args, engine_config)
+    add_bench_parser(sub)
 
     p = sub.add_parser("simulate", help="paper-scale sweeps of policies on the simulator (tables, JSON, plots)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -264,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="a profile JSON file (from `orbitflow profile`) instead of a preset")
     p.add_argument("--policies", default="all", help="'all' (OrbitFlow and every baseline) or a comma list")
     p.add_argument("--ablations", action="store_true", help="also run the ablation steps of paper Fig. 13a")
+    p.add_argument("--victims", default=None, metavar="LIST",
+                   help="also run OrbitFlow with each of these pause-victim rules (paper Fig. 13c), e.g. "
+                        "largest-kv+deposit,longest,shortest,random")
     p.add_argument("--slo-scales", default="1,1.5,2.5", help="comma list of SLO scales")
     p.add_argument("--rate-scales", default="1,2,3,4,5", help="comma list of arrival-rate scales")
     p.add_argument("--num-requests", type=int, default=16, help="requests per run")

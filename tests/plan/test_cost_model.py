@@ -2,7 +2,14 @@ import numpy as np
 import pytest
 
 from orbitflow.plan import CostModel, Placement
-from orbitflow.plan.bounds import chain_bound, chain_gaps, count_matrix, dp_bound, offset_matrix
+from orbitflow.plan.bounds import (
+    chain_bound,
+    chain_gaps,
+    count_matrix,
+    dp_bound,
+    offset_matrix,
+    relaxed_latency,
+)
 
 # Paper section 2.3: 9 layers, 1.0 compute per layer, 3 blocks per layer-time, b = (3, 6) then (4, 6).
 CM = CostModel([1.0] * 9, 3.0)
@@ -132,3 +139,29 @@ def test_cost_model_bad_inputs():
         CostModel([1.0], 1.0, transfer="magic")
     with pytest.raises(ValueError):
         CostModel([1.0, 1.0], 1.0).step(Placement.from_distances(3, [None]), [1])
+
+
+def test_relaxed_latency_is_a_monotone_lower_bound():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 14))
+        comp = rng.uniform(0.5, 2.0, n_layers)
+        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
+        b = rng.integers(1, 30, n_req).astype(float)
+        cm = CostModel(comp, float(rng.uniform(2, 40)))
+        x = (b / cm.link_blocks_per_s).tolist()
+        lists = [np.flatnonzero(h).tolist() for h in host]
+        relax = relaxed_latency(comp.tolist(), lists, x)
+        assert relax <= cm.step(Placement.from_mask(~host), b).total_s + 1e-9
+        v = sum(x[r] * count_matrix(host[r]) for r in range(n_req))
+        assert dp_bound(v[None], comp)[0] >= relax - 1e-9  # the propagated bound is at least as tight
+        # adding one transfer never lowers either bound
+        free = np.argwhere(~host)
+        if free.size:
+            r, layer = free[rng.integers(len(free))]
+            more = host.copy()
+            more[r, layer] = True
+            lists2 = [np.flatnonzero(h).tolist() for h in more]
+            assert relaxed_latency(comp.tolist(), lists2, x) >= relax - 1e-12
+            v2 = v + x[r] * (count_matrix(more[r]) - count_matrix(host[r]))
+            assert dp_bound(v2[None], comp)[0] >= dp_bound(v[None], comp)[0] - 1e-12

@@ -180,3 +180,23 @@ def test_empty_batch_and_bad_args():
         Planner(cm, 10).plan([PlanRequest("x", 1, 1), PlanRequest("x", 1, 1)])
     with pytest.raises(ValueError):
         PlanRequest("x", 1, 1, slo_s=0.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pruned_search_exact_with_identical_requests_and_tight_link(seed):
+    # duplicated requests exercise the symmetry breaking; a slow link makes the search link-bound
+    rng = np.random.default_rng(300 + seed)
+    for _ in range(4):
+        n_layers = int(rng.integers(2, 13))
+        cm, cap, reqs = random_case(rng, int(rng.integers(2, 4)), n_layers)
+        reqs = reqs + [PlanRequest(f"dup{i}", q.blocks_per_layer, q.tokens, q.tokens_left, q.deposit, q.slo_s)
+                       for i, q in enumerate(reqs[:2])]
+        cm = cm.with_updates(link_blocks_per_s=cm.link_blocks_per_s * float(rng.uniform(0.3, 1.0)))
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 1.0])), window=(2, 8), check_better=False,
+                     node_limit=None)
+        got = pl.plan(reqs)
+        best = brute_force(pl, reqs, n_layers)
+        assert got.stats["exact"] == 1
+        assert got.feasible == (best is not None)
+        if best is not None:
+            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)

@@ -19,6 +19,7 @@ here) a copy thread does them, sleeping so that each copy lasts bytes / link rat
 from __future__ import annotations
 
 import heapq
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ class TransferEngine:
         self._error: BaseException | None = None
         self._seq = 0
         self._closed = False
+        # The copy thread must wake promptly when a slot frees; Python's default 5 ms GIL switch interval
+        # would add up to that much latency to every transfer.
+        if sys.getswitchinterval() > 0.001:
+            sys.setswitchinterval(0.001)
         self._thread = threading.Thread(target=self._run, name="orbitflow-kv-copy", daemon=True)
         self._thread.start()
 

@@ -14,13 +14,16 @@ a host layer is added, so it bounds every completion) is the largest of
 
 * compute: ``C = sum comp``;
 * link: layer ``l`` cannot start before the link moved every host block of layers ``<= l`` from t=0, then
-  layers ``l..L-1`` still run: ``W(l) + sum_{k>=l} comp_k``;
+  layers ``l..L-1`` still run, and each later layer ``l'`` whose request also offloads ``l'-1`` waits for
+  that transfer after layer ``l'-1`` ends: ``W(l) + sum_{k>=l} comp_k + sum_{l'>l} P(l')`` with ``P(l')``
+  the transfer seconds of back-to-back host layers at ``l'``;
 * forced volume: the unassigned requests must together offload at least ``y`` blocks for capacity to hold,
   so the link moves at least ``W(L-1) + y / rate`` before the last host layer runs (``+ min comp``);
 * chain: each request's own transfers are serialised with its compute (single buffer slot).
 
-Complete assignments are screened with :func:`orbitflow.plan.bounds.relaxed_latency` (the same constraints
-propagated layer by layer) and only then evaluated with the exact schedule and the window rule.
+Children that survive these cheap tests get the propagated release/need bound
+(:func:`orbitflow.plan.bounds.dp_bound`, vectorised over children); complete assignments that survive it are
+evaluated with the exact schedule and the window rule.
 Identical requests (same sizes over the window, deposit and SLO) are interchangeable, so their offload
 counts are forced non-increasing along the search order.
 """
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from orbitflow.plan.bounds import chain_bound, chain_gaps, relaxed_latency
+from orbitflow.plan.bounds import chain_bound, chain_gaps, count_matrix, dp_bound
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.placement import distance_row, pruned_distances
 
@@ -77,10 +80,15 @@ def candidate_tables(num_layers: int) -> tuple:
     hosts_f = hosts.astype(float)
     counts = hosts.sum(axis=1)
     cumh = np.cumsum(hosts_f, axis=1)
+    # back-to-back host layers l-1, l: that transfer is released when layer l-1 ends and needed by layer l
+    pairs = np.zeros_like(hosts_f)
+    pairs[:, 1:] = hosts_f[:, 1:] * hosts_f[:, :-1]
+    pairs_after = np.cumsum(pairs[:, ::-1], axis=1)[:, ::-1] - pairs  # pairs at layers > l
     lists = tuple(tuple(int(i) for i in np.flatnonzero(h)) for h in hosts)
-    for a in (hosts, hosts_f, counts, cumh):
+    mats = np.stack([count_matrix(h) for h in hosts])  # [K, L+1, L] release/need transfer counts
+    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats):
         a.setflags(write=False)
-    return dists, hosts, hosts_f, counts, cumh, lists
+    return dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats
 
 
 class BranchAndBound:
@@ -100,7 +108,8 @@ class BranchAndBound:
         self.first_only = first_only
         n_layers = planner.num_layers
         self.n_layers = n_layers
-        _, self.hosts, self.hosts_f, self.counts, self.cumh, self.lists = candidate_tables(n_layers)
+        tables = candidate_tables(n_layers)
+        _, self.hosts, self.hosts_f, self.counts, self.cumh, self.pairs_after, self.lists, self.mats = tables
         n_cand = len(self.counts)
         cm = planner.cost_model
         self.edf = cm.transfer == "edf"
@@ -145,7 +154,8 @@ class BranchAndBound:
         if self._try_no_offload():
             return self.best_host
         n_layers = self.n_layers
-        self._node(0, 0.0, np.zeros(n_layers), np.zeros(n_layers), self.comp_total, 0.0)
+        zero = np.zeros(n_layers)
+        self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0)
         return self.best_host
 
     def _try_no_offload(self) -> bool:
@@ -157,8 +167,8 @@ class BranchAndBound:
         return self.best_host is not None
 
     # -- search ---------------------------------------------------------------------------------------
-    def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, chain_lb: float,
-              moved: float) -> None:
+    def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
+              chain_lb: float, moved: float) -> None:
         stats = self.stats
         stats["nodes"] += 1
         limit = self.pl.node_limit
@@ -193,7 +203,8 @@ class BranchAndBound:
         ymin = np.maximum(ymin, 0.0)
         x = self.x0[r]
         new_vol = vol[None, :] + x * self.cumh[:n_kids]
-        lat_lb = (new_vol + self.suffix_comp).max(axis=1)
+        new_after = after[None, :] + x * self.pairs_after[:n_kids]
+        lat_lb = (new_vol + self.suffix_comp + new_after).max(axis=1)
         forced = new_vol[:, -1] + ymin * (self.ratio_suffix[depth + 1] / self.link)
         lat_lb = np.maximum(lat_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
         kid_chain = np.maximum(self.comp_total + self.chain[r, :n_kids], chain_lb)
@@ -203,6 +214,13 @@ class BranchAndBound:
             lat_lb = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * counts
         last = depth == self.n_req - 1
+        if self.edf:
+            # propagated release/need bound (bounds.dp_bound) on the children that survive the cheap tests
+            keep = np.flatnonzero(alive)
+            keep = keep[[not prunable(float(lat_lb[k]), float(new_moved[k]), self.best_key) for k in keep]]
+            if keep.size:
+                v = self._base_v(self.choice[:depth]) + x * self.mats[keep]
+                lat_lb[keep] = np.maximum(lat_lb[keep], dp_bound(v, self.comp0))
         for k in np.lexsort((counts, lat_lb)):
             if self.done:
                 return
@@ -217,8 +235,16 @@ class BranchAndBound:
             if last:
                 self._leaf(self.choice)
             else:
-                self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], float(kid_chain[k]),
-                           float(new_moved[k]))
+                self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], new_after[k],
+                           float(kid_chain[k]), float(new_moved[k]))
+
+    def _base_v(self, choice: list[int]) -> np.ndarray:
+        """Release/need transfer seconds ``[L+1, L]`` of the requests assigned by ``choice``."""
+        v = np.zeros(self.mats.shape[1:])
+        for d, k in enumerate(choice):
+            if self.counts[k]:
+                v += self.x0[self.order[d]] * self.mats[k]
+        return v
 
     def _leaf(self, choice: list[int], host: np.ndarray | None = None) -> None:
         """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``)."""
@@ -231,10 +257,6 @@ class BranchAndBound:
         moved = float(sum(self.b0[r] * self.counts[k_of[r]] for r in range(self.n_req)))
         lists = [list(self.lists[k]) for k in k_of]
         if self.edf:
-            relax = relaxed_latency(self.comp0_list, lists, self.x0_list)
-            if prunable(relax, moved, self.best_key) or not self.lat_ok(relax):
-                stats["relax_cuts"] = stats.get("relax_cuts", 0) + 1
-                return
             lat0 = self.comp_total + float(sum(edf_stalls(self.comp0_list, lists, self.x0_list)))
         if host is None:
             host = self.hosts[k_of]

@@ -35,7 +35,10 @@ def _run_point(args) -> tuple[Point, dict]:
 
     profile, point, num_requests, seed, extra = args
     trace = paper_trace(num_requests, point.rate_scale, seed)
-    config = sim_config(profile, policy=point.policy, slo_scale=point.slo_scale,
+    policy, _, victim = point.policy.partition("@")  # "orbitflow@longest": another pause-victim rule
+    if victim:
+        extra = {**extra, "victim": victim}
+    config = sim_config(profile, policy=policy, slo_scale=point.slo_scale,
                         token_deposit=point.token_deposit, seed=seed, **extra)
     result = simulate_trace(profile, trace, config)
     return point, result.metrics.to_dict()

@@ -1,0 +1,107 @@
+"""`orbitflow bench` against a live server on a tiny random Llama with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+from serve.live import live_server, make_server_llm
+
+from orbitflow.bench.client import add_bench_parser, cmd_bench, replay, run_metrics, token_times
+from orbitflow.bench.workload import Trace, TraceRequest
+
+OUTPUTS = (5, 9, 1, 12)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(tmp_path_factory):
+    import transformers
+
+    from orbitflow.model.loader import _model_dir_for
+    from orbitflow.model.registry import resolve_model_path
+
+    smollm2 = _model_dir_for(resolve_model_path("smollm2-135m"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-chat-bench")
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2 / name).exists():
+            shutil.copy(smollm2 / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_dir):
+    with live_server(make_server_llm(tiny_chat_dir)) as live:
+        yield live
+
+
+def small_trace() -> Trace:
+    reqs = [TraceRequest(f"r{i}", 0.15 * i, 20 + 13 * i, out) for i, out in enumerate(OUTPUTS)]
+    reqs[1].prompt = "The planets move around the sun because"
+    return Trace(reqs)
+
+
+def test_replay_measures_every_token(server):
+    trace = small_trace()
+    result = asyncio.run(replay(server.url, trace, progress=False))
+    assert result.errors == {}
+    assert result.model == "tiny-chat"
+    by_id = {r.request_id: r for r in result.records}
+    for req in trace:
+        rec = by_id[req.request_id]
+        assert rec.output_tokens == len(rec.delivered) == req.output_tokens
+        assert rec.finished_s is not None and rec.finished_s >= rec.delivered[-1]
+        assert rec.arrival_s >= req.arrival_s - 1e-3
+    m = run_metrics(result, slo_s=1.0)
+    assert m.num_finished == len(OUTPUTS)
+    assert m.total_output_tokens == sum(OUTPUTS)
+    assert m.num_tbt_gaps == sum(n - 1 for n in OUTPUTS)
+    assert m.ttft_mean_s > 0 and m.p50_ttft_s > 0
+    assert 0 <= m.tbt_attainment <= 1 and m.tbt_mean_s >= 0
+    assert m.tokens_per_s > 0 and m.makespan_s >= 0.45
+
+
+def test_cli_generated_trace_writes_json(server, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(["bench", "--url", server.url, "--generate", "3", "--rate", "20",
+                              "--token-scale", "0.01", "--slo-ms", "500", "--json", str(out), "--quiet"])
+    assert args.func(args) == 0
+    assert "TBT attainment" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["metrics"]["num_finished"] == 3 and data["metrics"]["slo_s"] == 0.5
+    assert [len(r["token_s"]) for r in data["requests"]] == [r["output_tokens"] for r in data["requests"]]
+
+
+def test_unreachable_server_and_missing_slo_are_one_line_errors(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    trace = tmp_path / "t.json"
+    small_trace().save(trace)
+    args = parser.parse_args(["bench", "--url", "http://127.0.0.1:9", "--trace", str(trace), "--slo-ms", "50"])
+    assert cmd_bench(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("orbitflow bench: error: cannot reach the server at http://127.0.0.1:9")
+    assert "\n" not in err
+    args = parser.parse_args(["bench", "--trace", str(trace)])
+    assert cmd_bench(args) == 2
+    assert "--slo-ms is required" in capsys.readouterr().err
+
+
+def test_token_times_spreads_extra_tokens_by_text():
+    chunks = [(1.0, "a"), (2.0, "abcdef"), (3.0, "")]
+    assert token_times(chunks, 3) == [1.0, 2.0, 3.0]
+    assert token_times(chunks, 5) == [1.0, 2.0, 2.0, 2.0, 3.0]
+    assert token_times(chunks, None) == [1.0, 2.0, 3.0]
+    assert token_times([], 4) == []
