@@ -161,9 +161,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         policies += [f"orbitflow@{v}" for v in victims]
     slo_scales = _floats(args.slo_scales, "--slo-scales")
     rate_scales = _floats(args.rate_scales, "--rate-scales")
-    overrides = {"max_num_seqs": args.max_num_seqs}
-    if args.device_kv_blocks:
-        overrides["device_kv_blocks"] = args.device_kv_blocks
+    # The paper's setup: the device budget is about 0.23 x the KV blocks of the largest batch allowed.
+    largest_batch_blocks = args.max_num_batched_tokens // profile.block_size * profile.num_layers
+    device_blocks = args.device_kv_blocks or round(0.23 * largest_batch_blocks)
+    overrides = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                 "device_kv_blocks": device_blocks}
     total = len(policies) * len(slo_scales) * len(rate_scales) * 2
     with tqdm(total=total, desc=f"simulate {profile.name}", unit="run", disable=not sys.stderr.isatty()) as bar:
         runs = run_sweep(profile, policies, slo_scales, rate_scales, num_requests=args.num_requests, seed=args.seed,
@@ -176,11 +178,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rows = summary_rows(runs)
     for s in slo_scales:
         print(format_table([r for r in rows if r["slo_scale"] == s], columns,
-                           title=f"{profile.name} | SLO scale {s} | {args.num_requests} requests per run"))
+                           title=f"{profile.name} | SLO scale {s} | {args.num_requests} requests per run | "
+                                 f"device budget {device_blocks} blocks"))
         print()
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"preset": profile.name, "runs": runs}, fh, indent=1)
+            json.dump({"preset": profile.name, "device_kv_blocks": device_blocks, "runs": runs}, fh, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
         from orbitflow.bench.plots import write_plots
@@ -279,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-scales", default="1,2,3,4,5", help="comma list of arrival-rate scales")
     p.add_argument("--num-requests", type=int, default=16, help="requests per run")
     p.add_argument("--max-num-seqs", type=int, default=4, help="batch size cap")
-    p.add_argument("--device-kv-blocks", type=int, default=None, help="override the preset's device KV budget")
+    p.add_argument("--max-num-batched-tokens", type=int, default=32768, help="tokens per batch cap")
+    p.add_argument("--device-kv-blocks", type=int, default=None,
+                   help="device KV budget (default: 0.23 x the blocks of the largest batch, as in the paper)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every run's metrics as JSON")

@@ -5,38 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 
 import pytest
-import torch
 from serve.live import live_server, make_server_llm
 
 from orbitflow.bench.client import add_bench_parser, cmd_bench, replay, run_metrics, token_times
 from orbitflow.bench.workload import Trace, TraceRequest
 
 OUTPUTS = (5, 9, 1, 12)
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_dir(tmp_path_factory):
-    import transformers
-
-    from orbitflow.model.loader import _model_dir_for
-    from orbitflow.model.registry import resolve_model_path
-
-    smollm2 = _model_dir_for(resolve_model_path("smollm2-135m"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("tiny-chat-bench")
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (smollm2 / name).exists():
-            shutil.copy(smollm2 / name, path / name)
-    return path
 
 
 @pytest.fixture(scope="module")

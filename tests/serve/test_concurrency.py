@@ -42,4 +42,7 @@ def test_concurrent_streams_match_solo_greedy(server):
         results = list(pool.map(stream, CASES))
     assert [text for text, _ in results] == solo
     assert all(reason in ("stop", "length") for _, reason in results)
-    assert server.llm.engine.stats.host_blocks_peak > 0, "the budget should have forced some KV to the host"
+    stats = server.llm.engine.stats
+    # Which mechanism fits the batch into 40 blocks depends on how the threads' arrivals interleave:
+    # offloading layers to the host, or pausing a request (whose KV then stays put or is evicted).
+    assert stats.host_blocks_peak > 0 or stats.pauses > 0, "the budget should have forced offloading or a pause"

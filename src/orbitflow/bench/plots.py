@@ -187,7 +187,12 @@ def plot_ablation(runs: Sequence[Run]) -> Figure:
     present = {normalise_policy(str(r["policy"])): str(r["policy"]) for r in sel}
     steps = [present[n] for n in ABLATION_ORDER if n in present]
     slos = _sorted_values(sel, "slo_scale")
-    series = {s: [_mean([r for r in sel if r["policy"] == p and r.get("slo_scale") == s], "tbt_attainment")
+    # The steps before "+token-deposit" are OrbitFlow without it: use their no-deposit runs when present.
+    def key(policy: str) -> str:
+        before = normalise_policy(policy) in ABLATION_ORDER[:3]
+        return "tbt_attainment_no_deposit" if before and _has(sel, "tbt_attainment_no_deposit") else "tbt_attainment"
+
+    series = {s: [_mean([r for r in sel if r["policy"] == p and r.get("slo_scale") == s], key(p))
                   for p in steps] for s in slos}
     fig = Figure(figsize=(6.0, 3.6))
     ax = fig.subplots()

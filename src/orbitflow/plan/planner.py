@@ -346,6 +346,7 @@ class Planner:
     ) -> int | None:
         """First block boundary (before ``expiry``) at which some feasible plan is strictly faster."""
         base = _Window(self, reqs)
+        stall_now = seg_lat[0] - float(base.comp[0].sum())
         for t in base.boundaries:
             if expiry is not None and t >= expiry:
                 break
@@ -363,6 +364,10 @@ class Planner:
             comp_floor = float(win_t.comp[0].sum())
             if cur <= comp_floor * (1 + _REL_TOL) + 1e-15:
                 continue  # nothing can beat a stall-free step
+            if cur - comp_floor <= stall_now * (1 + _REL_TOL) + 1e-15:
+                # Growth only adds transfer work and shrinks what fits, so no other plan can have become
+                # faster while this one's stall has not grown: skip the search.
+                continue
             sub: dict[str, float] = {"nodes": 0, "leaves": 0}
             better = self._solve_pruned(win_t, sub, upper=cur * (1 - 1e-9), first_only=True)
             stats["nodes"] += sub["nodes"]
