@@ -89,7 +89,7 @@ def test_paused_request_is_evicted_lazily_layer_by_layer():
     assert kv.tables["old"].evicted_layers == set()
     for layer, (k, v) in enumerate(written):
         k2, v2 = _read_layer(kv, "old", layer, 32)
-        assert torch.equal(k2, k)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
     kv.free("old")
     assert kv.usage() == (0, 0)
     kv.close()
