@@ -53,3 +53,18 @@ def test_small_sweep_json_shape(a5000, tmp_path):
     json.dumps({"runs": runs})
     by = {r["policy"]: r for r in runs}
     assert by["orbitflow"]["tbt_attainment"] >= by["deepspeed"]["tbt_attainment"]
+
+
+@pytest.mark.parametrize("deposit", [True, False])
+def test_deposit_hides_a_prefill_stall_after_fast_early_steps(a5000, deposit):
+    """A short request decodes alone (fast steps bank a deposit), then a 12K-token prompt's prefill
+    stalls it for seconds: the generated stream misses the SLO, the delivered one does not."""
+    trace = Trace([TraceRequest("short", 0.0, 500, 400), TraceRequest("long", 10.0, 12000, 10)])
+    result = simulate_trace(a5000, trace, sim_config(a5000, policy="orbitflow", slo_scale=1.5, token_deposit=deposit))
+    stats = result.engine.stats
+    assert stats.generated_violations >= 1
+    if deposit:
+        assert stats.delivered_violations < stats.generated_violations
+        assert result.metrics.tbt_attainment > result.metrics.tbt_attainment_generated
+    else:
+        assert stats.delivered_violations == stats.generated_violations

@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-# Gaps come from differences of float timestamps; treat a gap within this of the SLO as equal to it.
-SLO_TOLERANCE_S = 1e-9
+from orbitflow.runtime.deposit import SLO_TOLERANCE_S  # one tolerance for the engine and the client
 
 PERCENTILES = (50, 95, 99)
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 
+# Delivery times are sums of float timestamps and SLO intervals: a gap within this of the SLO meets it.
+SLO_TOLERANCE_S = 1e-9
+
 
 class TokenDeposit:
     def __init__(self, slo_s: float, enabled: bool = True):

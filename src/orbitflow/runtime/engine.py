@@ -26,7 +26,7 @@ from orbitflow.kv.pool import OutOfBlocks
 from orbitflow.plan import Plan, PlanRequest
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.controller import Controller
-from orbitflow.runtime.deposit import TokenDeposit
+from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit
 from orbitflow.runtime.executor import SeqInput, StepResult
 from orbitflow.runtime.request import Request, Status
 from orbitflow.runtime.sampling import SamplingParams
@@ -353,9 +353,9 @@ class Engine:
         req.generated_s.append(now)
         due = req.deposit.push(token, now)
         req.delivered_s.append(due)
-        if prev_gen is not None and now - prev_gen > req.slo_s:
+        if prev_gen is not None and now - prev_gen > req.slo_s + SLO_TOLERANCE_S:
             self.stats.generated_violations += 1
-        if prev_due is not None and due - prev_due > req.slo_s:
+        if prev_due is not None and due - prev_due > req.slo_s + SLO_TOLERANCE_S:
             self.stats.delivered_violations += 1
         self._notify(TokenEvent(req.request_id, token, now, due))
         reason = req.check_stop(token)
