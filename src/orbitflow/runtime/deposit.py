@@ -18,7 +18,7 @@ class TokenDeposit:
     def __init__(self, slo_s: float, enabled: bool = True):
         self.slo_s = slo_s
         self.enabled = enabled
-        self._queue: deque[tuple[int, float]] = deque()  # (token, due time), due times non-decreasing
+        self._queue: deque[tuple[int, float]] = deque()  # (token, due time) not yet delivered, in order
         self._last_due: float | None = None
 
     def push(self, token: int, generated_at: float) -> float:
@@ -32,7 +32,7 @@ class TokenDeposit:
         return due
 
     def pop_due(self, now: float) -> list[tuple[int, float]]:
-        """Tokens whose delivery time has come, with that time."""
+        """Tokens whose delivery time has come, with that time; they leave the deposit."""
         out = []
         while self._queue and self._queue[0][1] <= now:
             out.append(self._queue.popleft())
@@ -44,12 +44,10 @@ class TokenDeposit:
         self._queue.clear()
         return out
 
-    def next_due(self) -> float | None:
-        return self._queue[0][1] if self._queue else None
-
     def balance(self, now: float) -> int:
-        """Tokens generated but not yet delivered at `now`."""
-        return sum(1 for _, due in self._queue if due > now)
+        """Tokens generated but not yet delivered at `now` (the margin the planner may spend)."""
+        self.pop_due(now)
+        return len(self._queue)
 
     def __len__(self) -> int:
         return len(self._queue)
