@@ -49,10 +49,10 @@ def _fill(kv: KVManager, rid: str, tokens: int) -> list[torch.Tensor]:
 def _read_layer(kv: KVManager, rid: str, layer: int, tokens: int):
     table = kv.tables[rid]
     if table.on_device[layer]:
-        return kv.read(table.blocks[layer], tokens)
+        return kv.read(kv.block_index(table.blocks[layer], tokens), tokens)
     staging = kv.device_pool.allocate(table.blocks_per_layer)
     kv.transfer.move_to_device(table.blocks[layer], staging)
-    out = kv.read(staging, tokens)
+    out = kv.read(kv.block_index(staging, tokens), tokens)
     kv.device_pool.free(staging)
     return out
 

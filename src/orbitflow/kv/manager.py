@@ -161,22 +161,36 @@ class KVManager:
         """Store K/V of tokens start..start+n-1 of one layer into that layer's tier."""
         table = self.tables[req_id]
         pool = self.pool(table.on_device[layer]).storage
+        k, v = k.to(pool.device, pool.dtype), v.to(pool.device, pool.dtype)
+        if k.shape[0] == 1:  # decode: one slot, no index tensors to build
+            block, offset = divmod(start, self.block_size)
+            pool[table.blocks[layer][block], 0, offset] = k[0]
+            pool[table.blocks[layer][block], 1, offset] = v[0]
+            return
         positions = torch.arange(start, start + k.shape[0])
         block_ids = torch.tensor(table.blocks[layer], dtype=torch.long)[positions // self.block_size]
         offsets = positions % self.block_size
         block_ids, offsets = block_ids.to(pool.device), offsets.to(pool.device)
-        pool[block_ids, 0, offsets] = k.to(pool.device, pool.dtype)
-        pool[block_ids, 1, offsets] = v.to(pool.device, pool.dtype)
+        pool[block_ids, 0, offsets] = k
+        pool[block_ids, 1, offsets] = v
 
-    def read(self, blocks: list[int] | torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [num_tokens, kv_heads, head_dim] from device-pool block ids (resident or staged) or from
-        a scratch tensor of blocks [n, 2, block_size, kv_heads, head_dim] (an overflowed prefetch)."""
+    def block_index(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Index tensor of the device-pool blocks that hold `num_tokens` tokens."""
+        return torch.tensor(block_ids[: self.blocks_for(num_tokens)], dtype=torch.long,
+                            device=self.device_pool.storage.device)
+
+    def read(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [num_tokens, kv_heads, head_dim] from a device-pool block index (`block_index`; resident or
+        staged blocks) or from a scratch tensor of blocks [n, 2, block_size, kv_heads, head_dim] (an
+        overflowed prefetch)."""
         storage = self.device_pool.storage
-        if not isinstance(blocks, torch.Tensor):
-            index = torch.tensor(blocks[: self.blocks_for(num_tokens)], dtype=torch.long, device=storage.device)
-            blocks = storage.index_select(0, index)
-        kv = blocks.transpose(0, 1).reshape(2, -1, *storage.shape[3:])[:, :num_tokens]
-        return kv[0], kv[1]
+        heads = storage.shape[3:]
+        if blocks.dtype == torch.long:  # gather K and V separately: each lands contiguous, no extra copy
+            k = storage[:, 0].index_select(0, blocks).view(-1, *heads)
+            v = storage[:, 1].index_select(0, blocks).view(-1, *heads)
+        else:
+            k, v = blocks[:, 0].reshape(-1, *heads), blocks[:, 1].reshape(-1, *heads)
+        return k[:num_tokens], v[:num_tokens]
 
     def close(self) -> None:
         self.transfer.close()

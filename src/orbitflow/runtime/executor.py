@@ -105,14 +105,19 @@ class ModelExecutor:
             for b, (s, t) in enumerate(zip(seqs, tables)):
                 lo, hi = bounds[b], bounds[b + 1]
                 k_new, v_new = k[lo:hi], v[lo:hi]
-                if s.start_pos > 0:
-                    blocks = t.blocks[layer] if t.on_device[layer] else transfer.staged(b, layer)
-                    k_old, v_old = kv.read(blocks, s.start_pos)
-                    keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
-                else:
-                    keys, values = k_new, v_new
-                outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
                 kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
+                if s.start_pos == 0:
+                    keys, values = k_new, v_new
+                elif t.on_device[layer]:  # the new tokens are in the pool now: one gather, no concatenation
+                    total = s.start_pos + hi - lo
+                    keys, values = kv.read(kv.block_index(t.blocks[layer], total), total)
+                else:  # the staged copy holds the cached tokens; the new ones went straight to the host
+                    staged = transfer.staged(b, layer)
+                    if isinstance(staged, list):
+                        staged = kv.block_index(staged, s.start_pos)
+                    k_old, v_old = kv.read(staged, s.start_pos)
+                    keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
+                outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
                 if not t.on_device[layer] and s.start_pos > 0:
                     consumed.append((b, layer))
             return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
