@@ -86,14 +86,16 @@ class Controller:
             plan = self.policy.plan(requests, replace(self.ctx, alpha=math.inf))
         return self._install(plan, ids, step, trigger, time.perf_counter() - start)
 
-    def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
-        """If the plan expires at the next step, start solving it now (the caller passes the batch
-        as it will be then: every request one token longer)."""
+    def expires_at(self, step: int) -> bool:
+        """Whether the plan's expiry trigger will fire at `step` (so it is worth solving ahead)."""
         if self._pool is None or self.plan is None or "expiry" not in self.policy.replan_on:
-            return
+            return False
         expiry = self.plan.expiry_step
-        if expiry is None or step_next < self.plan_step + expiry or self._ahead is not None:
-            return
+        return expiry is not None and step >= self.plan_step + expiry and self._ahead is None
+
+    def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
+        """Start solving the plan for the next step now, on the planner thread (the caller passes the
+        batch as it will be then: every request one token longer)."""
         ctx, policy = self.ctx, self.policy
 
         def run() -> tuple[Plan, float]:

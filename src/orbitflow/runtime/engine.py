@@ -109,6 +109,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._last_prediction: float | None = None
+        self._installed: tuple[Plan, list] | None = None  # the plan now in place, and its request ids
         self._batch_version = 0  # bumps on arrival, finish and pause
         self._admission_blocked_at: int | None = None  # version at which admission last found no room
 
@@ -194,7 +195,7 @@ class Engine:
             self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total,
                                     result.link_blocks_per_s)
         self.stats.steps += 1
-        if self.running:
+        if self.running and self.controller.expires_at(self.stats.steps + 1):
             self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.stats.steps + 1)
         return result
 
@@ -306,11 +307,14 @@ class Engine:
     # ---- running ----------------------------------------------------------------------------------
     def _install_plan(self) -> None:
         plan, ids = self.controller.plan, self.controller.plan_ids
+        if self._installed is not None and self._installed[0] is plan and self._installed[1] == ids:
+            return  # already in place: nothing to move
         rows = {rid: [bool(x) for x in plan.placement.mask[i]] for i, rid in enumerate(ids)}
         for req in self.running:
             if req.request_id not in self.kv.tables:
                 self.kv.allocate(req.request_id, 0, rows[req.request_id])
         self.kv.apply_placements({r.request_id: rows[r.request_id] for r in self.running})
+        self._installed = (plan, list(ids))
 
     def _build_inputs(self) -> tuple[list[SeqInput], list[Request]]:
         try:
