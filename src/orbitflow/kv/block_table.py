@@ -8,27 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEVICE = True
-HOST = False
-
 
 @dataclass
 class RequestBlocks:
     on_device: list[bool]  # per layer: True = device tier, False = host tier
     blocks: list[list[int]]  # per layer: block ids in that layer's tier, in token order
-    num_tokens: int = 0  # tokens whose KV is stored
     evicted_layers: set[int] = field(default_factory=set)  # paused request: layers moved off device lazily
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.on_device)
 
     @property
     def blocks_per_layer(self) -> int:
         return len(self.blocks[0]) if self.blocks else 0
-
-    def device_blocks(self) -> int:
-        return sum(len(b) for b, dev in zip(self.blocks, self.on_device) if dev)
-
-    def host_blocks(self) -> int:
-        return sum(len(b) for b, dev in zip(self.blocks, self.on_device) if not dev)
