@@ -138,3 +138,21 @@ def test_rejects_what_can_never_fit(tiny_llama):
             llm.engine.add_request("y", [], SamplingParams(max_tokens=4))
     finally:
         llm.close()
+
+
+def test_new_request_is_rejected_when_both_pools_are_full_and_running_ones_finish(tiny_llama):
+    # 6 layers; each request needs ceil((40 + 60) / 16) = 7 blocks per layer = 42 blocks to finish, plus up
+    # to 7 blocks of prefetch buffer: two fit in 30 + 70 blocks (2 x 49 = 98), a third does not.
+    llm = make_llm(tiny_llama, profile=tiny_profile(), device_kv_blocks=30, host_kv_blocks=70, max_num_seqs=4)
+    try:
+        e = llm.engine
+        ps = prompts(3, 40)
+        reqs = [e.add_request(f"r{i}", p, SamplingParams(max_tokens=60, ignore_eos=True)) for i, p in enumerate(ps)]
+        e.run_until_done()
+        done = {r.request_id: r for r in reqs}
+        assert done["r0"].finish_reason == "length" and done["r1"].finish_reason == "length"
+        assert done["r2"].finish_reason == "error" and "KV memory exhausted" in done["r2"].error
+        assert len(done["r0"].output_ids) == len(done["r1"].output_ids) == 60
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()

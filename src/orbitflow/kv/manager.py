@@ -105,24 +105,32 @@ class KVManager:
         self.apply_placements({req_id: on_device})
 
     def apply_placements(self, rows: dict[object, list[bool]]) -> None:
-        """Move only the layers whose tier changes: every device->host move of the batch first, so the
-        space it frees is there for the host->device moves."""
+        """Move only the layers whose tier changes. Moves go in rounds: each round does every move whose
+        destination has room, so a move to the host can wait for one to the device to free host blocks
+        and the other way round. Raises OutOfBlocks when no move can proceed."""
         for req_id in rows:
             if req_id in self.paused:
                 self.paused.remove(req_id)
-        for req_id, on_device in rows.items():
-            table = self.tables[req_id]
-            for layer in range(self.num_layers):
-                if table.on_device[layer] and not on_device[layer]:
-                    self._move_layer(table, layer, to_device=False)
-        for req_id, on_device in rows.items():
-            table = self.tables[req_id]
-            to_device = [l for l in range(self.num_layers) if not table.on_device[l] and on_device[l]]
-            if to_device:
-                self.make_room(len(to_device) * table.blocks_per_layer, exclude=req_id)
-            for layer in to_device:
-                self._move_layer(table, layer, to_device=True)
-            table.evicted_layers.clear()
+        pending = [(req_id, layer, want) for req_id, want_row in rows.items()
+                   for layer, want in enumerate(want_row) if self.tables[req_id].on_device[layer] != want]
+        while pending:
+            waiting = []
+            for req_id, layer, to_device in pending:
+                table = self.tables[req_id]
+                need = table.blocks_per_layer
+                if to_device:
+                    self.make_room(need, exclude=req_id)
+                if self.pool(to_device).num_free >= need:
+                    self._move_layer(table, layer, to_device)
+                else:
+                    waiting.append((req_id, layer, to_device))
+            if len(waiting) == len(pending):
+                req_id, _, to_device = waiting[0]
+                pool = self.pool(to_device)
+                raise OutOfBlocks(pool.tier, self.tables[req_id].blocks_per_layer, pool.num_free, pool.num_blocks)
+            pending = waiting
+        for req_id in rows:
+            self.tables[req_id].evicted_layers.clear()
 
     def _move_layer(self, table: RequestBlocks, layer: int, to_device: bool) -> None:
         old = table.blocks[layer]

@@ -179,6 +179,7 @@ class Planner:
         check_better: bool = True,
         full_max_evals: int = 2000,
         node_limit: int | None = 2000,
+        host_capacity_blocks: float = math.inf,
     ) -> None:
         if space not in ("pruned", "uniform", "full"):
             raise ValueError(f"space must be 'pruned', 'uniform' or 'full', got {space!r}")
@@ -191,6 +192,7 @@ class Planner:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
         self.cost_model = cost_model
         self.capacity_blocks = float(capacity_blocks)
+        self.host_capacity_blocks = float(host_capacity_blocks)  # what the batch may hold on the host
         self.alpha = float(alpha)
         self.min_steps, self.max_steps = lo, hi
         self.space = space
@@ -259,6 +261,13 @@ class Planner:
             out.append(float(comp.sum()) + float(sum(st)))
         return out
 
+    def _first_over(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Steps (rows of ``blocks``) at which the device budget or the host pool would overflow."""
+        over = self._memory(host, blocks) > self.capacity_blocks * (1 + _REL_TOL) + 1e-9
+        if math.isfinite(self.host_capacity_blocks):
+            over |= blocks @ host.sum(axis=1) > self.host_capacity_blocks + 1e-9
+        return np.flatnonzero(over)
+
     def _memory(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """Capacity-equation left side for each row of ``blocks`` [T, R]."""
         resident = blocks @ (~host).sum(axis=1)
@@ -287,8 +296,7 @@ class Planner:
 
     def _window_of(self, win: _Window, host: np.ndarray, seg_lat: Sequence[float]) -> tuple[int, float]:
         """Largest feasible Delta (0 if none) and the violations over it."""
-        mem = self._memory(host, win.blocks[: win.horizon])
-        over = np.flatnonzero(mem > self.capacity_blocks * (1 + _REL_TOL) + 1e-9)
+        over = self._first_over(host, win.blocks[: win.horizon])
         cap_max = int(over[0]) if over.size else win.horizon
         if cap_max < self.min_steps:
             return 0, 0.0
@@ -313,7 +321,7 @@ class Planner:
         for i, lat in enumerate(seg_lat):
             lat_steps += [lat] * (win.seg_ends[i] - win.seg_starts[i])
         mem_all = self._memory(host, win.blocks)
-        over = np.flatnonzero(mem_all > self.capacity_blocks * (1 + _REL_TOL) + 1e-9)
+        over = self._first_over(host, win.blocks)
         expiry: int | None = int(over[0]) if over.size and over[0] >= 1 else None
         if feasible and search_better and self.space != "uniform":
             expiry = self._better_expiry(reqs, host, seg_lat, expiry, stats)
@@ -415,8 +423,7 @@ class Planner:
 
     def _feasible(self, win: _Window, host: np.ndarray, lat0: float) -> bool:
         """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments)."""
-        mem = self._memory(host, win.blocks[: win.horizon])
-        over = np.flatnonzero(mem > self.capacity_blocks * (1 + _REL_TOL) + 1e-9)
+        over = self._first_over(host, win.blocks[: win.horizon])
         cap_max = int(over[0]) if over.size else win.horizon
         if cap_max < self.min_steps:
             return False

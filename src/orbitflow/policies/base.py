@@ -30,6 +30,7 @@ class PlanContext:
     seed: int = 0
     max_num_seqs: int = 4
     max_batch_tokens: int = 32768  # the workload's worst case (FlexGen plans for it offline)
+    host_capacity_blocks: float = math.inf  # host blocks the batch may use (the engine sets it per solve)
 
     @classmethod
     def from_profile(cls, config, profile) -> PlanContext:
@@ -56,6 +57,7 @@ class PlanContext:
             space=space,
             block_size=self.block_size,
             victim_order=self.victim,
+            host_capacity_blocks=self.host_capacity_blocks,
         )
 
 

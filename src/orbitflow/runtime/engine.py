@@ -220,7 +220,15 @@ class Engine:
 
     # ---- planning ---------------------------------------------------------------------------------
     def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
+        """The batch as the planner sees it; also tells the planner how much of the host pool is left to
+        this batch (everything but what paused requests hold there)."""
         now = self.clock.now()
+        held = 0
+        for r in reqs:
+            table = self.kv.tables.get(r.request_id)
+            if table is not None:
+                held += sum(len(b) for b, dev in zip(table.blocks, table.on_device) if not dev)
+        self.controller.ctx.host_capacity_blocks = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
         return [
             PlanRequest(
                 request_id=r.request_id,
@@ -241,6 +249,10 @@ class Engine:
             if not self.scheduler.fits(self.running, cand):
                 return
             resuming = cand.status is Status.PAUSED
+            if not resuming and not self._memory_for(cand):
+                self._finish(cand, "error", error="KV memory exhausted: the device and host pools cannot hold this "
+                             "request next to the running ones; retry later or raise --host-kv-blocks")
+                continue
             while True:
                 trial = self.running + [cand]
                 plan = self.controller.solve(self._plan_requests(trial), self.stats.steps, "batch")
@@ -266,6 +278,19 @@ class Engine:
                 self.waiting.remove(cand)
             cand.status = Status.RUNNING
             self.running.append(cand)
+
+    def _final_blocks(self, req: Request) -> int:
+        return math.ceil((req.num_prompt + (req.target_output_tokens or req.sampling.max_tokens)) / self.block_size)
+
+    def _memory_for(self, cand: Request) -> bool:
+        """Whether both pools together can hold `cand` to its last token while every admitted request
+        also grows to its last token, plus the largest prefetch buffer any plan could ask for (one layer
+        of every request). Then no plan of theirs can run the host pool dry."""
+        admitted = self.running + self.paused + [cand]
+        final = sum(self._final_blocks(r) for r in admitted)
+        free = self.kv.device_pool.num_free + self.kv.host_pool.num_free
+        held = sum(self.kv.tables[r.request_id].blocks_per_layer for r in admitted if r.request_id in self.kv.tables)
+        return final * self.num_layers + final <= free + held * self.num_layers
 
     def _victim(self, plan: Plan, batch: list[Request]) -> Request:
         """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a
@@ -320,8 +345,12 @@ class Engine:
         try:
             self._install_plan()
         except OutOfBlocks as exc:
-            log.warning("installing the plan failed (%s); re-planning", exc)
             self.controller.forget()
+            if exc.tier == "host":  # cannot happen after _memory_for admitted everyone; never spin on it
+                newest = max(self.running, key=lambda r: r.arrival_s)
+                self._finish(newest, "error", error=f"KV memory exhausted: {exc}")
+            else:
+                log.warning("installing the plan failed (%s); re-planning", exc)
             return [], []
         chunk = self.config.chunked_prefill
         prefilling = [r for r in self.running if not r.prefilled]
