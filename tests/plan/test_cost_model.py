@@ -77,14 +77,19 @@ def _reference_edf(comp, host, xfer):
     return stalls
 
 
+def _random_case(rng: np.random.Generator):
+    """A random batch: per-layer compute, a host mask [R, L], blocks per layer, and a cost model."""
+    n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 14))
+    comp = rng.uniform(0.5, 2.0, n_layers)
+    host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
+    b = rng.integers(1, 30, n_req).astype(float)
+    return comp, host, b, CostModel(comp, float(rng.uniform(2, 40)))
+
+
 def test_edf_matches_reference_simulation_random():
     rng = np.random.default_rng(3)
     for _ in range(200):
-        n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 14))
-        comp = rng.uniform(0.5, 2.0, n_layers)
-        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
-        b = rng.integers(1, 30, n_req)
-        cm = CostModel(comp, float(rng.uniform(2, 40)))
+        comp, host, b, cm = _random_case(rng)
         got = cm.step(Placement.from_mask(~host), b).stall_per_layer_s
         ref = _reference_edf(comp, host, b / cm.link_blocks_per_s)
         assert np.allclose(got, ref, atol=1e-9)
@@ -93,11 +98,8 @@ def test_edf_matches_reference_simulation_random():
 def test_bounds_are_lower_bounds_random():
     rng = np.random.default_rng(4)
     for _ in range(300):
-        n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 14))
-        comp = rng.uniform(0.5, 2.0, n_layers)
-        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
-        b = rng.integers(1, 30, n_req).astype(float)
-        cm = CostModel(comp, float(rng.uniform(2, 40)))
+        comp, host, b, cm = _random_case(rng)
+        n_req = host.shape[0]
         exact = cm.step(Placement.from_mask(~host), b).total_s
         x = b / cm.link_blocks_per_s
         v = sum(x[r] * count_matrix(host[r]) for r in range(n_req))
@@ -144,11 +146,8 @@ def test_cost_model_bad_inputs():
 def test_relaxed_latency_is_a_monotone_lower_bound():
     rng = np.random.default_rng(5)
     for _ in range(300):
-        n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 14))
-        comp = rng.uniform(0.5, 2.0, n_layers)
-        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
-        b = rng.integers(1, 30, n_req).astype(float)
-        cm = CostModel(comp, float(rng.uniform(2, 40)))
+        comp, host, b, cm = _random_case(rng)
+        n_req = host.shape[0]
         x = (b / cm.link_blocks_per_s).tolist()
         lists = [np.flatnonzero(h).tolist() for h in host]
         relax = relaxed_latency(comp.tolist(), lists, x)
