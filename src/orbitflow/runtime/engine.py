@@ -103,7 +103,7 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.paused: list[Request] = []
-        self.finished: list[Request] = []
+        self.finished: deque[Request] = deque(maxlen=100_000)  # in finishing order; bounded for long-running servers
         self.listeners: list[Callable[[TokenEvent], None]] = []
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -401,6 +401,7 @@ class Engine:
             if req in bucket:
                 bucket.remove(req)
         self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)  # a later abort of it is then a no-op
         req.deposit.flush(now)
         req.delivered_s = [min(d, now) for d in req.delivered_s]
         req.status = Status.FINISHED
