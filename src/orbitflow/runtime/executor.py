@@ -69,6 +69,35 @@ class ModelExecutor:
         self.scale = model_config.head_dim**-0.5
         self.device = kv.device_pool.storage.device
 
+    def _decode_groups(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
+        """Per layer, for a decode step: the requests whose KV of that layer is on the device, the slots
+        their new tokens go to, and one gather index over all their blocks with each request's span
+        (start, length) in the gathered tokens. Each request attends over exactly the values of the
+        per-request path, in the same layout, so outputs stay bit-identical."""
+        kv, bs = self.kv, self.block_size
+        device = kv.device_pool.storage.device
+        lengths = [s.start_pos + 1 for s in seqs]
+        nblocks = [kv.blocks_for(n) for n in lengths]
+        groups: list[tuple | None] = []
+        for layer in range(self.num_layers):
+            rows = [b for b, t in enumerate(tables) if t.on_device[layer]]
+            if not rows:
+                groups.append(None)
+                continue
+            gather, spans = [], []
+            for b in rows:
+                spans.append((len(gather) * bs, lengths[b]))
+                gather.extend(tables[b].blocks[layer][: nblocks[b]])
+            groups.append((
+                rows,
+                None if len(rows) == len(seqs) else torch.tensor(rows, device=device),
+                torch.tensor(gather, dtype=torch.long, device=device),
+                torch.tensor([tables[b].blocks[layer][seqs[b].start_pos // bs] for b in rows], device=device),
+                torch.tensor([seqs[b].start_pos % bs for b in rows], device=device),
+                spans,
+            ))
+        return groups
+
     def step(self, seqs: list[SeqInput]) -> StepResult:
         from orbitflow.model.attention import causal_attention
 
@@ -91,6 +120,10 @@ class ModelExecutor:
         bytes_h2d, bytes_d2h, busy = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
 
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
+        # A pure decode step writes and gathers the device-resident requests of a layer in one op each.
+        decode_groups = self._decode_groups(seqs, tables) if all(
+            s.start_pos > 0 and len(s.token_ids) == 1 for s in seqs) else None
+        storage = kv.device_pool.storage
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             entered[layer] = time.perf_counter()
@@ -101,8 +134,21 @@ class ModelExecutor:
                 transfer.release(b, fetched_layer)
             consumed.clear()
             stalls[layer] = transfer.wait_layer(layer, host_users[layer])
-            outputs = []
+            outputs: list[torch.Tensor | None] = [None] * len(seqs)
+            group = decode_groups[layer] if decode_groups is not None else None
+            if group is not None:
+                rows, row_index, gather_index, slot_blocks, slot_offsets, spans = group
+                k_dev = k if row_index is None else k.index_select(0, row_index)
+                v_dev = v if row_index is None else v.index_select(0, row_index)
+                storage[slot_blocks, 0, slot_offsets] = k_dev
+                storage[slot_blocks, 1, slot_offsets] = v_dev
+                keys_all, values_all = kv.read(gather_index, len(gather_index) * self.block_size)
+                for b, (first, length) in zip(rows, spans):
+                    keys, values = keys_all[first:first + length], values_all[first:first + length]
+                    outputs[b] = causal_attention(q[b:b + 1], keys, values, self.scale)
             for b, (s, t) in enumerate(zip(seqs, tables)):
+                if outputs[b] is not None:
+                    continue
                 lo, hi = bounds[b], bounds[b + 1]
                 k_new, v_new = k[lo:hi], v[lo:hi]
                 kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
@@ -117,7 +163,7 @@ class ModelExecutor:
                         staged = kv.block_index(staged, s.start_pos)
                     k_old, v_old = kv.read(staged, s.start_pos)
                     keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
-                outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
+                outputs[b] = causal_attention(q[lo:hi], keys, values, self.scale)
                 if not t.on_device[layer] and s.start_pos > 0:
                     consumed.append((b, layer))
             return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
