@@ -111,6 +111,7 @@ class Engine:
         self._last_prediction: float | None = None
         self._installed: tuple[Plan, list] | None = None  # the plan now in place, and its request ids
         self._batch_version = 0  # bumps on arrival, finish and pause
+        self._completions = 0  # requests finished so far (the resume gate)
         self._admission_blocked_at: int | None = None  # version at which admission last found no room
 
     # ---- public, thread-safe ----------------------------------------------------------------------
@@ -249,6 +250,11 @@ class Engine:
             if not self.scheduler.fits(self.running, cand):
                 return
             resuming = cand.status is Status.PAUSED
+            if resuming and self.running and self._completions == cand.completions_at_pause:
+                # The paper's gate: resume only after some in-flight request has completed (and a plan
+                # then holds it). Without it, measurement noise flips feasibility and requests thrash.
+                self._admission_blocked_at = self._batch_version
+                return
             if not resuming and not self._memory_for(cand):
                 self._finish(cand, "error", error="KV memory exhausted: the device and host pools cannot hold this "
                              "request next to the running ones; retry later or raise --host-kv-blocks")
@@ -322,6 +328,7 @@ class Engine:
         req.status = Status.PAUSED
         req.num_pauses += 1
         req.paused_at_step = self.stats.steps
+        req.completions_at_pause = self._completions
         self.paused.append(req)
         self.stats.pauses += 1
         self._batch_version += 1
@@ -409,6 +416,7 @@ class Engine:
         req.error = error
         req.finished_s = now
         self.finished.append(req)
+        self._completions += 1
         self._batch_version += 1
         self._notify(TokenEvent(req.request_id, None, now, now, finished=True, finish_reason=reason, error=error))
 

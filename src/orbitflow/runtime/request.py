@@ -34,6 +34,7 @@ class Request:
     delivered_s: list[float] = field(default_factory=list)
     num_pauses: int = 0
     paused_at_step: int | None = None
+    completions_at_pause: int = 0  # the engine's finished-request count when this request was paused
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     finished_s: float | None = None
