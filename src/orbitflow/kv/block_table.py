@@ -18,3 +18,7 @@ class RequestBlocks:
     @property
     def blocks_per_layer(self) -> int:
         return len(self.blocks[0]) if self.blocks else 0
+
+    def host_blocks(self) -> int:
+        """Blocks this request holds in the host pool."""
+        return sum(len(b) for b, dev in zip(self.blocks, self.on_device) if not dev)

@@ -126,19 +126,6 @@ class Engine:
     ) -> Request:
         if not prompt_ids:
             raise RequestRejected("prompt must contain at least one token")
-        total = len(prompt_ids) + (target_output_tokens or sampling.max_tokens)
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({target_output_tokens or sampling.max_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens"
-            )
-        blocks = math.ceil(total / self.block_size) * self.num_layers
-        capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
-        if blocks > capacity:
-            raise RequestRejected(
-                f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
-                "raise --host-kv-blocks or lower max_tokens"
-            )
         slo = slo_s or self.default_slo_s
         req = Request(
             request_id=request_id,
@@ -150,6 +137,18 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             target_output_tokens=target_output_tokens,
         )
+        if self.max_model_len is not None and req.max_total_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
+                f"exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        blocks = self._final_blocks(req) * self.num_layers
+        capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
+        if blocks > capacity:
+            raise RequestRejected(
+                f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
+                "raise --host-kv-blocks or lower max_tokens"
+            )
         self._inbox.put(("add", req))
         self._wakeup.set()
         return req
@@ -175,7 +174,7 @@ class Engine:
         seqs, reqs = self._build_inputs()
         if not seqs:
             return None
-        is_decode = all(s.start_pos > 0 and len(s.token_ids) == 1 for s in seqs)
+        is_decode = all(s.is_decode for s in seqs)
         try:
             result = self.executor.step(seqs)
         except Exception as exc:  # the step is lost; its requests end with an error, the engine lives on
@@ -228,7 +227,7 @@ class Engine:
         for r in reqs:
             table = self.kv.tables.get(r.request_id)
             if table is not None:
-                held += sum(len(b) for b, dev in zip(table.blocks, table.on_device) if not dev)
+                held += table.host_blocks()
         self.controller.ctx.host_capacity_blocks = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
         return [
             PlanRequest(
@@ -286,7 +285,7 @@ class Engine:
             self.running.append(cand)
 
     def _final_blocks(self, req: Request) -> int:
-        return math.ceil((req.num_prompt + (req.target_output_tokens or req.sampling.max_tokens)) / self.block_size)
+        return math.ceil(req.max_total_tokens / self.block_size)
 
     def _memory_for(self, cand: Request) -> bool:
         """Whether both pools together can hold `cand` to its last token while every admitted request
@@ -380,7 +379,7 @@ class Engine:
                 continue
             seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids)))
             reqs.append(req)
-        if seqs and all(s.start_pos > 0 and len(s.token_ids) == 1 for s in seqs):
+        if seqs and all(s.is_decode for s in seqs):
             self._last_prediction = float(self.controller.plan.predicted_step_s) if self.controller.plan else None
         else:
             self._last_prediction = None

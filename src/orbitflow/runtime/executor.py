@@ -27,6 +27,11 @@ class SeqInput:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generated: int = 0  # tokens generated so far (seeds per-request sampling)
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token on top of a cached context (anything else is a prefill or a prefill chunk)."""
+        return self.start_pos > 0 and len(self.token_ids) == 1
+
 
 @dataclass
 class StepResult:
@@ -121,8 +126,7 @@ class ModelExecutor:
 
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
         # A pure decode step writes and gathers the device-resident requests of a layer in one op each.
-        decode_groups = self._decode_groups(seqs, tables) if all(
-            s.start_pos > 0 and len(s.token_ids) == 1 for s in seqs) else None
+        decode_groups = self._decode_groups(seqs, tables) if all(s.is_decode for s in seqs) else None
         storage = kv.device_pool.storage
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -203,6 +207,6 @@ class ModelExecutor:
             bytes_d2h=transfer.bytes_d2h - bytes_d2h,
             device_blocks_used=device_used,
             host_blocks_used=host_used,
-            prefill_tokens=sum(len(s.token_ids) for s in seqs if len(s.token_ids) > 1 or s.start_pos == 0),
+            prefill_tokens=sum(len(s.token_ids) for s in seqs if not s.is_decode),
             link_blocks_per_s=moved / busy / kv.host_pool.bytes_per_block if moved and busy > 0 else None,
         )

@@ -52,9 +52,17 @@ class Request:
         return self.num_cached >= self.num_prompt
 
     @property
+    def max_output_tokens(self) -> int:
+        return self.target_output_tokens or self.sampling.max_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus every token it may generate: what its KV grows to at most."""
+        return self.num_prompt + self.max_output_tokens
+
+    @property
     def remaining_tokens(self) -> int:
-        target = self.target_output_tokens or self.sampling.max_tokens
-        return max(0, target - len(self.output_ids))
+        return max(0, self.max_output_tokens - len(self.output_ids))
 
     @property
     def finished(self) -> bool:

@@ -60,8 +60,8 @@ class SimExecutor:
         moved = transfer.bytes_h2d + transfer.bytes_d2h
         move_s = (moved - self._moved_bytes) / (self.profile.effective_link_bytes_per_s / slowdown)
         self._moved_bytes = moved
-        prefill = [s for s in seqs if len(s.token_ids) > 1 or s.start_pos == 0]
-        decode = [s for s in seqs if not (len(s.token_ids) > 1 or s.start_pos == 0)]
+        prefill = [s for s in seqs if not s.is_decode]
+        decode = [s for s in seqs if s.is_decode]
         noise = float(np.exp(self.rng.normal(0.0, self.noise))) if self.noise > 0 else 1.0
         prefill_tokens = sum(len(s.token_ids) for s in prefill)
         prefill_s = self.profile.prefill_s(prefill_tokens) * noise
