@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from orbitflow.plan.bounds import (
     offset_matrix,
     relaxed_latency,
 )
+from orbitflow.plan.cost_model import edf_stalls
 
 # Paper section 2.3: 9 layers, 1.0 compute per layer, 3 blocks per layer-time, b = (3, 6) then (4, 6).
 CM = CostModel([1.0] * 9, 3.0)
@@ -164,3 +167,148 @@ def test_relaxed_latency_is_a_monotone_lower_bound():
             assert relaxed_latency(comp.tolist(), lists2, x) >= relax - 1e-12
             v2 = v + x[r] * (count_matrix(more[r]) - count_matrix(host[r]))
             assert dp_bound(v2[None], comp)[0] >= dp_bound(v[None], comp)[0] - 1e-12
+
+
+def _edf_stalls_reference(comp, hosts, xfer):
+    """The former ``edf_stalls``: a linear scan over requests at every link decision (O(transfers x R))."""
+    inf = float("inf")
+    n_layers = len(comp)
+    n_req = len(hosts)
+    big = (n_layers + 1) * (n_req + 1)
+    need_at = [[] for _ in range(n_layers)]
+    release_at = [[] for _ in range(n_layers)]
+    for r, hl in enumerate(hosts):
+        for layer in hl:
+            need_at[layer].append(r)
+    lens = [len(h) for h in hosts]
+    ptr = [0] * n_req
+    rel = [0.0 if lens[r] else inf for r in range(n_req)]
+    key = [hosts[r][0] * n_req + r if lens[r] else big for r in range(n_req)]
+    last_done = [0.0] * n_req
+    stall = [0.0] * n_layers
+    t_link = 0.0
+    t_prev = 0.0
+    reqs = [r for r in range(n_req) if lens[r]]
+    for layer in range(n_layers):
+        rs = need_at[layer]
+        if rs:
+            ready = 0.0
+            for r in rs:
+                target = layer * n_req + r
+                while key[r] == target:
+                    thr = t_link + 1e-12 + 1e-9 * t_link
+                    best = big
+                    q_best = -1
+                    for q in reqs:
+                        if rel[q] <= thr and key[q] < best:
+                            best = key[q]
+                            q_best = q
+                    if q_best < 0:
+                        t_link = min(rel[q] for q in reqs)
+                        thr = t_link + 1e-12 + 1e-9 * t_link
+                        for q in reqs:
+                            if rel[q] <= thr and key[q] < best:
+                                best = key[q]
+                                q_best = q
+                    t_link += xfer[q_best]
+                    last_done[q_best] = t_link
+                    release_at[best // n_req].append(q_best)
+                    p = ptr[q_best] + 1
+                    ptr[q_best] = p
+                    rel[q_best] = inf
+                    key[q_best] = hosts[q_best][p] * n_req + q_best if p < lens[q_best] else big
+                if last_done[r] > ready:
+                    ready = last_done[r]
+            if ready > t_prev:
+                stall[layer] = ready - t_prev
+                t_prev = ready
+        t_prev += comp[layer]
+        for q in release_at[layer]:
+            if key[q] != big:
+                rel[q] = t_prev
+    return stall
+
+
+def _fuzz_edf_instance(rng: np.random.Generator):
+    """Random (comp, hosts, xfer) with empty / full / periodic / random host rows, zeros, ties and values
+    whose sums land within the 1e-12 release tolerance of each other."""
+    n_req, n_layers = int(rng.integers(1, 9)), int(rng.integers(1, 41))
+    mode = int(rng.integers(5))
+    if mode == 0:  # a few decimal values: sums differ by rounding only (0.1 + 0.2 vs 0.3)
+        pool = np.array([0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0])
+        comp, xfer = rng.choice(pool, n_layers), rng.choice(pool, n_req)
+    elif mode == 1:  # small integers: exact ties between link and compute times
+        comp, xfer = rng.integers(0, 4, n_layers).astype(float), rng.integers(0, 4, n_req).astype(float)
+    elif mode == 2:  # integer multiples nudged around the release tolerance
+        base = float(rng.choice([1e-3, 0.1, 1.0, 7.0]))
+        eps = float(rng.choice([0.0, 1e-13, 5e-13, 1e-12, 2e-12, 1e-10, 1e-9]))
+        comp = np.maximum(base * rng.integers(0, 4, n_layers) + eps * rng.integers(-3, 4, n_layers), 0.0)
+        xfer = np.maximum(base * rng.integers(0, 4, n_req) + eps * rng.integers(-3, 4, n_req), 0.0)
+    else:  # continuous, with some zeros and repeated values
+        comp, xfer = rng.uniform(0.0, 2.0, n_layers), rng.uniform(0.0, 2.0, n_req)
+        comp[rng.random(n_layers) < 0.1] = 0.0
+        xfer[rng.random(n_req) < 0.1] = 0.0
+        if mode == 4:
+            comp[rng.random(n_layers) < 0.3] = comp[0]
+            xfer[rng.random(n_req) < 0.3] = xfer[0]
+    hosts = []
+    for _ in range(n_req):
+        u = rng.random()
+        if u < 0.15:
+            hosts.append([])
+        elif u < 0.3:
+            hosts.append(list(range(n_layers)))
+        elif u < 0.5:
+            d = int(rng.integers(1, 9))
+            hosts.append(list(range(d - 1, n_layers, d)))
+        else:
+            hosts.append(np.flatnonzero(rng.random(n_layers) < rng.random()).tolist())
+    return comp.tolist(), hosts, xfer.tolist()
+
+
+def test_edf_stalls_matches_reference_fuzz():
+    rng = np.random.default_rng(2024)
+    for _ in range(5000):
+        comp, hosts, xfer = _fuzz_edf_instance(rng)
+        got = edf_stalls(comp, hosts, xfer)
+        ref = _edf_stalls_reference(comp, hosts, xfer)
+        assert len(got) == len(ref)
+        for g, e in zip(got, ref):
+            assert abs(g - e) <= 1e-12 * abs(e) + 1e-15, (comp, hosts, xfer, got, ref)
+
+
+def test_edf_stalls_edge_cases_and_array_inputs():
+    assert edf_stalls([], [], []) == []
+    assert edf_stalls([1.0, 2.0], [], []) == [0.0, 0.0]
+    assert edf_stalls([1.0, 2.0], [[], []], [1.0, 2.0]) == [0.0, 0.0]
+    assert edf_stalls([1.0], [[0]], [3.0]) == [3.0]
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        comp, hosts, xfer = _fuzz_edf_instance(rng)
+        ref = _edf_stalls_reference(comp, hosts, xfer)
+        assert edf_stalls(np.array(comp), hosts, np.array(xfer)) == ref
+        assert edf_stalls(tuple(comp), [tuple(h) for h in hosts], tuple(xfer)) == ref
+
+
+def test_edf_stalls_release_tolerance_boundary():
+    # request 0 moves layer 0 (the link is busy until t), its layer-1 transfer is released when layer 0
+    # ends; request 1's layer-2 transfer (5 s) is ready from t=0. At t the link takes request 0's transfer
+    # iff it is released by the threshold t + 1e-12 + 1e-9 * t (inclusive), else request 1's first, and
+    # layer 1 then waits for it too (stall t vs t + 5).
+    for t in (0.0, 1.0, 3.7):
+        thr = t + 1e-12 + 1e-9 * t
+        for c0, waits in ((thr - t, False), (math.nextafter(thr, math.inf) - t, True)):
+            assert t + c0 > t
+            comp, hosts, xfer = [c0, 1.0, 1.0], [[0, 1], [2]], [t, 5.0]
+            got = edf_stalls(comp, hosts, xfer)
+            assert got == _edf_stalls_reference(comp, hosts, xfer)
+            assert (got[1] > t + 4.0) is waits
+
+
+def test_edf_stalls_matches_reference_with_negative_compute():
+    # not physical, but the function is defined for it (release times then go backwards)
+    rng = np.random.default_rng(11)
+    for _ in range(2000):
+        comp, hosts, xfer = _fuzz_edf_instance(rng)
+        comp = (np.asarray(comp) - rng.uniform(0.0, 1.0, len(comp))).tolist()
+        assert edf_stalls(comp, hosts, xfer) == _edf_stalls_reference(comp, hosts, xfer)

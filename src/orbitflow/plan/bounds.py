@@ -20,6 +20,7 @@ so a partial assignment (unassigned requests offload nothing) bounds all its com
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -126,3 +127,79 @@ def relaxed_latency(comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer:
         t = s + comp[layer]
         finish[layer] = t
     return t
+
+
+
+# -- separable window bounds (partial assignments) -------------------------------------------------------
+def window_tilings(n_layers: int, max_len: int = 8) -> list[list[tuple[int, int]]]:
+    """Tilings of the layers into disjoint windows, as ``(row, l)`` entries of :func:`count_matrix`.
+
+    Window ``(m, l]`` (layers ``m+1..l``, transfers released after layer ``m`` ends) is entry ``(m+1, l)``;
+    the first window may instead start at t=0, entry ``(0, l)``. Every length ``g <= max_len`` at every
+    phase, plus the lengths ``L, L/2, L/3, L/4`` at phase 0.
+    """
+    lengths = list(range(1, min(max_len, n_layers) + 1))
+    lengths += sorted({n_layers // k for k in (1, 2, 3, 4)} - set(lengths) - {0})
+    out = []
+    for g in lengths:
+        for phase in range(g if g <= max_len else 1):
+            tiling = [(0, phase - 1)] if phase else []
+            end = phase - 1  # last layer covered so far
+            while end < n_layers - 1:
+                last = min(end + g, n_layers - 1)
+                tiling.append((end + 1, last))
+                end = last
+            out.append(tiling)
+    return out
+
+
+class SeparableTables(NamedTuple):
+    """Separable window bounds of the candidates of one ``L`` (see :func:`separable_tables`)."""
+
+    n: np.ndarray  # [J, K] transfers counted by tiling j for candidate k
+    between: np.ndarray  # [J, L+1] offset_j = C - between_j @ cum(comp), cum(comp)[i] = sum comp[0..i-1]
+    slope: np.ndarray  # [J, P] hull pieces: phi_j(u) = max_p slope * u + icept
+    icept: np.ndarray
+
+
+def separable_tables(mats: np.ndarray, counts: np.ndarray) -> SeparableTables:
+    """Per-candidate linear lower bounds on the step latency, and their convex relaxations.
+
+    For one tiling, the stalls inside window ``(m, l]`` are at least ``v[m+1, l]`` minus the compute of layers
+    ``m+1..l-1`` (see :func:`dp_bound`; for the t=0 window, minus layers ``0..l-1``), so
+    ``T >= offset_j + sum_r xfer_r * n[j, k_r]``: a sum of per-request terms. Requests not yet assigned that
+    must still offload ``y`` layer-blocks in all, ``B`` blocks per layer together, cost at least
+    ``B * phi_j(y / B)``, ``phi_j`` being the lower convex hull of the points ``(counts[k], n[j, k])``
+    (by Jensen, equal fractions are optimal for the relaxation).
+    """
+    n_layers = mats.shape[2]
+    tilings = window_tilings(n_layers)
+    n_vec = np.stack([sum(mats[:, row, l] for row, l in t) for t in tilings])
+    between = np.zeros((len(tilings), n_layers + 1))
+    for j, t in enumerate(tilings):
+        for row, l in t:  # compute of layers row..l-1 = cum[l] - cum[row]
+            between[j, l] += 1.0
+            between[j, row] -= 1.0
+    hulls = [_lower_hull(counts.astype(float), row) for row in n_vec]
+    width = max(len(h) for h in hulls)
+    slope = np.array([[a for a, _ in h] + [h[-1][0]] * (width - len(h)) for h in hulls])
+    icept = np.array([[b for _, b in h] + [h[-1][1]] * (width - len(h)) for h in hulls])
+    for a in (n_vec, between, slope, icept):
+        a.setflags(write=False)
+    return SeparableTables(n_vec, between, slope, icept)
+
+
+def _lower_hull(xs: np.ndarray, ys: np.ndarray) -> list[tuple[float, float]]:
+    """Pieces ``(slope, intercept)`` of the lower convex hull of points with increasing ``xs``."""
+    pts: list[tuple[float, float]] = []
+    for x, y in zip(xs.tolist(), ys.tolist()):
+        while len(pts) >= 2:
+            (x1, y1), (x2, y2) = pts[-2], pts[-1]
+            if (y2 - y1) * (x - x1) >= (y - y1) * (x2 - x1):  # pts[-1] on or above the chord
+                pts.pop()
+            else:
+                break
+        pts.append((x, y))
+    if len(pts) == 1:
+        return [(0.0, pts[0][1])]
+    return [((y2 - y1) / (x2 - x1), y1 - (y2 - y1) / (x2 - x1) * x1) for (x1, y1), (x2, y2) in zip(pts, pts[1:])]

@@ -161,8 +161,12 @@ class Planner:
     seeded from the pruned optimum, see :mod:`orbitflow.plan.full_search`).
     ``window``: ``(min_steps, max_steps)`` of the decode window. ``check_better``: whether expiry also
     looks for a strictly better plan at future block boundaries (one extra bounded search per boundary).
-    ``node_limit``: safety budget of branch-and-bound nodes per search; when it is hit the best plan found
-    so far is returned and ``plan.stats["exact"]`` is 0 (1 when optimality over the space is proven).
+    Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes per search and ``time_limit_s`` per
+    :meth:`plan` call (None: unlimited). When one runs out, the best plan found so far is returned with
+    ``plan.stats["exact"] = 0`` and a certified ``stats["gap"]``: no plan of the space is faster than
+    ``stats["lower_bound_s"]``. ``gap`` (relative) stops the search once the incumbent is proven within it
+    (0: exact). Each expiry search ("is some other plan strictly faster at this future step?") gets
+    ``expiry_node_limit`` nodes; an undecided one ends the plan's validity there (re-planning early is safe).
     """
 
     def __init__(
@@ -179,6 +183,9 @@ class Planner:
         check_better: bool = True,
         full_max_evals: int = 2000,
         node_limit: int | None = 2000,
+        time_limit_s: float | None = None,
+        gap: float = 0.0,
+        expiry_node_limit: int | None = 200,
         host_capacity_blocks: float = math.inf,
     ) -> None:
         if space not in ("pruned", "uniform", "full"):
@@ -200,6 +207,11 @@ class Planner:
         self.check_better = check_better
         self.full_max_evals = int(full_max_evals)
         self.node_limit = node_limit
+        self.time_limit_s = time_limit_s
+        self.gap = float(gap)
+        self.expiry_node_limit = expiry_node_limit
+        if gap < 0 or (time_limit_s is not None and time_limit_s <= 0):
+            raise ValueError(f"gap must be >= 0 and time_limit_s > 0 or None, got {gap}, {time_limit_s}")
         self._victims = resolve_victim_order(victim_order, cost_model.num_layers, seed)
 
     @property
@@ -218,10 +230,11 @@ class Planner:
                         float(comp.sum()))
         win = _Window(self, reqs)
         stats: dict[str, float] = {"nodes": 0, "leaves": 0}
+        deadline = None if self.time_limit_s is None else t0 + self.time_limit_s
         if self.space == "uniform":
             mask = self._solve_uniform(win, stats)
         else:
-            mask = self._solve_pruned(win, stats)
+            mask = self._solve_pruned(win, stats, deadline=deadline)
             if mask is not None and self.space == "full":
                 from orbitflow.plan.full_search import improve_full
 
@@ -230,7 +243,7 @@ class Planner:
             stats["solve_s"] = time.perf_counter() - t0
             return Plan(tuple(q.request_id for q in reqs), None, None, False, 0, None, math.inf,
                         victims=tuple(self._victims(reqs)), stats=stats)
-        plan = self._make_plan(reqs, win, mask, stats, search_better=self.check_better)
+        plan = self._make_plan(reqs, win, mask, stats, search_better=self.check_better, deadline=deadline)
         stats["solve_s"] = time.perf_counter() - t0
         return plan
 
@@ -313,6 +326,7 @@ class Planner:
         host: np.ndarray,
         stats: dict[str, float],
         search_better: bool,
+        deadline: float | None = None,
     ) -> Plan:
         seg_lat = self._seg_latencies(win, host)
         window, viol = self._window_of(win, host, seg_lat)
@@ -324,7 +338,7 @@ class Planner:
         over = self._first_over(host, win.blocks)
         expiry: int | None = int(over[0]) if over.size and over[0] >= 1 else None
         if feasible and search_better and self.space != "uniform":
-            expiry = self._better_expiry(reqs, host, seg_lat, expiry, stats)
+            expiry = self._better_expiry(reqs, host, seg_lat, expiry, stats, deadline)
         placement = Placement(~host)
         shown = window if feasible else 0
         return Plan(
@@ -351,6 +365,7 @@ class Planner:
         seg_lat: list[float],
         expiry: int | None,
         stats: dict[str, float],
+        deadline: float | None = None,
     ) -> int | None:
         """First block boundary (before ``expiry``) at which some feasible plan is strictly faster."""
         base = _Window(self, reqs)
@@ -377,10 +392,14 @@ class Planner:
                 # faster while this one's stall has not grown: skip the search.
                 continue
             sub: dict[str, float] = {"nodes": 0, "leaves": 0}
-            better = self._solve_pruned(win_t, sub, upper=cur * (1 - 1e-9), first_only=True)
+            better = self._solve_pruned(win_t, sub, upper=cur * (1 - 1e-9), first_only=True,
+                                        node_limit=self.expiry_node_limit, deadline=deadline)
             stats["nodes"] += sub["nodes"]
             stats["expiry_searches"] = stats.get("expiry_searches", 0) + 1
             if better is not None:
+                return t
+            if not sub.get("exact", 1):  # undecided within the budget: end the plan here to be safe
+                stats["expiry_exact"] = 0
                 return t
         return expiry
 
@@ -396,7 +415,8 @@ class Planner:
 
     # ==== searches ======================================================================================
     def _solve_uniform(self, win: _Window, stats: dict[str, float]) -> np.ndarray | None:
-        dists, hosts, *_ = candidate_tables(self.num_layers)
+        tables = candidate_tables(self.num_layers)
+        dists, hosts = tables.distances, tables.hosts
         n_req = win.blocks.shape[1]
         best = None
         best_key = (math.inf, math.inf)
@@ -417,9 +437,12 @@ class Planner:
         stats: dict[str, float],
         upper: float = math.inf,
         first_only: bool = False,
+        node_limit: int | None = None,
+        deadline: float | None = None,
     ) -> np.ndarray | None:
         """Exact branch and bound over per-request distance candidates; returns the host mask or None."""
-        return BranchAndBound(self, win, stats, upper=upper, first_only=first_only).run()
+        return BranchAndBound(self, win, stats, upper=upper, first_only=first_only, node_limit=node_limit,
+                              deadline=deadline).run()
 
     def _feasible(self, win: _Window, host: np.ndarray, lat0: float) -> bool:
         """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments)."""

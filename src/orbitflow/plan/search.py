@@ -31,12 +31,13 @@ counts are forced non-increasing along the search order.
 from __future__ import annotations
 
 import math
+import time
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from orbitflow.plan.bounds import chain_bound, chain_gaps, count_matrix, dp_bound
+from orbitflow.plan.bounds import SeparableTables, count_matrix, dp_bound, separable_tables
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.placement import distance_row, pruned_distances
 
@@ -56,10 +57,13 @@ def better(key: tuple[float, float], best: tuple[float, float]) -> bool:
     return False
 
 
-def prunable(lb: float, moved_lb: float, best: tuple[float, float]) -> bool:
-    """Whether no completion with latency ``>= lb`` and moved blocks ``>= moved_lb`` can beat ``best``."""
+def prunable(lb: float, moved_lb: float, best: tuple[float, float], gap: float = 0.0) -> bool:
+    """Whether no completion with latency ``>= lb`` and moved blocks ``>= moved_lb`` can beat ``best``
+    (with ``gap > 0``: by more than the relative ``gap``)."""
     if not math.isfinite(best[0]):
         return False
+    if gap > 0:
+        return lb >= best[0] * (1 - gap)
     tol = REL_TOL * max(abs(best[0]), 1.0)
     if lb > best[0] + tol:
         return True
@@ -68,13 +72,25 @@ def prunable(lb: float, moved_lb: float, best: tuple[float, float]) -> bool:
     return False
 
 
-@lru_cache(maxsize=64)
-def candidate_tables(num_layers: int) -> tuple:
-    """Per-L tables of the pruned candidates, in increasing offload count.
+class CandidateTables(NamedTuple):
+    """Per-L tables of the pruned candidates ``k`` (in increasing offload count); all read-only."""
 
-    Returns distances, host rows ``[K, L]`` (bool), host rows as float, counts ``[K]``, cumulative host
-    counts ``[K, L]`` (host layers among ``0..l``) and the host layer lists.
-    """
+    distances: tuple[int | None, ...]
+    hosts: np.ndarray  # [K, L] bool, True = offloaded
+    hosts_f: np.ndarray  # same, float
+    counts: np.ndarray  # [K] offload counts
+    cumh: np.ndarray  # [K, L] host layers among 0..l
+    pairs_after: np.ndarray  # [K, L] back-to-back host layer pairs at layers > l
+    lists: tuple[tuple[int, ...], ...]  # host layers of each candidate
+    mats: np.ndarray  # [K, L+1, L] release/need transfer counts (bounds.count_matrix)
+    gap_first: np.ndarray  # [K, J] chain gaps as (cum index of start, cum index of end), padded
+    gap_last: np.ndarray
+    sep: SeparableTables
+
+
+@lru_cache(maxsize=64)
+def candidate_tables(num_layers: int) -> CandidateTables:
+    """The tables of :class:`CandidateTables` for ``num_layers`` layers (cached)."""
     dists = tuple(pruned_distances(num_layers))
     hosts = np.stack([~distance_row(num_layers, d) for d in dists])
     hosts_f = hosts.astype(float)
@@ -85,10 +101,19 @@ def candidate_tables(num_layers: int) -> tuple:
     pairs[:, 1:] = hosts_f[:, 1:] * hosts_f[:, :-1]
     pairs_after = np.cumsum(pairs[:, ::-1], axis=1)[:, ::-1] - pairs  # pairs at layers > l
     lists = tuple(tuple(int(i) for i in np.flatnonzero(h)) for h in hosts)
-    mats = np.stack([count_matrix(h) for h in hosts])  # [K, L+1, L] release/need transfer counts
-    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats):
+    mats = np.stack([count_matrix(h) for h in hosts])
+    # chain gaps (bounds.chain_gaps) as index pairs into the cumulative compute: gap = cum[last] - cum[first]
+    width = max(1, int(counts.max()))
+    gap_first = np.zeros((len(dists), width), dtype=np.int64)
+    gap_last = np.zeros((len(dists), width), dtype=np.int64)
+    for k, hl in enumerate(lists):
+        for j, layer in enumerate(hl):
+            gap_first[k, j] = hl[j - 1] + 1 if j else 0
+            gap_last[k, j] = layer
+    sep = separable_tables(mats, counts)
+    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last):
         a.setflags(write=False)
-    return dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats
+    return CandidateTables(dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats, gap_first, gap_last, sep)
 
 
 class BranchAndBound:
@@ -101,16 +126,23 @@ class BranchAndBound:
         stats: dict[str, float],
         upper: float = math.inf,
         first_only: bool = False,
+        *,
+        node_limit: int | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.pl = planner
         self.win = win
         self.stats = stats
         self.first_only = first_only
+        self.gap = planner.gap
+        self.node_limit = node_limit if node_limit is not None else planner.node_limit
+        self.deadline = deadline  # time.perf_counter() value after which the search stops
+        self.nodes = 0
         n_layers = planner.num_layers
         self.n_layers = n_layers
         tables = candidate_tables(n_layers)
-        _, self.hosts, self.hosts_f, self.counts, self.cumh, self.pairs_after, self.lists, self.mats = tables
-        n_cand = len(self.counts)
+        self.hosts, self.hosts_f, self.counts = tables.hosts, tables.hosts_f, tables.counts
+        self.cumh, self.pairs_after, self.lists, self.mats = tables.cumh, tables.pairs_after, tables.lists, tables.mats
         cm = planner.cost_model
         self.edf = cm.transfer == "edf"
         self.link = cm.link_blocks_per_s
@@ -135,18 +167,24 @@ class BranchAndBound:
         self.same_as_prev = [d > 0 and sig[self.order[d]] == sig[self.order[d - 1]] for d in range(n_req)]
         o = self.order
         self.rest_b = np.concatenate((np.cumsum(self.bcap[o][::-1])[::-1], [0.0]))
+        self.rest_b0 = np.concatenate((np.cumsum(self.b0[o][::-1])[::-1], [0.0]))
+        cum = np.concatenate(([0.0], np.cumsum(comp0)))
+        sep = tables.sep
+        self.sep_n, self.sep_slope, self.sep_icept = sep.n, sep.slope, sep.icept
+        self.sep_off = self.comp_total - sep.between @ cum
         ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
         self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
         # per-request chain stall lower bound of each candidate
-        gaps = [chain_gaps(self.hosts[k], comp0) for k in range(n_cand)]
-        self.chain = np.array(
-            [[chain_bound(gaps[k], self.x0[r]) for k in range(n_cand)] for r in range(n_req)]
-        )
+        gaps = np.where(tables.gap_last >= tables.gap_first, cum[tables.gap_last] - cum[tables.gap_first], np.inf)
+        gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
+        self.chain = np.maximum(self.x0[:, None, None] - gaps[None], 0.0).sum(axis=2)  # [R, K]
         self.lat_ok = planner._lat_prefilter(win)
         self.best_host: np.ndarray | None = None
         self.best_key = (upper, math.inf)
         self.choice = [0] * n_req
         self.done = False
+        self.open_lb = math.inf  # least lower bound of the subtrees left unexplored when the budget ran out
+        self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
 
     # -- driver ---------------------------------------------------------------------------------------
     def run(self) -> np.ndarray | None:
@@ -155,7 +193,12 @@ class BranchAndBound:
             return self.best_host
         n_layers = self.n_layers
         zero = np.zeros(n_layers)
-        self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0)
+        self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0, np.zeros(self.sep_off.size))
+        if self.best_host is not None and not self.first_only:
+            best = self.best_key[0]
+            lower = min(best, self.open_lb)
+            self.stats["lower_bound_s"] = lower
+            self.stats["gap"] = (best - lower) / best if best > 0 else 0.0
         return self.best_host
 
     def _try_no_offload(self) -> bool:
@@ -168,11 +211,14 @@ class BranchAndBound:
 
     # -- search ---------------------------------------------------------------------------------------
     def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
-              chain_lb: float, moved: float) -> None:
+              chain_lb: float, moved: float, sep: np.ndarray) -> None:
         stats = self.stats
         stats["nodes"] += 1
-        limit = self.pl.node_limit
-        if limit is not None and stats["nodes"] > limit:
+        self.nodes += 1
+        limit = self.node_limit
+        if (limit is not None and self.nodes > limit) or (
+            self.deadline is not None and time.perf_counter() > self.deadline
+        ):
             stats["exact"] = 0  # budget exhausted: best found so far, optimality not proven
             self.done = True
             return
@@ -207,27 +253,39 @@ class BranchAndBound:
         lat_lb = (new_vol + self.suffix_comp + new_after).max(axis=1)
         forced = new_vol[:, -1] + ymin * (self.ratio_suffix[depth + 1] / self.link)
         lat_lb = np.maximum(lat_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
+        # separable window bounds: assigned requests exactly, the rest as their cheapest fractional offload
+        kid_sep = sep[:, None] + x * self.sep_n[:, :n_kids]
+        rest_b0 = float(self.rest_b0[depth + 1])
+        if rest_b0 > 0:
+            u = np.minimum(ymin * self.ratio_suffix[depth + 1] / rest_b0, n_layers)
+            phi = (self.sep_slope[:, :, None] * u[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
+            rest_cost = (rest_b0 / self.link) * phi
+        else:
+            rest_cost = 0.0
+        sep_lb = (self.sep_off[:, None] + kid_sep + rest_cost).max(axis=0)
         kid_chain = np.maximum(self.comp_total + self.chain[r, :n_kids], chain_lb)
         if self.edf:
-            lat_lb = np.maximum(lat_lb, kid_chain)
+            lat_lb = np.maximum(np.maximum(lat_lb, kid_chain), sep_lb)
         else:  # the bounds are proven for the executor's schedule only
             lat_lb = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * counts
         last = depth == self.n_req - 1
-        if self.edf:
-            # propagated release/need bound (bounds.dp_bound) on the children that survive the cheap tests
+        if self.edf and last:
+            # leaves: the propagated release/need bound (bounds.dp_bound) before the exact schedule; above the
+            # leaves the separable bound is about as tight and much cheaper
             keep = np.flatnonzero(alive)
-            keep = keep[[not prunable(float(lat_lb[k]), float(new_moved[k]), self.best_key) for k in keep]]
+            keep = keep[[not prunable(float(lat_lb[k]), float(new_moved[k]), self.best_key, self.gap) for k in keep]]
             if keep.size:
                 v = self._base_v(self.choice[:depth]) + x * self.mats[keep]
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp_bound(v, self.comp0))
-        for k in np.lexsort((counts, lat_lb)):
-            if self.done:
-                return
+        if self.trace is not None:
+            self.trace.append((list(self.choice[:depth]), lat_lb.copy(), alive.copy()))
+        ordered = np.lexsort((counts, lat_lb))
+        for i, k in enumerate(ordered):
             if not alive[k]:
                 continue
             lb = float(lat_lb[k])
-            if prunable(lb, float(new_moved[k]), self.best_key):
+            if prunable(lb, float(new_moved[k]), self.best_key, self.gap):
                 continue
             if not self.lat_ok(lb):
                 continue
@@ -236,7 +294,10 @@ class BranchAndBound:
                 self._leaf(self.choice)
             else:
                 self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], new_after[k],
-                           float(kid_chain[k]), float(new_moved[k]))
+                           float(kid_chain[k]), float(new_moved[k]), kid_sep[:, k])
+            if self.done:  # budget spent (or first_only satisfied): what is left here bounds the unexplored part
+                self.open_lb = min([self.open_lb, *(float(lat_lb[j]) for j in ordered[i:] if alive[j])])
+                return
 
     def _base_v(self, choice: list[int]) -> np.ndarray:
         """Release/need transfer seconds ``[L+1, L]`` of the requests assigned by ``choice``."""

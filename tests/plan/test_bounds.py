@@ -1,0 +1,98 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from orbitflow.plan import CostModel, Placement, Planner, PlanRequest
+from orbitflow.plan.bounds import _lower_hull, window_tilings
+from orbitflow.plan.planner import _Window
+from orbitflow.plan.search import BranchAndBound, candidate_tables
+
+
+def harsh_case(rng, n_req, n_layers):
+    """The paper's regime: moving one layer of the batch takes 1.5-6x a layer's compute."""
+    comp = rng.uniform(1e-3, 2e-3, n_layers)
+    b = np.exp(rng.uniform(np.log(2), np.log(200), n_req)).astype(int)
+    link = float(b.sum() / (comp.mean() * rng.uniform(1.5, 6.0)))
+    cap = float(b.sum() * n_layers * rng.uniform(0.25, 0.9))
+    reqs = [PlanRequest(i, int(b[i]), int(b[i] * 16 - rng.integers(0, 16)), int(rng.integers(1, 40)),
+                        float(rng.uniform(0, 6)), float(rng.uniform(1.0, 3.0) * comp.sum()))
+            for i in range(n_req)]
+    return CostModel(comp, link), cap, reqs
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 5, 12, 32, 80])
+def test_tilings_cover_every_layer_once(n_layers):
+    for tiling in window_tilings(n_layers):
+        covered = []
+        for row, last in tiling:  # window (row-1, last]: layers row..last (row 0: from t=0)
+            assert row <= last
+            covered += list(range(row, last + 1))
+        assert covered == list(range(n_layers))
+
+
+def test_lower_hull_is_convex_and_below_points():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        xs = np.unique(rng.integers(0, 40, rng.integers(1, 10))).astype(float)
+        ys = rng.uniform(0, 10, xs.size)
+        pieces = _lower_hull(xs, ys)
+
+        def phi(u, pieces=pieces):
+            return max(a * u + c for a, c in pieces)
+
+        assert all(phi(x) <= y + 1e-9 for x, y in zip(xs, ys))
+        assert min(abs(phi(x) - y) for x, y in zip(xs, ys)) < 1e-9  # touches the points
+        grid = np.linspace(xs[0], xs[-1], 50)
+        vals = [phi(u) for u in grid]
+        assert all(vals[i - 1] + vals[i + 1] >= 2 * vals[i] - 1e-9 for i in range(1, len(vals) - 1))
+
+
+def test_separable_bounds_are_lower_bounds_of_complete_assignments():
+    rng = np.random.default_rng(1)
+    for _ in range(150):
+        n_req, n_layers = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        cm, _, reqs = harsh_case(rng, n_req, n_layers)
+        tables = candidate_tables(n_layers)
+        comp = cm.compute()
+        cum = np.concatenate(([0.0], np.cumsum(comp)))
+        offset = comp.sum() - tables.sep.between @ cum
+        ks = rng.integers(0, len(tables.counts), n_req)
+        b = np.array([q.blocks_per_layer for q in reqs], dtype=float)
+        exact = cm.step(Placement(~tables.hosts[ks]), b).total_s
+        bound = offset + (b / cm.link_blocks_per_s) @ tables.sep.n[:, ks].T
+        assert bound.max() <= exact * (1 + 1e-9)
+
+
+def test_node_bounds_hold_for_every_capacity_feasible_completion():
+    """Every child's bound in the search is <= the exact latency of each completion that fits (brute force)."""
+    rng = np.random.default_rng(2)
+    checked = 0
+    for _ in range(80):
+        n_req = int(rng.integers(1, 5))
+        n_layers = int(rng.integers(2, 17 if n_req < 4 else 9))
+        cm, cap, reqs = harsh_case(rng, n_req, n_layers)
+        pl = Planner(cm, cap, window=(3, 8), check_better=False, node_limit=None)
+        win = _Window(pl, reqs)
+        bb = BranchAndBound(pl, win, {"nodes": 0, "leaves": 0})
+        bb.trace = []
+        bb.run()
+        tables = candidate_tables(n_layers)
+        b0 = win.blocks[0]
+        exact = {}
+        for ks in itertools.product(range(len(tables.counts)), repeat=n_req):
+            host = tables.hosts[list(ks)]
+            if pl._memory(host, bb.bcap[None])[0] <= bb.cap:
+                exact[ks] = cm.step(Placement(~host), b0).total_s
+        for prefix, lat_lb, alive in bb.trace:
+            depth = len(prefix)
+            for k in range(lat_lb.size):
+                fixed = {bb.order[d]: c for d, c in enumerate(prefix + [k])}
+                fits = [lat for ks, lat in exact.items() if all(ks[r] == c for r, c in fixed.items())]
+                if not alive[k]:
+                    assert not fits, "a child with a fitting completion was cut for capacity"
+                    continue
+                if fits:
+                    assert lat_lb[k] <= min(fits) * (1 + 1e-9), (prefix, k, depth)
+                    checked += 1
+    assert checked > 500
