@@ -89,6 +89,25 @@ def _random_case(rng: np.random.Generator):
     return comp, host, b, CostModel(comp, float(rng.uniform(2, 40)))
 
 
+def test_edf_abort_above_only_stops_steps_that_are_slower():
+    rng = np.random.default_rng(11)
+    stopped = 0
+    for _ in range(300):
+        comp, host, b, cm = _random_case(rng)
+        hosts = [np.flatnonzero(row).tolist() for row in host]
+        xfer = (b / cm.link_blocks_per_s).tolist()
+        full = edf_stalls(comp, hosts, xfer)
+        total = comp.sum() + sum(full)
+        for limit in (total * 0.9, total * (1 - 1e-9), total * (1 + 1e-9), math.inf):
+            got = edf_stalls(comp, hosts, xfer, abort_above=limit)
+            if got is None:
+                assert total > limit
+                stopped += 1
+            else:
+                assert got == full
+    assert stopped > 100
+
+
 def test_edf_matches_reference_simulation_random():
     rng = np.random.default_rng(3)
     for _ in range(200):

@@ -81,13 +81,17 @@ def dp_bound(v: np.ndarray, comp: np.ndarray) -> np.ndarray:
     ``S[l] >= max(F[l-1], v[0, l], max_{m<l} F[m] + v[m+1, l])`` with ``F[m] = S[m] + comp[m]``: the same
     constraints as the link bound, but stalls propagate to later layers (which also subsumes the chain
     bound, as a request's consecutive host layers give ``v[m+1, l] >= xfer_r``). Returns ``T >= F[L-1]``.
+
+    It is the exact latency a PREEMPTIVE earliest-need-first link would give (transfers needed by layers
+    ``<= l`` would never wait for later ones, so they would all be done at ``max over release times rho of
+    rho + their work released at or after rho``); the gap to ``"edf"`` is the time a non-preemptive copy for
+    a later layer holds up one that became urgent.
     """
     comp = np.asarray(comp, dtype=float)
     n_layers = comp.size
     k = v.shape[0]
     f = np.empty((k, n_layers))
-    s = v[:, 0, 0].copy()
-    f[:, 0] = s + comp[0]
+    f[:, 0] = v[:, 0, 0] + comp[0]
     for layer in range(1, n_layers):
         s = np.maximum(f[:, layer - 1], v[:, 0, layer])
         cand = (f[:, :layer] + v[:, 1 : layer + 1, layer]).max(axis=1)

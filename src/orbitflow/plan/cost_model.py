@@ -22,6 +22,7 @@ that is running on another thread.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,11 +56,14 @@ def _key_rows(n_layers: int, n_req: int) -> tuple[list[int], ...]:
     return tuple(keys[r::n_req] for r in range(n_req))
 
 
-def edf_stalls(comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float]) -> list[float]:
+def edf_stalls(
+    comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float], abort_above: float = math.inf
+) -> list[float] | None:
     """Per-layer stalls of the executor's schedule (see module docstring).
 
     ``comp``: per-layer compute seconds; ``hosts[r]``: strictly increasing 0-based host layers of request
-    ``r``; ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``.
+    ``r``; ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``. Returns None as soon as the step is
+    known to take longer than ``abort_above`` seconds (the planner's cut for a leaf that cannot win).
 
     The link is simulated lazily: decisions are taken when a layer needs its KV. A decision at time ``t``
     only depends on transfers released by ``t``, and every transfer released after an unfinished layer
@@ -98,6 +102,9 @@ def edf_stalls(comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequ
     stall = [0.0] * n_layers
     if not avail:
         return stall
+    tail = None  # compute of layers l.. (for abort_above)
+    if abort_above < math.inf:
+        tail = np.cumsum(np.asarray(comp[::-1], dtype=float))[::-1].tolist()
     avail.sort()
     xk = (xfer.tolist() if isinstance(xfer, np.ndarray) else list(xfer)) * n_layers  # xk[key] = xfer[r]
     inf = float("inf")
@@ -152,6 +159,8 @@ def edf_stalls(comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequ
         if ready > t_prev:
             stall[layer] = ready - t_prev
             t_prev = ready
+            if tail is not None and t_prev + tail[layer] > abort_above:
+                return None
         t_prev += comp[layer]
         rk = rel[layer]
         if rk:

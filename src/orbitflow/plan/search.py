@@ -144,7 +144,7 @@ class BranchAndBound:
         self.hosts, self.hosts_f, self.counts = tables.hosts, tables.hosts_f, tables.counts
         self.cumh, self.pairs_after, self.lists, self.mats = tables.cumh, tables.pairs_after, tables.lists, tables.mats
         cm = planner.cost_model
-        self.edf = cm.transfer == "edf"
+        self.edf = cm.transfer == "edf"  # the bounds are proven for the executor's schedule only
         self.link = cm.link_blocks_per_s
         self.b0 = win.blocks[0]
         self.bcap = win.blocks[planner.min_steps - 1]
@@ -193,7 +193,8 @@ class BranchAndBound:
             return self.best_host
         n_layers = self.n_layers
         zero = np.zeros(n_layers)
-        self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0, np.zeros(self.sep_off.size))
+        self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0, np.zeros(self.sep_off.size),
+                   np.zeros(self.mats.shape[1:]))
         if self.best_host is not None and not self.first_only:
             best = self.best_key[0]
             lower = min(best, self.open_lb)
@@ -211,7 +212,7 @@ class BranchAndBound:
 
     # -- search ---------------------------------------------------------------------------------------
     def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
-              chain_lb: float, moved: float, sep: np.ndarray) -> None:
+              chain_lb: float, moved: float, sep: np.ndarray, v: np.ndarray) -> None:
         stats = self.stats
         stats["nodes"] += 1
         self.nodes += 1
@@ -276,8 +277,8 @@ class BranchAndBound:
             keep = np.flatnonzero(alive)
             keep = keep[[not prunable(float(lat_lb[k]), float(new_moved[k]), self.best_key, self.gap) for k in keep]]
             if keep.size:
-                v = self._base_v(self.choice[:depth]) + x * self.mats[keep]
-                lat_lb[keep] = np.maximum(lat_lb[keep], dp_bound(v, self.comp0))
+                dp = dp_bound(v[None] + x * self.mats[keep], self.comp0)
+                lat_lb[keep] = np.maximum(lat_lb[keep], dp)
         if self.trace is not None:
             self.trace.append((list(self.choice[:depth]), lat_lb.copy(), alive.copy()))
         ordered = np.lexsort((counts, lat_lb))
@@ -294,18 +295,10 @@ class BranchAndBound:
                 self._leaf(self.choice)
             else:
                 self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], new_after[k],
-                           float(kid_chain[k]), float(new_moved[k]), kid_sep[:, k])
+                           float(kid_chain[k]), float(new_moved[k]), kid_sep[:, k], v + x * self.mats[k])
             if self.done:  # budget spent (or first_only satisfied): what is left here bounds the unexplored part
                 self.open_lb = min([self.open_lb, *(float(lat_lb[j]) for j in ordered[i:] if alive[j])])
                 return
-
-    def _base_v(self, choice: list[int]) -> np.ndarray:
-        """Release/need transfer seconds ``[L+1, L]`` of the requests assigned by ``choice``."""
-        v = np.zeros(self.mats.shape[1:])
-        for d, k in enumerate(choice):
-            if self.counts[k]:
-                v += self.x0[self.order[d]] * self.mats[k]
-        return v
 
     def _leaf(self, choice: list[int], host: np.ndarray | None = None) -> None:
         """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``)."""
@@ -316,12 +309,17 @@ class BranchAndBound:
         for d, k in enumerate(choice):
             k_of[order[d]] = k
         moved = float(sum(self.b0[r] * self.counts[k_of[r]] for r in range(self.n_req)))
-        lists = [list(self.lists[k]) for k in k_of]
-        if self.edf:
-            lat0 = self.comp_total + float(sum(edf_stalls(self.comp0_list, lists, self.x0_list)))
         if host is None:
             host = self.hosts[k_of]
-        if not self.edf:
+        if self.edf:
+            lists = [self.lists[k] for k in k_of]
+            best = self.best_key[0]
+            cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
+            stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut)
+            if stalls is None:  # slower than the incumbent: stopped part-way
+                return
+            lat0 = self.comp_total + float(sum(stalls))
+        else:
             lat0 = self.pl._seg_latencies(self.win, host, upto=1)[0]
         key = (lat0, moved)
         if not better(key, self.best_key):
