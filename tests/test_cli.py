@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from orbitflow.cli import main
 
 
@@ -12,6 +14,28 @@ def test_plan_prints_a_feasible_plan_as_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] and len(out["distances"]) == 2
     assert out["memory_blocks"] <= out["capacity_blocks"]
+
+
+def test_plan_budget_flags(capsys):
+    reqs = ["--request", "tokens=20000", "--request", "tokens=9000,left=500", "--request", "tokens=30000",
+            "--request", "tokens=3000", "--request", "tokens=12000"]
+    base = ["plan", "--json", "--device-kv-blocks", "140000", "--slo-ms", "400", *reqs]
+    assert main([*base, "--plan-node-limit", "none"]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert exact["feasible"] and exact["search"] == "complete" and exact["optimality_gap"] == 0
+    assert main([*base, "--plan-node-limit", "3"]) == 0
+    cut = json.loads(capsys.readouterr().out)
+    assert cut["feasible"] and cut["predicted_step_s"] >= exact["predicted_step_s"]
+    if cut["search"] == "budget reached":
+        assert cut["optimality_gap"] > 0
+
+
+def test_plan_budget_flags_reject_bad_values(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--request", "tokens=10", "--plan-node-limit", "many"])
+    assert "--plan-node-limit" in capsys.readouterr().err
+    assert main(["plan", "--request", "tokens=10", "--plan-time-limit-ms", "-1"]) == 2
+    assert "--plan-time-limit-ms" in capsys.readouterr().err
 
 
 def test_plan_rejects_a_malformed_request(capsys):

@@ -43,7 +43,25 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs_default: int | None
     g.add_argument("--window-min", type=int, default=d.window_min, help="shortest decode window (steps)")
     g.add_argument("--window-max", type=int, default=d.window_max, help="longest decode window (steps)")
     g.add_argument("--victim", choices=VICTIM_CHOICES, default=d.victim, help="pause victim rule")
+    add_planner_budget_args(g)
     g.add_argument("--seed", type=int, default=0)
+
+
+def add_planner_budget_args(g) -> None:
+    d = EngineConfig()
+    g.add_argument("--plan-node-limit", type=_optional_int, default=d.plan_node_limit, metavar="N|none",
+                   help="branch-and-bound nodes per planner solve; past it the best plan found is used")
+    g.add_argument("--plan-time-limit-ms", type=float, default=None, metavar="MS",
+                   help="wall-clock budget per planner solve (default: none; the node limit alone bounds it)")
+
+
+def _optional_int(text: str) -> int | None:
+    if text.lower() in ("none", "0", "inf"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -54,6 +72,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         chunked_prefill=args.chunked_prefill, max_model_len=args.max_model_len, policy=args.policy,
         slo_ms=args.slo_ms, slo_scale=args.slo_scale, token_deposit=args.token_deposit, alpha=args.alpha,
         window_min=args.window_min, window_max=args.window_max, victim=args.victim, seed=args.seed,
+        plan_node_limit=args.plan_node_limit, plan_time_limit_ms=args.plan_time_limit_ms,
     )
     values.update(overrides)
     return EngineConfig(**values)
@@ -224,7 +243,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CLIError(f"--preset/--profile: {exc}") from None
     config = EngineConfig(block_size=profile.block_size, device_kv_blocks=args.device_kv_blocks or
                           profile.device_kv_blocks, alpha=args.alpha, window_min=args.window_min,
-                          window_max=args.window_max)
+                          window_max=args.window_max, plan_node_limit=args.plan_node_limit,
+                          plan_time_limit_ms=args.plan_time_limit_ms)
     slo_s = args.slo_ms / 1000 if args.slo_ms else config.slo_scale * profile.base_slo_s()
     requests = [_plan_request(t, i, profile.block_size, slo_s) for i, t in enumerate(args.request)]
     plan = PlanContext.from_profile(config, profile).planner(space=args.space).plan(requests)
@@ -234,6 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.device_kv_blocks,
         "victims": list(plan.victims), "solve_s": plan.stats.get("solve_s"), "slo_s": slo_s,
+        "search": "complete" if plan.stats.get("exact", 1) else "budget reached",
+        "optimality_gap": plan.stats.get("gap"),
     }
     if args.json:
         print(json.dumps(out))
@@ -303,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-min", type=int, default=EngineConfig().window_min)
     p.add_argument("--window-max", type=int, default=EngineConfig().window_max)
     p.add_argument("--space", choices=("pruned", "uniform", "full"), default="pruned", help="search space")
+    add_planner_budget_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 

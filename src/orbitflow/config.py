@@ -46,6 +46,9 @@ class EngineConfig:
     ewma: float = 0.3  # weight of a new measurement when refreshing the profile
     victim: str = "largest-kv+deposit"
     plan_in_background: bool = True  # solve one step ahead on a planner thread
+    # Planner budget per solve (like a MILP solver's): past it the best plan found so far is used.
+    plan_node_limit: int | None = 2000
+    plan_time_limit_ms: float | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -68,6 +71,8 @@ class EngineConfig:
         positive("max_num_batched_tokens", "--max-num-batched-tokens")
         positive("chunked_prefill", "--chunked-prefill", allow_none=True)
         positive("max_model_len", "--max-model-len", allow_none=True)
+        positive("plan_node_limit", "--plan-node-limit", allow_none=True)
+        positive("plan_time_limit_ms", "--plan-time-limit-ms", allow_none=True)
         positive("slo_ms", "--slo-ms", allow_none=True)
         positive("slo_scale", "--slo-scale")
         positive("window_min", "--window-min")

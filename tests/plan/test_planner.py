@@ -168,6 +168,55 @@ def test_expiry_better_plan_check():
     assert p.feasible and p.expiry_step == 1 and p.window == 1
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_budgeted_search_certifies_its_gap(seed):
+    """Out of nodes, the planner returns a feasible plan no better than the optimum and a lower bound no
+    worse than it (brute force), and says the search was cut."""
+    rng = np.random.default_rng(300 + seed)
+    cut = 0
+    for _ in range(12):
+        n_req = int(rng.integers(3, 6))
+        n_layers = int(rng.integers(4, 13)) if n_req <= 3 else int(rng.integers(4, 8))
+        cm, cap, reqs = random_case(rng, n_req, n_layers)
+        pl = Planner(cm, cap, window=(2, 10), check_better=False, node_limit=2)
+        got = pl.plan(reqs)
+        best = brute_force(pl, reqs, n_layers)
+        near = Planner(cm, cap, window=(2, 10), check_better=False, gap=0.05).plan(reqs)
+        assert near.feasible == (best is not None)
+        if best is not None:
+            assert best <= near.predicted_step_s <= best / (1 - 0.05) * (1 + 1e-9)
+            assert near.stats["lower_bound_s"] <= best * (1 + 1e-9) and near.stats["gap"] <= 0.05 + 1e-12
+        if not got.feasible:
+            continue
+        assert best is not None and got.predicted_step_s >= best * (1 - 1e-9)
+        assert pl.evaluate(got.placement, reqs).feasible
+        if got.stats["exact"]:
+            assert got.predicted_step_s == pytest.approx(best, rel=1e-9) and got.stats["gap"] == 0
+        else:
+            cut += 1
+            assert got.stats["lower_bound_s"] <= best * (1 + 1e-9)
+            lower = got.predicted_step_s * (1 - got.stats["gap"])
+            assert lower == pytest.approx(got.stats["lower_bound_s"])
+    assert cut > 0
+
+
+def test_time_limit_and_expiry_budget_are_conservative():
+    rng = np.random.default_rng(8)
+    for _ in range(20):
+        cm, cap, reqs = random_case(rng, 4, 8)
+        exact = Planner(cm, cap, window=(1, 12), node_limit=None, expiry_node_limit=None).plan(reqs)
+        tight = Planner(cm, cap, window=(1, 12), node_limit=None, expiry_node_limit=1).plan(reqs)
+        assert tight.feasible == exact.feasible
+        if exact.feasible:  # same plan; an undecided expiry search ends the plan earlier, never later
+            assert tight.predicted_step_s == exact.predicted_step_s
+            if exact.expiry_step is not None:
+                assert tight.expiry_step is not None and tight.expiry_step <= exact.expiry_step
+    hurried = Planner(cm, cap, window=(1, 12), time_limit_s=1e-9).plan(reqs)
+    assert hurried.stats.get("exact", 1) == 0 or hurried.stats["nodes"] <= 1
+    with pytest.raises(ValueError, match="time_limit_s"):
+        Planner(cm, cap, time_limit_s=0)
+
+
 def test_empty_batch_and_bad_args():
     cm = CostModel([1.0] * 3, 1.0)
     p = Planner(cm, 10).plan([])

@@ -162,10 +162,11 @@ class Planner:
     ``window``: ``(min_steps, max_steps)`` of the decode window. ``check_better``: whether expiry also
     looks for a strictly better plan at future block boundaries (one extra bounded search per boundary).
     Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes per search and ``time_limit_s`` per
-    :meth:`plan` call (None: unlimited). When one runs out, the best plan found so far is returned with
-    ``plan.stats["exact"] = 0`` and a certified ``stats["gap"]``: no plan of the space is faster than
-    ``stats["lower_bound_s"]``. ``gap`` (relative) stops the search once the incumbent is proven within it
-    (0: exact). Each expiry search ("is some other plan strictly faster at this future step?") gets
+    :meth:`plan` call (None: unlimited). They only stop a search that has found some feasible plan (finding
+    the first one, or proving there is none, is never cut short). When one runs out, the best plan found so
+    far is returned with ``plan.stats["exact"] = 0`` and a certified ``stats["gap"]``: no plan of the space
+    is faster than ``stats["lower_bound_s"]``. ``gap`` (relative) stops the search once the incumbent is
+    proven within it (0: exact). Each expiry search ("is some other plan strictly faster at this future step?") gets
     ``expiry_node_limit`` nodes; an undecided one ends the plan's validity there (re-planning early is safe).
     """
 

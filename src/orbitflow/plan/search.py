@@ -198,6 +198,10 @@ class BranchAndBound:
         if self.best_host is not None and not self.first_only:
             best = self.best_key[0]
             lower = min(best, self.open_lb)
+            if self.gap > 0:  # children cut by the gap rule are only known to be >= best * (1 - gap)
+                lower = min(lower, best * (1 - self.gap))
+                if lower < best:
+                    self.stats["exact"] = 0
             self.stats["lower_bound_s"] = lower
             self.stats["gap"] = (best - lower) / best if best > 0 else 0.0
         return self.best_host
@@ -217,8 +221,11 @@ class BranchAndBound:
         stats["nodes"] += 1
         self.nodes += 1
         limit = self.node_limit
-        if (limit is not None and self.nodes > limit) or (
-            self.deadline is not None and time.perf_counter() > self.deadline
+        # a budget buys optimality, not feasibility: the main search runs on until it has some plan (or has
+        # proven there is none); an expiry search (first_only) stops undecided
+        if (self.best_host is not None or self.first_only) and (
+            (limit is not None and self.nodes > limit)
+            or (self.deadline is not None and time.perf_counter() > self.deadline)
         ):
             stats["exact"] = 0  # budget exhausted: best found so far, optimality not proven
             self.done = True

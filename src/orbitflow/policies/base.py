@@ -31,6 +31,8 @@ class PlanContext:
     max_num_seqs: int = 4
     max_batch_tokens: int = 32768  # the workload's worst case (FlexGen plans for it offline)
     host_capacity_blocks: float = math.inf  # host blocks the batch may use (the engine sets it per solve)
+    node_limit: int | None = 2000  # planner budget per solve
+    time_limit_s: float | None = None
 
     @classmethod
     def from_profile(cls, config, profile) -> PlanContext:
@@ -46,6 +48,8 @@ class PlanContext:
             seed=config.seed,
             max_num_seqs=config.max_num_seqs,
             max_batch_tokens=config.max_num_batched_tokens,
+            node_limit=config.plan_node_limit,
+            time_limit_s=None if config.plan_time_limit_ms is None else config.plan_time_limit_ms / 1000,
         )
 
     def planner(self, space: str = "pruned", alpha: float | None = None) -> Planner:
@@ -58,6 +62,8 @@ class PlanContext:
             block_size=self.block_size,
             victim_order=self.victim,
             host_capacity_blocks=self.host_capacity_blocks,
+            node_limit=self.node_limit,
+            time_limit_s=self.time_limit_s,
         )
 
 
