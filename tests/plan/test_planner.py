@@ -187,6 +187,7 @@ def test_budgeted_search_certifies_its_gap(seed):
             assert best <= near.predicted_step_s <= best / (1 - 0.05) * (1 + 1e-9)
             assert near.stats["lower_bound_s"] <= best * (1 + 1e-9) and near.stats["gap"] <= 0.05 + 1e-12
         if not got.feasible:
+            assert best is None or not got.stats["exact"]  # proven infeasible, or out of budget
             continue
         assert best is not None and got.predicted_step_s >= best * (1 - 1e-9)
         assert pl.evaluate(got.placement, reqs).feasible

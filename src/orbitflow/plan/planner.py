@@ -162,10 +162,10 @@ class Planner:
     ``window``: ``(min_steps, max_steps)`` of the decode window. ``check_better``: whether expiry also
     looks for a strictly better plan at future block boundaries (one extra bounded search per boundary).
     Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes per search and ``time_limit_s`` per
-    :meth:`plan` call (None: unlimited). They only stop a search that has found some feasible plan (finding
-    the first one, or proving there is none, is never cut short). When one runs out, the best plan found so
-    far is returned with ``plan.stats["exact"] = 0`` and a certified ``stats["gap"]``: no plan of the space
-    is faster than ``stats["lower_bound_s"]``. ``gap`` (relative) stops the search once the incumbent is
+    :meth:`plan` call (None: unlimited), never spent before the first dive (one node per request) is done.
+    When one runs out, the best plan found so far is returned with ``plan.stats["exact"] = 0`` and a certified
+    ``stats["gap"]``: no plan of the space is faster than ``stats["lower_bound_s"]``; if none was found, the
+    plan is infeasible (not proven: ``exact`` 0) and the engine pauses a victim as for a proven one. ``gap`` (relative) stops the search once the incumbent is
     proven within it (0: exact). Each expiry search ("is some other plan strictly faster at this future step?") gets
     ``expiry_node_limit`` nodes; an undecided one ends the plan's validity there (re-planning early is safe).
     """
@@ -376,6 +376,9 @@ class Planner:
                 break
             if t > self.max_steps:
                 break
+            if deadline is not None and time.perf_counter() > deadline:  # out of time: end the plan here
+                stats["expiry_exact"] = 0
+                return t
             # latency of the current plan at step t
             shifted = [
                 PlanRequest(q.request_id, q.blocks_per_layer, q.tokens + t,

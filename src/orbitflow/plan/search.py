@@ -221,9 +221,8 @@ class BranchAndBound:
         stats["nodes"] += 1
         self.nodes += 1
         limit = self.node_limit
-        # a budget buys optimality, not feasibility: the main search runs on until it has some plan (or has
-        # proven there is none); an expiry search (first_only) stops undecided
-        if (self.best_host is not None or self.first_only) and (
+        # budgets never stop the main search's first dive (one node per request): a plan at hand is found
+        if (self.first_only or self.nodes > self.n_req + 1) and (
             (limit is not None and self.nodes > limit)
             or (self.deadline is not None and time.perf_counter() > self.deadline)
         ):
