@@ -1,6 +1,6 @@
 """Lower bounds on the step latency of any link schedule (used by the branch and bound).
 
-Both bounds hold for every schedule that respects the executor's rules (one buffer slot per request, one
+All bounds hold for every schedule that respects the executor's rules (one buffer slot per request, one
 transfer at a time on the link), so they are valid for ``"edf"``; they only grow when host layers are added,
 so a partial assignment (unassigned requests offload nothing) bounds all its completions.
 
@@ -15,6 +15,10 @@ so a partial assignment (unassigned requests offload nothing) bounds all its com
 * Chain bound. Between the end of request r's (j-1)-th host layer and the start of its j-th, its j-th
   transfer must fit, so the stalls in that stretch are at least ``xfer_r - (compute strictly between)``.
   The stretches are disjoint, so the total stall is at least their sum, for each request separately.
+* Separable window bounds. Summing the link constraint over disjoint windows (a tiling of the layers)
+  bounds the total stall by a sum of per-request terms, so requests not assigned yet can be bounded by a
+  convex relaxation of their choices (:func:`separable_tables`).
+* The release/need recursion (:func:`dp_bound`) propagates the link constraints from layer to layer.
 """
 
 from __future__ import annotations

@@ -163,10 +163,11 @@ class Planner:
     looks for a strictly better plan at future block boundaries (one extra bounded search per boundary).
     Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes per search and ``time_limit_s`` per
     :meth:`plan` call (None: unlimited), never spent before the first dive (one node per request) is done.
-    When one runs out, the best plan found so far is returned with ``plan.stats["exact"] = 0`` and a certified
-    ``stats["gap"]``: no plan of the space is faster than ``stats["lower_bound_s"]``; if none was found, the
-    plan is infeasible (not proven: ``exact`` 0) and the engine pauses a victim as for a proven one. ``gap`` (relative) stops the search once the incumbent is
-    proven within it (0: exact). Each expiry search ("is some other plan strictly faster at this future step?") gets
+    When one runs out, the best plan found so far is returned with ``plan.stats["exact"] = 0`` and a
+    certified ``stats["gap"]``: no plan of the space is faster than ``stats["lower_bound_s"]``; if none was
+    found, the plan is infeasible (not proven: ``exact`` 0) and the engine pauses a victim as for a proven
+    one. ``gap`` (relative) stops the search once the incumbent is proven within it (0: exact). Each expiry
+    search ("is some other plan strictly faster at this future step?") gets
     ``expiry_node_limit`` nodes; an undecided one ends the plan's validity there (re-planning early is safe).
     """
 

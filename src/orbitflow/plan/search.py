@@ -9,21 +9,28 @@ the next request, evaluated all at once with NumPy. A node is cut when
 * a lower bound on the step-0 latency of every completion is no better than the incumbent in
   (latency, moved blocks), or cannot meet the SLO cap even as a constant per-step latency.
 
-The latency bound of a partial assignment (unassigned requests offload nothing; every term only grows when
-a host layer is added, so it bounds every completion) is the largest of
+The latency bound of a child is the largest of
 
-* compute: ``C = sum comp``;
 * link: layer ``l`` cannot start before the link moved every host block of layers ``<= l`` from t=0, then
   layers ``l..L-1`` still run, and each later layer ``l'`` whose request also offloads ``l'-1`` waits for
   that transfer after layer ``l'-1`` ends: ``W(l) + sum_{k>=l} comp_k + sum_{l'>l} P(l')`` with ``P(l')``
   the transfer seconds of back-to-back host layers at ``l'``;
 * forced volume: the unassigned requests must together offload at least ``y`` blocks for capacity to hold,
   so the link moves at least ``W(L-1) + y / rate`` before the last host layer runs (``+ min comp``);
-* chain: each request's own transfers are serialised with its compute (single buffer slot).
+* chain: each request's own transfers are serialised with its compute (single buffer slot);
+* separable window bounds (:func:`orbitflow.plan.bounds.separable_tables`): for each tiling of the layers
+  into windows, a sum of per-request terms; the assigned requests count exactly, the unassigned ones as the
+  cheapest fractional way to offload ``y`` blocks (a convex hull). This is the bound that does the pruning
+  high in the tree, where most requests are still unassigned.
 
-Children that survive these cheap tests get the propagated release/need bound
-(:func:`orbitflow.plan.bounds.dp_bound`, vectorised over children); complete assignments that survive it are
-evaluated with the exact schedule and the window rule.
+The first three treat unassigned requests as offloading nothing (every term only grows when a host layer
+is added), so they bound every completion. At the last request the children that survive also get the
+propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`, vectorised over children), and
+those that survive it are run through the exact schedule (stopped part-way once slower than the incumbent)
+and the window rule. Nodes are expanded depth first, cheapest bound first.
+
+Budgets (node count, deadline) stop the search with the incumbent; the least bound among the children left
+unexplored then certifies its gap.
 Identical requests (same sizes over the window, deposit and SLO) are interchangeable, so their offload
 counts are forced non-increasing along the search order.
 """
