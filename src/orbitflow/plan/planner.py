@@ -149,6 +149,7 @@ class _Window:
         self.cm = planner.cost_model
         self.comp = [self.cm.compute(int(self.total_tokens[s]) if self.cm.depends_on_tokens else None)
                      for s in starts]
+        self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
         self.slo = np.array([q.slo_s for q in reqs], dtype=float)
         self.deposit = np.array([max(0.0, float(q.deposit)) for q in reqs], dtype=float)
 
@@ -449,8 +450,13 @@ class Planner:
         return BranchAndBound(self, win, stats, upper=upper, first_only=first_only, node_limit=node_limit,
                               deadline=deadline).run()
 
-    def _feasible(self, win: _Window, host: np.ndarray, lat0: float) -> bool:
-        """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments)."""
+    def _feasible(self, win: _Window, host: np.ndarray, lat0: float, later_lb: float = 0.0) -> bool:
+        """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments).
+
+        ``later_lb``: a bound on the step-0 latency that only grows with blocks and compute (the search's
+        bounds are), so it bounds every later step too when compute does not shrink; violations only grow
+        with latency, so failing with it saves computing the later segments exactly.
+        """
         over = self._first_over(host, win.blocks[: win.horizon])
         cap_max = int(over[0]) if over.size else win.horizon
         if cap_max < self.min_steps:
@@ -458,9 +464,13 @@ class Planner:
         if not np.isfinite(win.slo).any():
             return True
         n_seg = sum(1 for s in win.seg_starts if s < cap_max)
+        d = np.arange(self.min_steps, cap_max + 1)
+        if n_seg > 1 and later_lb > 0 and win.compute_grows:
+            cum = self._violations(win, [lat0] + [later_lb] * (n_seg - 1))
+            if not np.any(cum[d] <= self.alpha * d + 1e-9):
+                return False
         seg_lat = [lat0] + self._seg_latencies(win, host, upto=n_seg, first=1)
         cum = self._violations(win, seg_lat)
-        d = np.arange(self.min_steps, cap_max + 1)
         return bool(np.any(cum[d] <= self.alpha * d + 1e-9))
 
     def _lat_prefilter(self, win: _Window) -> Callable[[float], bool]:

@@ -305,7 +305,7 @@ class BranchAndBound:
                 continue
             self.choice[depth] = int(k)
             if last:
-                self._leaf(self.choice)
+                self._leaf(self.choice, lb=lb)
             else:
                 self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], new_after[k],
                            float(kid_chain[k]), float(new_moved[k]), kid_sep[:, k], v + x * self.mats[k])
@@ -313,10 +313,12 @@ class BranchAndBound:
                 self.open_lb = min([self.open_lb, *(float(lat_lb[j]) for j in ordered[i:] if alive[j])])
                 return
 
-    def _leaf(self, choice: list[int], host: np.ndarray | None = None) -> None:
-        """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``)."""
+    def _leaf(self, choice: list[int], host: np.ndarray | None = None, lb: float = 0.0) -> None:
+        """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``); ``lb``: the
+        search's bound on its latency. A leaf counts against the node budget like a node."""
         stats = self.stats
         stats["leaves"] += 1
+        self.nodes += 1
         order = self.order
         k_of = [0] * self.n_req
         for d, k in enumerate(choice):
@@ -337,7 +339,7 @@ class BranchAndBound:
         key = (lat0, moved)
         if not better(key, self.best_key):
             return
-        if not self.pl._feasible(self.win, host, lat0):
+        if not self.pl._feasible(self.win, host, lat0, later_lb=lb if self.edf else 0.0):
             return
         self.best_host, self.best_key = host.copy(), key
         if self.first_only:
