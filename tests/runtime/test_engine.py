@@ -39,6 +39,23 @@ def test_pause_and_resume_under_a_budget_that_cannot_hold_the_batch(tiny_llama):
         llm.close()
 
 
+def test_a_planner_budget_of_one_node_still_serves_correctly(tiny_llama):
+    ps = prompts(4, 40, seed=1)
+    reference = [hf_greedy(tiny_llama.hf, p, 32) for p in ps]
+    llm = make_llm(tiny_llama, profile=tiny_profile(device_kv_blocks=40, link_bytes_per_s=2e7),
+                   device_kv_blocks=40, max_num_seqs=4, slo_ms=60, window_min=1, window_max=8,
+                   plan_node_limit=1)
+    try:
+        reqs = llm.generate(ps, SamplingParams(max_tokens=32, ignore_eos=False))
+        assert [r.output_ids for r in reqs] == reference
+        assert llm.kv.usage() == (0, 0)
+        records = llm.engine.controller.records
+        assert llm.engine.controller.solver_budget_hits == sum(not rec.proven for rec in records) >= 1
+        assert all(rec.gap >= 0 for rec in records)
+    finally:
+        llm.close()
+
+
 def _gaps(times):
     return [b - a for a, b in zip(times, times[1:])]
 

@@ -32,6 +32,8 @@ class PlanRecord:
     feasible: bool
     predicted_step_s: float
     background: bool = False
+    proven: bool = True  # False when the planner's budget ran out before optimality was proven
+    gap: float = 0.0  # the planner's certified relative gap to the best possible plan
 
 
 class Controller:
@@ -112,6 +114,7 @@ class Controller:
                 distances=list(plan.distances) if plan.distances is not None else None,
                 window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
                 predicted_step_s=float(plan.predicted_step_s), background=background,
+                proven=bool(plan.stats.get("exact", 1)), gap=float(plan.stats.get("gap", 0.0)),
             )
         )
         if plan.feasible:
@@ -146,6 +149,11 @@ class Controller:
     @property
     def solver_time_s(self) -> float:
         return sum(r.solve_s for r in self.records)
+
+    @property
+    def solver_budget_hits(self) -> int:
+        """Solves whose budget (--plan-node-limit / --plan-time-limit-ms) ran out before a proof."""
+        return sum(not r.proven for r in self.records)
 
     def close(self) -> None:
         if self._pool is not None:

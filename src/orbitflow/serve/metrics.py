@@ -41,6 +41,8 @@ class _EngineCollector:
             ("orbitflow:solver_calls", "Placement solver calls", engine.controller.solver_calls),
             ("orbitflow:solver_seconds", "Time spent in the placement solver",
              engine.controller.solver_time_s),
+            ("orbitflow:solver_budget_reached", "Solves stopped by the planner budget before proving optimality",
+             engine.controller.solver_budget_hits),
             ("orbitflow:slo_violations_delivered", "Token gaps over the SLO as delivered",
              stats.delivered_violations),
             ("orbitflow:slo_violations_generated", "Token gaps over the SLO as generated",
@@ -51,6 +53,10 @@ class _EngineCollector:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        records = engine.controller.records
+        yield GaugeMetricFamily("orbitflow:plan_optimality_gap",
+                                "Certified relative gap of the latest plan to the best possible one (0: optimal)",
+                                value=records[-1].gap if records else 0.0)
 
 
 class ServerMetrics:
