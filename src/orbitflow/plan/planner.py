@@ -150,6 +150,7 @@ class _Window:
         self.comp = [self.cm.compute(int(self.total_tokens[s]) if self.cm.depends_on_tokens else None)
                      for s in starts]
         self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
+        self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency
         self.slo = np.array([q.slo_s for q in reqs], dtype=float)
         self.deposit = np.array([max(0.0, float(q.deposit)) for q in reqs], dtype=float)
 
@@ -267,14 +268,18 @@ class Planner:
     def _seg_latencies(
         self, win: _Window, host: np.ndarray, upto: int | None = None, first: int = 0
     ) -> list[float]:
-        """Exact step latency of each block-constant segment (segments ``first..upto-1``)."""
+        """Exact step latency of each block-constant segment (segments ``first..upto-1``), memoised per
+        window and host mask (the search's feasibility check and the final plan ask for the same ones)."""
         out = []
         n = len(win.seg_starts) if upto is None else upto
+        mask_key = host.tobytes()
         for i in range(first, n):
-            s = win.seg_starts[i]
-            comp = win.comp[i]
-            st = self.cost_model.stalls(host, win.blocks[s], comp)
-            out.append(float(comp.sum()) + float(sum(st)))
+            lat = win.seg_cache.get((mask_key, i))
+            if lat is None:
+                comp = win.comp[i]
+                st = self.cost_model.stalls(host, win.blocks[win.seg_starts[i]], comp)
+                lat = win.seg_cache[(mask_key, i)] = float(comp.sum()) + float(sum(st))
+            out.append(lat)
         return out
 
     def _first_over(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -331,7 +336,9 @@ class Planner:
         search_better: bool,
         deadline: float | None = None,
     ) -> Plan:
-        seg_lat = self._seg_latencies(win, host)
+        over = self._first_over(host, win.blocks[: win.horizon])
+        cap_max = int(over[0]) if over.size else win.horizon  # later segments cannot be in the window
+        seg_lat = self._seg_latencies(win, host, upto=max(1, sum(1 for s in win.seg_starts if s < cap_max)))
         window, viol = self._window_of(win, host, seg_lat)
         feasible = window > 0
         lat_steps: list[float] = []

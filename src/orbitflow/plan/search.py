@@ -334,6 +334,7 @@ class BranchAndBound:
             if stalls is None:  # slower than the incumbent: stopped part-way
                 return
             lat0 = self.comp_total + float(sum(stalls))
+            self.win.seg_cache[(host.tobytes(), 0)] = lat0
         else:
             lat0 = self.pl._seg_latencies(self.win, host, upto=1)[0]
         key = (lat0, moved)
