@@ -227,14 +227,7 @@ class BranchAndBound:
         stats = self.stats
         stats["nodes"] += 1
         self.nodes += 1
-        limit = self.node_limit
-        # budgets never stop the main search's first dive (one node per request): a plan at hand is found
-        if (self.first_only or self.nodes > self.n_req + 1) and (
-            (limit is not None and self.nodes > limit)
-            or (self.deadline is not None and time.perf_counter() > self.deadline)
-        ):
-            stats["exact"] = 0  # budget exhausted: best found so far, optimality not proven
-            self.done = True
+        if self._out_of_budget():
             return
         r = self.order[depth]
         n_layers = self.n_layers
@@ -306,12 +299,25 @@ class BranchAndBound:
             self.choice[depth] = int(k)
             if last:
                 self._leaf(self.choice, lb=lb)
+                self._out_of_budget()
             else:
                 self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], new_after[k],
                            float(kid_chain[k]), float(new_moved[k]), kid_sep[:, k], v + x * self.mats[k])
             if self.done:  # budget spent (or first_only satisfied): what is left here bounds the unexplored part
                 self.open_lb = min([self.open_lb, *(float(lat_lb[j]) for j in ordered[i:] if alive[j])])
                 return
+
+    def _out_of_budget(self) -> bool:
+        """Whether the node or time budget is spent (then the search stops: ``done``, not ``exact``). Budgets
+        never stop the main search's first dive (one node per request): a plan at hand is found."""
+        limit = self.node_limit
+        if (self.first_only or self.nodes > self.n_req + 1) and (
+            (limit is not None and self.nodes > limit)
+            or (self.deadline is not None and time.perf_counter() > self.deadline)
+        ):
+            self.stats["exact"] = 0  # best found so far, optimality not proven
+            self.done = True
+        return self.done
 
     def _leaf(self, choice: list[int], host: np.ndarray | None = None, lb: float = 0.0) -> None:
         """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``); ``lb``: the
