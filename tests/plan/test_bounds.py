@@ -1,10 +1,11 @@
 import itertools
+import math
 
 import numpy as np
 import pytest
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest
-from orbitflow.plan.bounds import _lower_hull, window_tilings
+from orbitflow.plan.bounds import _lower_hull, count_matrix, dp_bound, window_tilings
 from orbitflow.plan.planner import _Window
 from orbitflow.plan.search import BranchAndBound, candidate_tables
 
@@ -96,3 +97,53 @@ def test_node_bounds_hold_for_every_capacity_feasible_completion():
                     assert lat_lb[k] <= min(fits) * (1 + 1e-9), (prefix, k, depth)
                     checked += 1
     assert checked > 500
+
+
+def _preemptive_latency(comp, hosts, xfer):
+    """Continuous-time simulation of a PREEMPTIVE earliest-need-first link under the executor's other rules
+    (one slot per request: a request's next transfer is released when its previous host layer has run)."""
+    n_req, n_layers = len(hosts), len(comp)
+    following = {(r, a): b for r, hl in enumerate(hosts) for a, b in zip(hl, hl[1:])}
+    left = {(hl[0], r): xfer[r] for r, hl in enumerate(hosts) if hl}  # released transfers -> work left
+    done, t, layer, layer_end = set(), 0.0, 0, None
+    while layer < n_layers:
+        if layer_end is None and all((layer, r) in done for r in range(n_req) if layer in hosts[r]):
+            layer_end = t + comp[layer]
+        pending = sorted(k for k, w in left.items() if w > 0)
+        until = layer_end if layer_end is not None else math.inf
+        if pending:
+            k = pending[0]
+            if t + left[k] <= until:
+                t += left.pop(k)
+                done.add(k)
+                continue
+            left[k] -= until - t
+        t, layer_end = until, None
+        for r in range(n_req):
+            if (r, layer) in following:
+                left[(following[(r, layer)], r)] = xfer[r]
+        layer += 1
+    return t
+
+
+def test_dp_bound_is_a_monotone_lower_bound_and_the_latency_of_a_preemptive_link():
+    rng = np.random.default_rng(3)
+    for _ in range(400):
+        n_req, n_layers = int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        comp = rng.uniform(0.2, 2.0, n_layers)
+        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
+        b = rng.integers(1, 30, n_req).astype(float)
+        cm = CostModel(comp, float(rng.uniform(2, 40)))
+        x = b / cm.link_blocks_per_s
+        v = sum(x[r] * count_matrix(host[r]) for r in range(n_req))
+        bound = dp_bound(v[None], comp)[0]
+        assert bound <= cm.step(Placement.from_mask(~host), b).total_s * (1 + 1e-12)
+        hosts = [np.flatnonzero(h).tolist() for h in host]
+        assert bound == pytest.approx(_preemptive_latency(comp.tolist(), hosts, x.tolist()), rel=1e-12)
+        free = np.argwhere(~host)
+        if free.size:  # one more host layer never lowers it
+            r, layer = free[rng.integers(len(free))]
+            more = host[r].copy()
+            more[layer] = True
+            grown = v + x[r] * (count_matrix(more) - count_matrix(host[r]))
+            assert dp_bound(grown[None], comp)[0] >= bound * (1 - 1e-12)

@@ -10,11 +10,12 @@ so a partial assignment (unassigned requests offload nothing) bounds all its com
 
       T >= C + V(m, l) - sum_{m<k<l} comp_k,   V(m, l) = sum_r xfer_r * max(0, n_r[m..l] - 1)
 
-  and, with every transfer released at t=0, ``T >= C + W(<=l) - sum_{k<l} comp_k``.  ``N_c`` stores the
-  transfer counts of one host row, ``D`` the compute offsets, so the bound is ``C + max(D + sum xfer_r N_r)``.
-* Chain bound. Between the end of request r's (j-1)-th host layer and the start of its j-th, its j-th
-  transfer must fit, so the stalls in that stretch are at least ``xfer_r - (compute strictly between)``.
-  The stretches are disjoint, so the total stall is at least their sum, for each request separately.
+  and, with every transfer released at t=0, ``T >= C + W(<=l) - sum_{k<l} comp_k``. :func:`count_matrix`
+  holds the transfer counts ``n_r`` of one host row.
+* Chain bound (computed in :mod:`orbitflow.plan.search`). Between the end of request r's (j-1)-th host
+  layer and the start of its j-th, its j-th transfer must fit, so the stalls in that stretch are at least
+  ``xfer_r - (compute strictly between)``. The stretches are disjoint, so the total stall is at least their
+  sum, for each request separately.
 * Separable window bounds. Summing the link constraint over disjoint windows (a tiling of the layers)
   bounds the total stall by a sum of per-request terms, so requests not assigned yet can be bounded by a
   convex relaxation of their choices (:func:`separable_tables`).
@@ -23,7 +24,6 @@ so a partial assignment (unassigned requests offload nothing) bounds all its com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -45,38 +45,6 @@ def count_matrix(host_row: np.ndarray) -> np.ndarray:
     val = np.where(l_idx > m_idx, np.maximum(cnt - 1, 0), 0)
     out[1:] = val
     return out
-
-
-def offset_matrix(comp: np.ndarray) -> np.ndarray:
-    """``D[(L+1), L]``: minus the compute that can overlap, ``NEG`` where the pair is not a constraint."""
-    comp = np.asarray(comp, dtype=float)
-    n_layers = comp.size
-    cum = np.concatenate(([0.0], np.cumsum(comp)))  # cum[i] = sum comp[0..i-1]
-    out = np.full((n_layers + 1, n_layers), NEG)
-    out[0] = -cum[:-1]
-    m_idx = np.arange(n_layers)[:, None]
-    l_idx = np.arange(n_layers)[None, :]
-    between = cum[:-1][None, :] - cum[1:][:, None]  # sum comp[m+1 .. l-1]
-    out[1:] = np.where(l_idx > m_idx, -between, NEG)
-    return out
-
-
-def chain_gaps(host_row: np.ndarray, comp: np.ndarray) -> np.ndarray:
-    """Compute that can hide each transfer of one host row (length = offload count)."""
-    comp = np.asarray(comp, dtype=float)
-    cum = np.concatenate(([0.0], np.cumsum(comp)))
-    hl = np.flatnonzero(host_row)
-    if hl.size == 0:
-        return np.zeros(0)
-    prev_end = np.concatenate(([0.0], cum[hl[:-1] + 1]))
-    return cum[hl] - prev_end
-
-
-def chain_bound(gaps: np.ndarray, xfer: float) -> float:
-    """Minimum total stall forced by one request's own transfer chain."""
-    if gaps.size == 0:
-        return 0.0
-    return float(np.maximum(xfer - gaps, 0.0).sum())
 
 
 def dp_bound(v: np.ndarray, comp: np.ndarray) -> np.ndarray:
@@ -101,41 +69,6 @@ def dp_bound(v: np.ndarray, comp: np.ndarray) -> np.ndarray:
         cand = (f[:, :layer] + v[:, 1 : layer + 1, layer]).max(axis=1)
         f[:, layer] = np.maximum(s, cand) + comp[layer]
     return f[:, -1]
-
-
-def relaxed_latency(comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float]) -> float:
-    """Step latency of a relaxation of the ``"edf"`` schedule (a lower bound on the exact latency).
-
-    Layer ``l`` starts no earlier than (a) the end of layer ``l-1``, (b) the time the link needs to move
-    every host block of layers ``<= l`` from t=0 (one transfer at a time), and (c), for each request whose
-    ``j``-th host layer is ``l``, the end of its ``(j-1)``-th host layer plus one transfer (single buffer
-    slot). The executor's schedule satisfies all three, so this is ``<=`` the exact latency; adding a host
-    layer only adds volume or constraints, so the value is monotone in the host mask.
-    """
-    n_layers = len(comp)
-    vol = [0.0] * n_layers
-    chain: list[list[tuple[int, float]]] = [[] for _ in range(n_layers)]
-    for hl, x in zip(hosts, xfer):
-        prev = -1
-        for layer in hl:
-            vol[layer] += x
-            if prev >= 0:
-                chain[layer].append((prev, x))
-            prev = layer
-    finish = [0.0] * n_layers
-    t = 0.0  # end of the previous layer
-    w = 0.0  # cumulative link volume
-    for layer in range(n_layers):
-        w += vol[layer]
-        s = t if t > w else w
-        for prev, x in chain[layer]:
-            c = finish[prev] + x
-            if c > s:
-                s = c
-        t = s + comp[layer]
-        finish[layer] = t
-    return t
-
 
 
 # -- separable window bounds (partial assignments) -------------------------------------------------------

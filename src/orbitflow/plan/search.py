@@ -109,7 +109,8 @@ def candidate_tables(num_layers: int) -> CandidateTables:
     pairs_after = np.cumsum(pairs[:, ::-1], axis=1)[:, ::-1] - pairs  # pairs at layers > l
     lists = tuple(tuple(int(i) for i in np.flatnonzero(h)) for h in hosts)
     mats = np.stack([count_matrix(h) for h in hosts])
-    # chain gaps (bounds.chain_gaps) as index pairs into the cumulative compute: gap = cum[last] - cum[first]
+    # chain gaps (compute that can hide each transfer) as index pairs into the cumulative compute:
+    # gap = cum[last] - cum[first]
     width = max(1, int(counts.max()))
     gap_first = np.zeros((len(dists), width), dtype=np.int64)
     gap_last = np.zeros((len(dists), width), dtype=np.int64)
