@@ -289,6 +289,11 @@ class Planner:
             over |= blocks @ host.sum(axis=1) > self.host_capacity_blocks + 1e-9
         return np.flatnonzero(over)
 
+    def _steps_that_fit(self, win: _Window, host: np.ndarray) -> int:
+        """How many steps of the horizon ``host`` fits in memory (no window can be longer)."""
+        over = self._first_over(host, win.blocks[: win.horizon])
+        return int(over[0]) if over.size else win.horizon
+
     def _memory(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """Capacity-equation left side for each row of ``blocks`` [T, R]."""
         resident = blocks @ (~host).sum(axis=1)
@@ -317,8 +322,7 @@ class Planner:
 
     def _window_of(self, win: _Window, host: np.ndarray, seg_lat: Sequence[float]) -> tuple[int, float]:
         """Largest feasible Delta (0 if none) and the violations over it."""
-        over = self._first_over(host, win.blocks[: win.horizon])
-        cap_max = int(over[0]) if over.size else win.horizon
+        cap_max = self._steps_that_fit(win, host)
         if cap_max < self.min_steps:
             return 0, 0.0
         cum = self._violations(win, seg_lat)
@@ -336,8 +340,7 @@ class Planner:
         search_better: bool,
         deadline: float | None = None,
     ) -> Plan:
-        over = self._first_over(host, win.blocks[: win.horizon])
-        cap_max = int(over[0]) if over.size else win.horizon  # later segments cannot be in the window
+        cap_max = self._steps_that_fit(win, host)  # later segments cannot be in the window
         seg_lat = self._seg_latencies(win, host, upto=max(1, sum(1 for s in win.seg_starts if s < cap_max)))
         window, viol = self._window_of(win, host, seg_lat)
         feasible = window > 0
@@ -464,8 +467,7 @@ class Planner:
         bounds are), so it bounds every later step too when compute does not shrink; violations only grow
         with latency, so failing with it saves computing the later segments exactly.
         """
-        over = self._first_over(host, win.blocks[: win.horizon])
-        cap_max = int(over[0]) if over.size else win.horizon
+        cap_max = self._steps_that_fit(win, host)
         if cap_max < self.min_steps:
             return False
         if not np.isfinite(win.slo).any():

@@ -183,7 +183,7 @@ class BranchAndBound:
         ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
         self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
         # per-request chain stall lower bound of each candidate
-        gaps = np.where(tables.gap_last >= tables.gap_first, cum[tables.gap_last] - cum[tables.gap_first], np.inf)
+        gaps = cum[tables.gap_last] - cum[tables.gap_first]
         gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
         self.chain = np.maximum(self.x0[:, None, None] - gaps[None], 0.0).sum(axis=2)  # [R, K]
         self.lat_ok = planner._lat_prefilter(win)
