@@ -218,6 +218,29 @@ def test_time_limit_and_expiry_budget_are_conservative():
         Planner(cm, cap, time_limit_s=0)
 
 
+def test_latency_prefilter_memo_matches_fresh_answers():
+    # the prefilter remembers the largest bound that passed and the smallest that failed (violations only
+    # grow with the bound); in any query order it must answer as a fresh one does
+    from orbitflow.plan.planner import _Window
+
+    rng = np.random.default_rng(5)
+    mixed = 0
+    for _ in range(30):
+        cm, cap, reqs = random_case(rng, 4, 8)
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 12))
+        win = _Window(pl, reqs)
+        memo = pl._lat_prefilter(win)
+        answers = []
+        for lb in rng.uniform(0.5, 3.0, 40) * float(win.slo.min()):
+            fresh = pl._lat_prefilter(win)(lb)
+            assert memo(lb) == fresh
+            answers.append((lb, fresh))
+        answers.sort()
+        assert [a for _, a in answers] == sorted((a for _, a in answers), reverse=True)  # monotone
+        mixed += any(a for _, a in answers) and not all(a for _, a in answers)
+    assert mixed >= 10  # the cases exercise both answers
+
+
 def test_empty_batch_and_bad_args():
     cm = CostModel([1.0] * 3, 1.0)
     p = Planner(cm, 10).plan([])

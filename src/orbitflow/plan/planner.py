@@ -491,14 +491,20 @@ class Planner:
         d_arr = np.arange(self.min_steps, self.max_steps + 1)
         slo_min = float(slo.min())
 
+        known = [slo_min, math.inf]  # violations only grow with lb: lb <= known[0] passes, lb >= known[1] fails
+
         def ok(lb: float) -> bool:
-            if lb <= slo_min:
+            if lb <= known[0]:
                 return True
+            if lb >= known[1]:
+                return False
             delta = 1.0 - lb / slo
             neg = delta < 0
             safe = np.floor(dep[neg] / -delta[neg] + 1e-9)
             viol = np.maximum(d_arr[:, None] - safe[None, :], 0).sum(axis=1)
-            return bool(np.any(viol <= self.alpha * d_arr + 1e-9))
+            passed = bool(np.any(viol <= self.alpha * d_arr + 1e-9))
+            known[0 if passed else 1] = lb
+            return passed
 
         return ok
 
