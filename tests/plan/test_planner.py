@@ -218,6 +218,18 @@ def test_time_limit_and_expiry_budget_are_conservative():
         Planner(cm, cap, time_limit_s=0)
 
 
+def test_expiry_node_limit_none_is_unlimited_whatever_the_main_budget():
+    rng = np.random.default_rng(8)
+    cut_short = 0
+    for _ in range(20):
+        cm, cap, reqs = random_case(rng, 4, 8)
+        plans = [Planner(cm, cap, window=(1, 12), node_limit=3, expiry_node_limit=limit).plan(reqs)
+                 for limit in (None, 10**9, 2)]
+        assert plans[0].expiry_step == plans[1].expiry_step and plans[0].distances == plans[1].distances
+        cut_short += plans[2].expiry_step != plans[1].expiry_step
+    assert cut_short > 0  # a small expiry budget does end plans earlier in these cases
+
+
 def test_latency_prefilter_memo_matches_fresh_answers():
     # the prefilter remembers the largest bound that passed and the smallest that failed (violations only
     # grow with the bound); in any query order it must answer as a fresh one does

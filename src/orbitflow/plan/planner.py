@@ -163,14 +163,15 @@ class Planner:
     seeded from the pruned optimum, see :mod:`orbitflow.plan.full_search`).
     ``window``: ``(min_steps, max_steps)`` of the decode window. ``check_better``: whether expiry also
     looks for a strictly better plan at future block boundaries (one extra bounded search per boundary).
-    Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes per search and ``time_limit_s`` per
-    :meth:`plan` call (None: unlimited), never spent before the first dive (one node per request) is done.
+    Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes for the main search and
+    ``time_limit_s`` per :meth:`plan` call (None: unlimited), never spent before the first dive (one node per
+    request) is done.
     When one runs out, the best plan found so far is returned with ``plan.stats["exact"] = 0`` and a
     certified ``stats["gap"]``: no plan of the space is faster than ``stats["lower_bound_s"]``; if none was
     found, the plan is infeasible (not proven: ``exact`` 0) and the engine pauses a victim as for a proven
     one. ``gap`` (relative) stops the search once the incumbent is proven within it (0: exact). Each expiry
-    search ("is some other plan strictly faster at this future step?") gets
-    ``expiry_node_limit`` nodes; an undecided one ends the plan's validity there (re-planning early is safe).
+    search ("is some other plan strictly faster at this future step?") gets ``expiry_node_limit`` nodes
+    (None: unlimited); an undecided one ends the plan's validity there (re-planning early is safe).
     """
 
     def __init__(
@@ -238,7 +239,7 @@ class Planner:
         if self.space == "uniform":
             mask = self._solve_uniform(win, stats)
         else:
-            mask = self._solve_pruned(win, stats, deadline=deadline)
+            mask = self._solve_pruned(win, stats, node_limit=self.node_limit, deadline=deadline)
             if mask is not None and self.space == "full":
                 from orbitflow.plan.full_search import improve_full
 

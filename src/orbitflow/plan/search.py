@@ -143,7 +143,7 @@ class BranchAndBound:
         self.stats = stats
         self.first_only = first_only
         self.gap = planner.gap
-        self.node_limit = node_limit if node_limit is not None else planner.node_limit
+        self.node_limit = node_limit  # None: unlimited
         self.deadline = deadline  # time.perf_counter() value after which the search stops
         self.nodes = 0
         n_layers = planner.num_layers
