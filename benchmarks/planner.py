@@ -118,6 +118,54 @@ def bench_bruteforce(trials: int, seed: int) -> None:
     print(f"mismatches: {mism} / {trials} (searches that hit node_limit: {unproven})")
 
 
+def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> None:
+    """How fast could ANY exact search be here, if its bounds were never tighter than a preemptive link's
+    latency (``bounds.dp_bound``, the tightest of ours)? Every placement that fits capacity, passes the SLO
+    prefilter and whose preemptive latency is below the optimum can only be ruled out by simulating the
+    executor's non-preemptive schedule. Those simulations alone, each stopped once it passes the optimum,
+    give a floor on the solve time, with free bounds and an oracle that knows the optimum up front."""
+    from orbitflow.plan.bounds import dp_bound
+    from orbitflow.plan.cost_model import edf_stalls
+    from orbitflow.plan.planner import _Window
+    from orbitflow.plan.search import candidate_tables
+
+    print(f"\n== exactness floor at (R, L) = ({n_req}, {n_layers}), {calls} instances: placements only a "
+          "simulation can rule out ==")
+    tables = candidate_tables(n_layers)
+    every = np.array(list(itertools.product(range(len(tables.counts)), repeat=n_req)))  # [N, R] candidates
+    rng = np.random.default_rng(seed + 1000 * n_req + n_layers)  # the instances of the speed table
+    counts, floors = [], []
+    for _ in range(calls):
+        cm, cap, reqs = random_instance(rng, n_req, n_layers)
+        pl = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False)
+        best = pl.plan(reqs)
+        if not best.feasible:
+            continue
+        opt = best.predicted_step_s
+        win = _Window(pl, reqs)
+        hosts = tables.hosts_f[every]  # [N, R, L]
+        bcap = win.blocks[pl.min_steps - 1][None, :, None]
+        memory = (bcap * (1 - hosts)).sum(axis=(1, 2)) + (bcap * hosts).sum(axis=1).max(axis=1)
+        fits = every[memory <= cap * (1 + 1e-12) + 1e-9]
+        xfer, comp = win.blocks[0] / cm.link_blocks_per_s, np.asarray(win.comp[0])
+        preemptive = np.concatenate([
+            dp_bound(np.einsum("r,nrab->nab", xfer, tables.mats[chunk]), comp)
+            for chunk in np.array_split(fits, max(1, len(fits) // 512))
+        ]) if len(fits) else np.zeros(0)
+        slo_ok = pl._lat_prefilter(win)
+        rivals = [ks for ks, lat in zip(fits, preemptive) if lat < opt * (1 - 1e-12) and slo_ok(float(lat))]
+        comp_list, xfer_list = comp.tolist(), xfer.tolist()
+        t = time.perf_counter()
+        for ks in rivals:
+            edf_stalls(comp_list, [tables.lists[k] for k in ks], xfer_list, abort_above=opt)
+        floors.append(time.perf_counter() - t)
+        counts.append(len(rivals))
+    print(f"placements to simulate: p50 {pct(counts, 50):.0f}, p90 {pct(counts, 90):.0f}, "
+          f"p99 {pct(counts, 99):.0f}, max {max(counts)}")
+    print(f"time for those simulations alone: p50 {1e3 * pct(floors, 50):.2f} ms, p90 {1e3 * pct(floors, 90):.2f} "
+          f"ms, p99 {1e3 * pct(floors, 99):.2f} ms, max {1e3 * max(floors):.2f} ms")
+
+
 def bench_full(sizes, calls: int, seed: int) -> None:
     print("\n== full space (local search seeded from the pruned optimum) vs pruned ==")
     print(f"{'R':>3} {'L':>3} | {'both feas':>9} {'full wins':>9} {'mean gain':>9} {'max gain':>9} | "
@@ -175,6 +223,7 @@ def main() -> None:
     print(f"orbitflow planner benchmark (numpy {np.__version__}, {'quick' if args.quick else 'full'} run)")
     bench_speed(sizes, calls, args.seed)
     bench_bruteforce(20 if args.quick else 100, args.seed)
+    bench_floor(calls, args.seed)
     bench_uniform(sizes, calls // 2, args.seed)
     bench_full([(4, 32), (8, 32)], 10 if args.quick else 40, args.seed)
 
