@@ -354,11 +354,12 @@ class Planner:
         if feasible and search_better and self.space != "uniform":
             expiry = self._better_expiry(reqs, host, seg_lat, expiry, stats, deadline)
         placement = Placement(~host)
+        distances = placement.distances()
         shown = window if feasible else 0
         return Plan(
             request_ids=tuple(q.request_id for q in reqs),
             placement=placement,
-            distances=tuple(placement.distances()) if placement.distances() is not None else None,
+            distances=tuple(distances) if distances is not None else None,
             feasible=feasible,
             window=shown,
             expiry_step=expiry,
