@@ -254,7 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.device_kv_blocks,
         "victims": list(plan.victims), "solve_s": plan.stats.get("solve_s"), "slo_s": slo_s,
-        "search": "complete" if plan.stats.get("exact", 1) else "budget reached",
+        "search": "local search, no proof" if args.space == "full" else (
+            "complete" if plan.stats.get("exact", 1) else "budget reached"),
         "optimality_gap": plan.stats.get("gap"),
     }
     if args.json:

@@ -141,6 +141,7 @@ def test_uniform_space_is_one_distance_and_never_beats_pruned():
 
 def test_full_space_never_worse_than_pruned():
     rng = np.random.default_rng(12)
+    stopped = 0
     for _ in range(6):
         cm, cap, reqs = random_case(rng, 3, 10)
         p = Planner(cm, cap, window=(2, 8), check_better=False).plan(reqs)
@@ -149,6 +150,13 @@ def test_full_space_never_worse_than_pruned():
         if p.feasible:
             assert f.predicted_step_s <= p.predicted_step_s + 1e-12
             assert Planner(cm, cap, window=(2, 8)).evaluate(f.placement, reqs).feasible
+            # a local search proves nothing, and the pruned search's bound does not bound the full space
+            assert f.stats["exact"] == 0 and "lower_bound_s" not in f.stats and "gap" not in f.stats
+            hurried = Planner(cm, cap, window=(2, 8), space="full", time_limit_s=1e-9).plan(reqs)
+            if hurried.feasible:  # the local search also stops at the deadline
+                stopped += 1
+                assert hurried.stats["full_evals"] == 0
+    assert stopped > 0
 
 
 def test_expiry_detects_better_plan_after_growth():
@@ -166,6 +174,91 @@ def test_expiry_better_plan_check():
     reqs = [PlanRequest("a", 2, 32, None, 0.0)]  # 2 blocks, grows to 3 at step 1
     p = Planner(cm, 8, window=(1, 4)).plan(reqs)
     assert p.feasible and p.expiry_step == 1 and p.window == 1
+
+
+def small_growing_case(rng, token_compute):
+    """1-3 small requests that cross block boundaries within a few steps, some of them finishing early."""
+    n_req, n_layers = int(rng.integers(1, 4)), int(rng.integers(2, 7))
+    comp = rng.uniform(1e-3, 2e-3, n_layers)
+    b = rng.integers(1, 8, n_req)
+    link = float(b.sum() / (comp.mean() * rng.uniform(1.0, 8.0)))
+    cap = float(b.sum() * n_layers * rng.uniform(0.5, 1.1))
+    reqs = [PlanRequest(i, int(b[i]), int(b[i] * 16 - rng.integers(0, 3)),
+                        int(rng.integers(0, 6)) if rng.random() < 0.6 else None, float(rng.uniform(0, 3)),
+                        float(rng.uniform(0.9, 2.5) * comp.sum()) if rng.random() < 0.5 else math.inf)
+            for i in range(n_req)]
+    if token_compute:  # compute grows with the batch's tokens
+        slope = rng.uniform(0, 0.05)
+        cm = CostModel(lambda tokens: comp * (1 + slope * tokens), link)
+    else:
+        cm = CostModel(comp, link)
+    return cm, cap, reqs, n_layers
+
+
+def brute_force_replan_step(pl, reqs, plan, n_layers):
+    """min(window, capacity overflow, first block boundary inside the window where some feasible plan of the
+    pruned space is strictly faster than ``plan`` for the batch as it will be then)."""
+    from orbitflow.plan.planner import _Window
+
+    host = plan.placement.host
+    win = _Window(pl, reqs)
+    over = pl._first_over(host, win.blocks)
+    stop = plan.window if not over.size or over[0] < 1 else min(plan.window, int(over[0]))
+    seg_lat = pl._seg_latencies(win, host)
+    for t in win.boundaries:
+        if t >= stop:
+            break
+        later = [PlanRequest(q.request_id, q.blocks_per_layer,
+                             q.tokens + (t if q.tokens_left is None else min(t, q.tokens_left)),
+                             None if q.tokens_left is None else q.tokens_left - min(t, q.tokens_left),
+                             pl._deposit_after(q, seg_lat, win, t), q.slo_s) for q in reqs]
+        now = pl.evaluate(plan.placement, later).predicted_step_s
+        for ds in itertools.product(pruned_distances(n_layers), repeat=len(reqs)):
+            other = pl.evaluate(Placement.from_distances(n_layers, ds), later)
+            if other.feasible and other.predicted_step_s < now * (1 - 1e-9):
+                return t
+    return stop
+
+
+@pytest.mark.parametrize("token_compute", [False, True])
+def test_replan_step_matches_brute_force(token_compute):
+    # finished requests stop growing, the executor's schedule is not monotone in transfer sizes and
+    # token-dependent compute can hide other plans' transfers: none of it may delay the re-plan
+    rng = np.random.default_rng(21 + token_compute)
+    checked = 0
+    for _ in range(60):
+        cm, cap, reqs, n_layers = small_growing_case(rng, token_compute)
+        lo = int(rng.integers(1, 4))
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(lo, lo + int(rng.integers(4, 12))),
+                     node_limit=None, expiry_node_limit=None)
+        plan = pl.plan(reqs)
+        if not plan.feasible:
+            continue
+        checked += 1
+        truth = brute_force_replan_step(pl, reqs, plan, n_layers)
+        assert plan.replan_step == truth
+    assert checked >= 30
+
+
+def test_expiry_when_growth_speeds_up_another_plan():
+    # non-preemptive EDF is not monotone: once request 0 grows, (5, 5, 2) gets faster than the step-0 optimum
+    # although that plan's own latency did not change
+    pl = Planner(CostModel([3.0, 2.0, 1.0, 3.0, 4.0], 1.0), 39.0, window=(2, 2), node_limit=None,
+                 expiry_node_limit=None)
+    reqs = [PlanRequest(0, 1, 16), PlanRequest(1, 4, 49), PlanRequest(2, 3, 33)]
+    plan = pl.plan(reqs)
+    later = [PlanRequest(q.request_id, q.blocks_per_layer, q.tokens + 1) for q in reqs]
+    assert pl.evaluate(plan.placement, later).predicted_step_s == plan.predicted_step_s
+    assert pl.evaluate(Placement.from_distances(5, [5, 5, 2]), later).predicted_step_s < plan.predicted_step_s
+    assert plan.expiry_step == 1
+
+
+def test_expiry_when_more_compute_hides_another_plans_transfers():
+    n_layers, tokens_now = 4, 17 + 81 + 48
+    cm = CostModel(lambda tokens: np.full(n_layers, 1.0 if tokens <= tokens_now else 4.0), 1.0)
+    reqs = [PlanRequest("a", 2, 17), PlanRequest("b", 6, 81), PlanRequest("c", 3, 48)]  # c grows at step 1
+    plan = Planner(cm, n_layers * 12 - 6, window=(2, 4), node_limit=None, expiry_node_limit=None).plan(reqs)
+    assert plan.feasible and plan.window >= 2 and plan.expiry_step == 1
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -261,10 +354,31 @@ def test_empty_batch_and_bad_args():
         Planner(cm, 10, window=(3, 2))
     with pytest.raises(ValueError):
         Planner(cm, 10, space="nope")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'x' appears twice"):
         Planner(cm, 10).plan([PlanRequest("x", 1, 1), PlanRequest("x", 1, 1)])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="slo_s"):
         PlanRequest("x", 1, 1, slo_s=0.0)
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        PlanRequest("x", 1, -1)
+    for kwargs, name in (({"node_limit": 0}, "node_limit"), ({"expiry_node_limit": 0}, "expiry_node_limit"),
+                         ({"gap": -0.1}, "gap"), ({"alpha": float("nan")}, "alpha"),
+                         ({"full_max_evals": 0}, "full_max_evals")):
+        with pytest.raises(ValueError, match=name):
+            Planner(cm, 10, **kwargs)
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        Planner(cm, -1)
+    with pytest.raises(ValueError, match=r"distances\[1\]"):
+        Placement.from_distances(3, [None, 0])
+    with pytest.raises(ValueError, match="layer_compute_scale must be a scalar or 3 floats"):
+        CostModel([1.0] * 3, 1.0, layer_compute_scale=[1.0, 2.0])
+
+
+@pytest.mark.parametrize("deposit", [5e3, 1e30, math.inf])
+def test_huge_deposit_absorbs_every_miss(deposit):
+    # the balance / miss ratio used to be cast to int64 before it was clamped, and overflowed
+    pl = Planner(CostModel([1.0] * 4, 1.0), 100, alpha=0.0, window=(8, 8))
+    plan = pl.plan([PlanRequest("a", 1, 16, None, deposit, slo_s=3.0)])  # every step misses by a third
+    assert plan.feasible and plan.violations == 0 and plan.distances == (None,)
 
 
 @pytest.mark.parametrize("seed", range(4))

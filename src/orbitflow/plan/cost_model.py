@@ -15,9 +15,9 @@ Two transfer models:
 
 A transfer of request ``r`` takes ``b_r / link_blocks_per_s`` seconds.
 
-``CostModel`` is immutable: the runtime controller refreshes it (EWMA of measured compute / bandwidth)
-with :meth:`CostModel.with_updates`, which returns a new model, so a plan never changes under a solver
-that is running on another thread.
+``CostModel``'s parameters are immutable (it only memoises per-layer compute per token count): the runtime
+controller refreshes it (EWMA of measured compute / bandwidth) with :meth:`CostModel.with_updates`, which
+returns a new model, so a plan never changes under a solver that is running on another thread.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ class StepEstimate:
 
 
 @lru_cache(maxsize=32)
-def _key_rows(n_layers: int, n_req: int) -> tuple[list[int], ...]:
-    """``rows[r][layer] == layer * n_req + r``; shared between calls (read only), so keys cost no int arithmetic."""
+def _key_rows(n_layers: int, n_req: int) -> tuple[tuple[int, ...], ...]:
+    """``rows[r][layer] == layer * n_req + r``; shared between calls, so keys cost no int arithmetic."""
     keys = list(range(n_layers * n_req))
-    return tuple(keys[r::n_req] for r in range(n_req))
+    return tuple(tuple(keys[r::n_req]) for r in range(n_req))
 
 
 def edf_stalls(
@@ -85,8 +85,8 @@ def edf_stalls(
        time (hence the threshold) never decreases.
 
     This is the same schedule, with the same float operations in the same order, as scanning every
-    request at every decision (the former implementation), at O(1) interpreted steps per transfer and
-    per layer instead of O(R) per transfer.
+    request at every decision (``_reference_edf`` in ``tests/plan/test_cost_model.py``, which the tests fuzz
+    it against), at O(1) interpreted steps per transfer and per layer instead of O(R) per transfer.
     """
     n_layers = len(comp)
     n_req = len(hosts)
@@ -264,8 +264,12 @@ class CostModel:
                 raise ValueError("layer_compute_s must be non-negative")
             n = self._fixed.size
         self._num_layers = int(n)
-        scale = np.broadcast_to(np.asarray(layer_compute_scale, dtype=float), (self._num_layers,)).copy()
-        if np.any(scale <= 0):
+        scale = np.asarray(layer_compute_scale, dtype=float)
+        if scale.ndim > 1 or (scale.ndim == 1 and scale.size != self._num_layers):
+            raise ValueError(f"layer_compute_scale must be a scalar or {self._num_layers} floats (one per layer), "
+                             f"got shape {scale.shape}")
+        scale = np.broadcast_to(scale, (self._num_layers,)).copy()
+        if not np.all(scale > 0):
             raise ValueError("layer_compute_scale must be > 0")
         self._scale = scale
         self._cache: dict[int, np.ndarray] = {}
@@ -307,7 +311,7 @@ class CostModel:
             self._link if link_blocks_per_s is None else link_blocks_per_s,
             self._transfer if transfer is None else transfer,
             layer_compute_scale=self._scale if layer_compute_scale is None else layer_compute_scale,
-            num_layers=self._num_layers,
+            num_layers=self._num_layers if layer_compute_s is None else None,
         )
 
     def compute(self, total_tokens: int | None = None) -> np.ndarray:

@@ -9,12 +9,14 @@ the pruned space, it repeatedly applies the first improving move, in a fixed ord
   frees at least as many blocks (trades KV between requests),
 
 where "improving" means feasible (capacity and alpha over some window) and strictly better in
-(step latency, moved blocks). It stops at a local optimum or after ``planner.full_max_evals`` exact
-evaluations. The result is never worse than the pruned optimum.
+(step latency, moved blocks). It stops at a local optimum, after ``planner.full_max_evals`` exact
+evaluations or at the planner's deadline. The result is never worse than the pruned optimum, but nothing
+is proven about the full space: the plan's ``stats["exact"]`` is 0 and it carries no lower bound.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,7 +48,9 @@ def _moves(host: np.ndarray, blocks: np.ndarray):
                     yield ((r, layer, False), (q, pick, True))
 
 
-def improve_full(planner: Planner, win: _Window, host: np.ndarray, stats: dict[str, float]) -> np.ndarray:
+def improve_full(
+    planner: Planner, win: _Window, host: np.ndarray, stats: dict[str, float], deadline: float | None = None
+) -> np.ndarray:
     """Local search from ``host`` (feasible); returns a feasible mask no worse than ``host``."""
     from orbitflow.plan.planner import _better
 
@@ -58,6 +62,8 @@ def improve_full(planner: Planner, win: _Window, host: np.ndarray, stats: dict[s
     while improved and evals < planner.full_max_evals:
         improved = False
         for move in _moves(cur, b0):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             cand = cur.copy()
             for r, layer, val in move:
                 cand[r, layer] = val
@@ -73,4 +79,7 @@ def improve_full(planner: Planner, win: _Window, host: np.ndarray, stats: dict[s
             if evals >= planner.full_max_evals:
                 break
     stats["full_evals"] = evals
+    stats["exact"] = 0  # a local optimum; the pruned search's bound does not bound the full space
+    stats.pop("lower_bound_s", None)
+    stats.pop("gap", None)
     return cur

@@ -67,7 +67,11 @@ class Placement:
         """One offload distance per request (``None``: nothing offloaded, ``1``: everything)."""
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        rows = [distance_row(num_layers, d) for d in distances]
+        rows = []
+        for r, d in enumerate(distances):
+            if d is not None and d < 1:
+                raise ValueError(f"distances[{r}] must be >= 1 or None, got {d}")
+            rows.append(distance_row(num_layers, d))
         mask = np.stack(rows) if rows else np.ones((0, num_layers), dtype=bool)
         return cls(mask)
 

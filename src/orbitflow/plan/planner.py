@@ -12,8 +12,9 @@ the target step (step 0 of the window), subject to
 Window rule: a placement is feasible when some ``Delta`` in ``[min_steps, max_steps]`` satisfies both
 constraints over steps ``0..Delta-1``; the plan's window is the LARGEST such ``Delta``.
 
-Ties in latency (within 1e-12 relative) are broken by fewer host blocks moved, then by search order
-(requests by decreasing size, candidates by increasing offload count), which is deterministic.
+Ties in latency (within ``1e-12 * max(latency, 1 s)``) are broken by fewer host blocks moved, then by
+search order (requests by decreasing size; a node's candidates by increasing lower bound, then offload
+count), which is deterministic.
 
 ``tokens`` of a PlanRequest is the context length at the step the plan is for: the runtime calls the
 planner one step ahead and passes the counts of that target step.
@@ -23,7 +24,8 @@ start of each block-constant stretch of the window.
 
 The search (``space="pruned"``) is a depth-first branch and bound over per-request candidates, exact for
 the pruned space: bounds are valid lower bounds (see :mod:`orbitflow.plan.bounds`), capacity is bounded
-below by ``resident + max(max_l buf_l, mean_l buf_l + unassigned blocks)``, and leaves use the exact model.
+below by the memory the batch takes when every unassigned request offloads all its layers (the least any
+of its choices takes), and leaves use the exact model.
 """
 
 from __future__ import annotations
@@ -56,12 +58,15 @@ class PlanRequest:
     slo_s: float = math.inf
 
     def __post_init__(self) -> None:
-        if self.blocks_per_layer < 0 or self.tokens < 0:
-            raise ValueError(f"request {self.request_id!r}: blocks_per_layer and tokens must be >= 0")
+        for name in ("blocks_per_layer", "tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"request {self.request_id!r}: {name} must be >= 0, got {getattr(self, name)}")
         if self.tokens_left is not None and self.tokens_left < 0:
             raise ValueError(f"request {self.request_id!r}: tokens_left must be >= 0 or None")
         if not self.slo_s > 0:
-            raise ValueError(f"request {self.request_id!r}: slo_s must be > 0")
+            raise ValueError(f"request {self.request_id!r}: slo_s must be > 0, got {self.slo_s}")
+        if math.isnan(self.deposit):
+            raise ValueError(f"request {self.request_id!r}: deposit must be a number, got nan")
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,9 @@ class Plan:
     """Result of :meth:`Planner.plan` / :meth:`Planner.evaluate`.
 
     ``placement`` is None when no placement is feasible (then ``victims`` gives the pause order).
-    ``expiry_step`` is None when nothing within ``max_steps`` invalidates the plan.
+    ``expiry_step``: the first step at which the plan overflows memory (within ``max_steps``) or, before its
+    window ends, some other feasible plan is strictly faster; None if neither. :attr:`replan_step` is when
+    the runtime calls the planner again.
     """
 
     request_ids: tuple[Hashable, ...]
@@ -89,7 +96,8 @@ class Plan:
 
     @property
     def replan_step(self) -> int:
-        """Steps after which the runtime should call the planner again."""
+        """Steps after which the runtime should call the planner again: the end of the window or the expiry,
+        whichever comes first (0 for an infeasible plan)."""
         if self.expiry_step is None:
             return self.window
         return max(1, min(self.window, self.expiry_step))
@@ -128,15 +136,15 @@ def resolve_victim_order(
 
 
 class _Window:
-    """Block counts, segments and compute over the horizon, for requests advanced by ``offset`` steps."""
+    """Block counts, segments and compute over the planner's horizon for a batch."""
 
-    def __init__(self, planner: Planner, reqs: Sequence[PlanRequest], offset: int = 0) -> None:
+    def __init__(self, planner: Planner, reqs: Sequence[PlanRequest]) -> None:
         self.horizon = planner.max_steps
         bs = planner.block_size
         b_now = np.array([q.blocks_per_layer for q in reqs], dtype=np.int64)
         tok = np.array([q.tokens for q in reqs], dtype=np.int64)
         left = np.array([q.tokens_left if q.tokens_left is not None else 1 << 40 for q in reqs], np.int64)
-        t = offset + np.arange(self.horizon + 1)[:, None]
+        t = np.arange(self.horizon + 1)[:, None]
         grown = np.minimum(t, left[None, :])
         blocks = np.maximum(b_now[None, :], -(-(tok[None, :] + grown) // bs))
         self.blocks = blocks.astype(float)  # [H+1, R]
@@ -200,8 +208,19 @@ class Planner:
             raise ValueError(f"window must satisfy 1 <= min_steps <= max_steps, got {window}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if alpha < 0:
+        if not alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
+        if not capacity_blocks >= 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        for name, limit in (("node_limit", node_limit), ("expiry_node_limit", expiry_node_limit)):
+            if limit is not None and limit < 1:
+                raise ValueError(f"{name} must be >= 1 (or None: unlimited), got {limit}")
+        if full_max_evals < 1:
+            raise ValueError(f"full_max_evals must be >= 1, got {full_max_evals}")
+        if not gap >= 0:
+            raise ValueError(f"gap must be >= 0, got {gap}")
+        if time_limit_s is not None and not time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be > 0 or None, got {time_limit_s}")
         self.cost_model = cost_model
         self.capacity_blocks = float(capacity_blocks)
         self.host_capacity_blocks = float(host_capacity_blocks)  # what the batch may hold on the host
@@ -215,8 +234,6 @@ class Planner:
         self.time_limit_s = time_limit_s
         self.gap = float(gap)
         self.expiry_node_limit = expiry_node_limit
-        if gap < 0 or (time_limit_s is not None and time_limit_s <= 0):
-            raise ValueError(f"gap must be >= 0 and time_limit_s > 0 or None, got {gap}, {time_limit_s}")
         self._victims = resolve_victim_order(victim_order, cost_model.num_layers, seed)
 
     @property
@@ -243,7 +260,7 @@ class Planner:
             if mask is not None and self.space == "full":
                 from orbitflow.plan.full_search import improve_full
 
-                mask = improve_full(self, win, mask, stats)
+                mask = improve_full(self, win, mask, stats, deadline)
         if mask is None:
             stats["solve_s"] = time.perf_counter() - t0
             return Plan(tuple(q.request_id for q in reqs), None, None, False, 0, None, math.inf,
@@ -314,11 +331,13 @@ class Planner:
                 bal += n * delta
                 continue
             ok_steps = np.full(bal.shape, n, dtype=np.int64)
-            ok_steps[neg] = np.minimum(np.floor(bal[neg] / -delta[neg] + 1e-9).astype(np.int64), n)
+            # clamp before the cast: a huge (or infinite) deposit must not overflow int64
+            ok_steps[neg] = np.minimum(np.floor(bal[neg] / -delta[neg] + 1e-9), n).astype(np.int64)
             for k in ok_steps[neg]:
                 if k < n:
                     per_step[s + k : e] += 1
-            bal = np.where(neg, np.where(ok_steps >= n, bal + n * delta, 0.0), bal + n * delta)
+            # a request that just made it through the segment may sit a rounding error below 0
+            bal = np.where(neg, np.where(ok_steps >= n, np.maximum(bal + n * delta, 0.0), 0.0), bal + n * delta)
         return np.concatenate(([0.0], np.cumsum(per_step)))
 
     def _window_of(self, win: _Window, host: np.ndarray, seg_lat: Sequence[float]) -> tuple[int, float]:
@@ -352,7 +371,11 @@ class Planner:
         over = self._first_over(host, win.blocks)
         expiry: int | None = int(over[0]) if over.size and over[0] >= 1 else None
         if feasible and search_better and self.space != "uniform":
-            expiry = self._better_expiry(reqs, host, seg_lat, expiry, stats, deadline)
+            # only boundaries before the window ends matter: the runtime re-plans there anyway
+            stop = window if expiry is None else min(window, expiry)
+            better = self._better_expiry(reqs, win, host, seg_lat, stop, stats, deadline)
+            if better is not None:
+                expiry = better
         placement = Placement(~host)
         distances = placement.distances()
         shown = window if feasible else 0
@@ -367,7 +390,7 @@ class Planner:
             step_latencies_s=tuple(lat_steps[: max(shown, 1)]),
             violations=viol,
             memory_blocks=float(mem_all[0]),
-            peak_memory_blocks=float(mem_all[max(shown, 1) - 1]),
+            peak_memory_blocks=float(mem_all[max(shown, 1) - 1]),  # the last window step: blocks only grow
             host_blocks=float(host.sum(axis=1) @ win.blocks[0]),
             victims=() if feasible else tuple(self._victims(reqs)),
             stats=stats,
@@ -376,39 +399,37 @@ class Planner:
     def _better_expiry(
         self,
         reqs: list[PlanRequest],
+        win: _Window,
         host: np.ndarray,
         seg_lat: list[float],
-        expiry: int | None,
+        stop: int,
         stats: dict[str, float],
         deadline: float | None = None,
     ) -> int | None:
-        """First block boundary (before ``expiry``) at which some feasible plan is strictly faster."""
-        base = _Window(self, reqs)
-        stall_now = seg_lat[0] - float(base.comp[0].sum())
-        for t in base.boundaries:
-            if expiry is not None and t >= expiry:
-                break
-            if t > self.max_steps:
+        """First block boundary before ``stop`` at which some feasible plan is strictly faster (None if none).
+
+        Every boundary is searched unless the plan is stall-free there: the executor's schedule is not
+        monotone in transfer sizes, and token-dependent compute can hide other plans' transfers, so a plan
+        whose own stall did not grow can still be overtaken.
+        """
+        for t in win.boundaries:
+            if t >= stop:
                 break
             if deadline is not None and time.perf_counter() > deadline:  # out of time: end the plan here
                 stats["expiry_exact"] = 0
                 return t
-            # latency of the current plan at step t
+            # the batch as it will be at step t (finished requests stop growing)
             shifted = [
-                PlanRequest(q.request_id, q.blocks_per_layer, q.tokens + t,
+                PlanRequest(q.request_id, q.blocks_per_layer,
+                            q.tokens + (t if q.tokens_left is None else min(t, q.tokens_left)),
                             None if q.tokens_left is None else max(0, q.tokens_left - t),
-                            self._deposit_after(q, seg_lat, base, t), q.slo_s)
+                            self._deposit_after(q, seg_lat, win, t), q.slo_s)
                 for q in reqs
             ]
             win_t = _Window(self, shifted)
             cur = self._seg_latencies(win_t, host, upto=1)[0]
-            comp_floor = float(win_t.comp[0].sum())
-            if cur <= comp_floor * (1 + _REL_TOL) + 1e-15:
+            if cur <= float(win_t.comp[0].sum()) * (1 + _REL_TOL) + 1e-15:
                 continue  # nothing can beat a stall-free step
-            if cur - comp_floor <= stall_now * (1 + _REL_TOL) + 1e-15:
-                # Growth only adds transfer work and shrinks what fits, so no other plan can have become
-                # faster while this one's stall has not grown: skip the search.
-                continue
             sub: dict[str, float] = {"nodes": 0, "leaves": 0}
             better = self._solve_pruned(win_t, sub, upper=cur * (1 - 1e-9), first_only=True,
                                         node_limit=self.expiry_node_limit, deadline=deadline)
@@ -419,7 +440,7 @@ class Planner:
             if not sub.get("exact", 1):  # undecided within the budget: end the plan here to be safe
                 stats["expiry_exact"] = 0
                 return t
-        return expiry
+        return None
 
     @staticmethod
     def _deposit_after(q: PlanRequest, seg_lat: list[float], win: _Window, t: int) -> float:
@@ -433,6 +454,7 @@ class Planner:
 
     # ==== searches ======================================================================================
     def _solve_uniform(self, win: _Window, stats: dict[str, float]) -> np.ndarray | None:
+        """Exhaustive search of the one-distance-for-all space (the Batch-Uniform ablation)."""
         tables = candidate_tables(self.num_layers)
         dists, hosts = tables.distances, tables.hosts
         n_req = win.blocks.shape[1]
@@ -447,6 +469,9 @@ class Planner:
             key = (seg_lat[0], float(host.sum(axis=1) @ win.blocks[0]))
             if _better(key, best_key):
                 best, best_key = host, key
+        stats["exact"] = 1  # every candidate was evaluated
+        if best is not None:
+            stats["lower_bound_s"], stats["gap"] = best_key[0], 0.0
         return best
 
     def _solve_pruned(
@@ -485,9 +510,12 @@ class Planner:
         return bool(np.any(cum[d] <= self.alpha * d + 1e-9))
 
     def _lat_prefilter(self, win: _Window) -> Callable[[float], bool]:
-        """Whether a constant per-step latency lower bound still admits some window under alpha."""
+        """Whether a constant per-step latency lower bound still admits some window under alpha.
+
+        A step-0 bound only bounds the later steps when compute does not shrink over the window (blocks only
+        grow); otherwise every bound passes."""
         slo = win.slo
-        if not np.isfinite(slo).any():
+        if not np.isfinite(slo).any() or not win.compute_grows:
             return lambda lb: True
         dep = win.deposit
         d_arr = np.arange(self.min_steps, self.max_steps + 1)
@@ -512,8 +540,10 @@ class Planner:
 
     @staticmethod
     def _check_ids(reqs: list[PlanRequest]) -> None:
-        ids = [q.request_id for q in reqs]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request_id values must be unique")
+        seen: set[Hashable] = set()
+        for q in reqs:
+            if q.request_id in seen:
+                raise ValueError(f"request_id values must be unique: {q.request_id!r} appears twice")
+            seen.add(q.request_id)
 
 

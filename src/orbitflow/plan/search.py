@@ -55,7 +55,7 @@ REL_TOL = 1e-12
 
 
 def better(key: tuple[float, float], best: tuple[float, float]) -> bool:
-    """Lexicographic (latency, moved blocks) with a relative tolerance on latency."""
+    """Lexicographic (latency, moved blocks); latencies within ``REL_TOL * max(latency, 1 s)`` tie."""
     tol = REL_TOL * max(abs(best[0]), 1.0) if math.isfinite(best[0]) else 0.0
     if key[0] < best[0] - tol:
         return True
@@ -191,6 +191,7 @@ class BranchAndBound:
         self.best_key = (upper, math.inf)
         self.choice = [0] * n_req
         self.done = False
+        self.dive_start = 0
         self.open_lb = math.inf  # least lower bound of the subtrees left unexplored when the budget ran out
         self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
 
@@ -198,7 +199,11 @@ class BranchAndBound:
     def run(self) -> np.ndarray | None:
         self.stats.setdefault("exact", 1)
         if self._try_no_offload():
+            if not self.first_only:  # stall-free and nothing moved: provably optimal
+                self.stats["lower_bound_s"] = self.best_key[0]
+                self.stats["gap"] = 0.0
             return self.best_host
+        self.dive_start = self.nodes  # the no-offload try does not eat into the first dive's allowance
         n_layers = self.n_layers
         zero = np.zeros(n_layers)
         self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0, np.zeros(self.sep_off.size),
@@ -310,9 +315,10 @@ class BranchAndBound:
 
     def _out_of_budget(self) -> bool:
         """Whether the node or time budget is spent (then the search stops: ``done``, not ``exact``). Budgets
-        never stop the main search's first dive (one node per request): a plan at hand is found."""
+        never stop the main search's first dive (one node per request and its first leaf), so it gets the
+        chance to find a plan (it may still end at a dead end or an infeasible leaf)."""
         limit = self.node_limit
-        if (self.first_only or self.nodes > self.n_req + 1) and (
+        if (self.first_only or self.nodes - self.dive_start > self.n_req + 1) and (
             (limit is not None and self.nodes > limit)
             or (self.deadline is not None and time.perf_counter() > self.deadline)
         ):
