@@ -1,6 +1,7 @@
 """The adaptive controller (paper 4.4): decides when to ask the policy for a new plan.
 
-Triggers: a batch change (arrival, finish, pause, resume), the plan's expiry step, a profile mismatch
+Triggers: a batch change (arrival, finish, pause, resume), the plan's expiry step or the end of its decode
+window (whichever comes first: ``Plan.replan_step``; nothing is guaranteed past the window), a profile mismatch
 (measured step latency off the prediction by more than `mismatch_threshold`: per-layer compute and
 link bandwidth are then refreshed by EWMA), and, for policies that want it, every step. An expiry
 that is known one step ahead is solved on a background thread while the current step runs, so the
@@ -66,7 +67,7 @@ class Controller:
             return "step"
         if "mismatch" in wanted and self.mismatch:
             return "mismatch"
-        if "expiry" in wanted and self.plan.expiry_step is not None and step >= self.plan_step + self.plan.expiry_step:
+        if "expiry" in wanted and step >= self.plan_step + self.plan.replan_step:
             return "expiry"
         return None
 
@@ -92,8 +93,7 @@ class Controller:
         """Whether the plan's expiry trigger will fire at `step` (so it is worth solving ahead)."""
         if self._pool is None or self.plan is None or "expiry" not in self.policy.replan_on:
             return False
-        expiry = self.plan.expiry_step
-        return expiry is not None and step >= self.plan_step + expiry and self._ahead is None
+        return step >= self.plan_step + self.plan.replan_step and self._ahead is None
 
     def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
         """Start solving the plan for the next step now, on the planner thread (the caller passes the
