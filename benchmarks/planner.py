@@ -133,6 +133,7 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
           "simulation can rule out ==")
     tables = candidate_tables(n_layers)
     every = np.array(list(itertools.product(range(len(tables.counts)), repeat=n_req)))  # [N, R] candidates
+    hosts = tables.hosts_f[every]  # [N, R, L]
     rng = np.random.default_rng(seed + 1000 * n_req + n_layers)  # the instances of the speed table
     counts, floors = [], []
     for _ in range(calls):
@@ -143,7 +144,6 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
             continue
         opt = best.predicted_step_s
         win = _Window(pl, reqs)
-        hosts = tables.hosts_f[every]  # [N, R, L]
         bcap = win.blocks[pl.min_steps - 1][None, :, None]
         memory = (bcap * (1 - hosts)).sum(axis=(1, 2)) + (bcap * hosts).sum(axis=1).max(axis=1)
         fits = every[memory <= cap * (1 + 1e-12) + 1e-9]

@@ -360,7 +360,9 @@ class Planner:
         search_better: bool,
         deadline: float | None = None,
     ) -> Plan:
-        cap_max = self._steps_that_fit(win, host)  # later segments cannot be in the window
+        over = self._first_over(host, win.blocks)
+        expiry: int | None = int(over[0]) if over.size and over[0] >= 1 else None
+        cap_max = min(int(over[0]), win.horizon) if over.size else win.horizon  # no window is longer
         seg_lat = self._seg_latencies(win, host, upto=max(1, sum(1 for s in win.seg_starts if s < cap_max)))
         window, viol = self._window_of(win, host, seg_lat)
         feasible = window > 0
@@ -368,12 +370,10 @@ class Planner:
         for i, lat in enumerate(seg_lat):
             lat_steps += [lat] * (win.seg_ends[i] - win.seg_starts[i])
         mem_all = self._memory(host, win.blocks)
-        over = self._first_over(host, win.blocks)
-        expiry: int | None = int(over[0]) if over.size and over[0] >= 1 else None
         if feasible and search_better and self.space != "uniform":
-            # only boundaries before the window ends matter: the runtime re-plans there anyway
-            stop = window if expiry is None else min(window, expiry)
-            better = self._better_expiry(reqs, win, host, seg_lat, stop, stats, deadline)
+            # only boundaries inside the window matter (the runtime re-plans at its end), and the window
+            # never reaches the capacity expiry
+            better = self._better_expiry(reqs, win, host, seg_lat, window, stats, deadline)
             if better is not None:
                 expiry = better
         placement = Placement(~host)
