@@ -127,13 +127,15 @@ class Controller:
 
     # ---- observing --------------------------------------------------------------------------------
     def observe(self, predicted_s: float, measured_s: float, layer_compute_s: list[float],
-                total_tokens: int, link_blocks_per_s: float | None) -> None:
-        """Compare a decode step with its prediction; on mismatch refresh the profile by EWMA."""
+                total_tokens: int, link_blocks_per_s: float | None, num_requests: int = 1) -> None:
+        """Compare a decode step with its prediction (made by the planner with the profile's cost model, the
+        one the simulator charges); on mismatch refresh that model's compute scale and link rate by EWMA."""
         if predicted_s <= 0 or abs(measured_s - predicted_s) <= self.mismatch_threshold * predicted_s:
             return
         self.mismatch = True
         cm = self.ctx.cost_model
-        base = np.asarray(cm.compute(total_tokens if cm.depends_on_tokens else None)) / cm.layer_compute_scale
+        base = np.asarray(cm.compute(total_tokens if cm.depends_on_tokens else None, num_requests))
+        base = base / cm.layer_compute_scale
         measured = np.asarray(layer_compute_s, dtype=float)
         observed_scale = np.clip(measured / np.maximum(base, 1e-12), 0.05, 20.0)
         scale = (1 - self.ewma) * cm.layer_compute_scale + self.ewma * observed_scale

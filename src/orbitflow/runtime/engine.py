@@ -193,7 +193,7 @@ class Engine:
         if is_decode and self._last_prediction is not None:
             total = sum(r.num_tokens for r in self.running)
             self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total,
-                                    result.link_blocks_per_s)
+                                    result.link_blocks_per_s, num_requests=len(seqs))
         self.stats.steps += 1
         if self.running and self.controller.expires_at(self.stats.steps + 1):
             self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.stats.steps + 1)
