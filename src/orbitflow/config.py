@@ -102,7 +102,8 @@ class EngineConfig:
             return self.compute_threads
         if cuda or self.link_gbps is None:
             return None
-        return max(1, (os.cpu_count() or 1) - 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores - 1)
 
     @property
     def link_bytes_per_s(self) -> float | None:
