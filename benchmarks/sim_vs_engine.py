@@ -209,7 +209,8 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
     print(f"[{label}] profile: decode {1000 * profile.decode_b:.1f} ms + {1e6 * profile.decode_a:.2f} us/token, "
           f"+{1000 * profile.decode_per_request_s:.2f} ms per extra request, transfer latency "
           f"{1e3 * profile.transfer_latency_s:.2f} ms, move latency {1e3 * profile.move_latency_s:.2f} ms/layer, "
-          f"mixed-step overhead {1e3 * profile.mixed_step_overhead_s:.1f} ms; SLO {1000 * slo_s:.0f} ms "
+          f"mixed-step overhead {1e3 * profile.mixed_step_overhead_s:.1f} ms, tail {profile.decode_tail_fraction:.0%} "
+          f"of a step; SLO {1000 * slo_s:.0f} ms "
           f"(measured in {time.perf_counter() - t0:.1f} s)", flush=True)
     real: dict[str, EngineRun] = {}
     sim: dict[str, RunMetrics] = {}
@@ -321,7 +322,8 @@ def write_md(path: str, payload: dict) -> None:
               f"{1e6 * prof['decode_a']:.2f} us/token, {1000 * prof['decode_per_request_s']:.2f} ms per extra request, "
               f"copy-thread latency {1000 * prof['transfer_latency_s']:.2f} ms per transfer, "
               f"{1000 * prof['move_latency_s']:.2f} ms per layer moved by a placement change, mixed-step overhead "
-              f"{1000 * prof['mixed_step_overhead_s']:.1f} ms.", ""]
+              f"{1000 * prof['mixed_step_overhead_s']:.1f} ms, {prof['decode_tail_fraction']:.0%} of a decode step "
+              "after the last layer (LM head, sampling).", ""]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         fh.write("\n".join(lines))

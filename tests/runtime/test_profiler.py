@@ -16,7 +16,7 @@ def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
     finally:
         llm.close()
     for name in ("decode_a", "decode_b", "prefill_a", "prefill_b", "decode_per_request_s", "transfer_latency_s",
-                 "move_latency_s", "mixed_step_overhead_s"):
+                 "move_latency_s", "mixed_step_overhead_s", "decode_tail_fraction"):
         value = getattr(p, name)
         assert math.isfinite(value) and value >= 0, name
     assert p.link_bytes_per_s == 0.05e9  # the configured throttle

@@ -22,7 +22,7 @@ def calibrated(**kw) -> HardwareProfile:
     base = dict(name="calibrated", num_layers=LAYERS, kv_bytes_per_token_per_layer=256, decode_a=2e-6,
                 decode_b=0.012, link_bytes_per_s=2e6, device_kv_blocks=40, host_kv_blocks=4000, block_size=16,
                 decode_per_request_s=0.003, transfer_latency_s=0.0007, move_latency_s=0.002,
-                mixed_step_overhead_s=0.005)
+                mixed_step_overhead_s=0.005, decode_tail_fraction=0.15)
     return HardwareProfile(**(base | kw))
 
 

@@ -185,9 +185,20 @@ def test_engine_overheads_round_trip_and_reach_the_cost_model():
 
 
 @pytest.mark.parametrize("field", ["decode_per_request_s", "transfer_latency_s", "move_latency_s",
-                                   "mixed_step_overhead_s"])
+                                   "mixed_step_overhead_s", "decode_tail_fraction"])
 def test_bad_engine_overhead_names_the_field(field):
     with pytest.raises(ProfileError, match=field):
         small(**{field: -1.0})
     with pytest.raises(ProfileError, match=field):
         small(**{field: math.nan})
+
+
+def test_decode_tail_goes_to_the_last_layer_and_keeps_the_total():
+    p = small(decode_tail_fraction=0.2)
+    comp = p.layer_compute_s(1000)
+    flat = small().layer_compute_s(1000)
+    assert comp.sum() == pytest.approx(flat.sum())
+    assert comp[-1] == pytest.approx(flat.sum() * (0.2 + 0.8 / 4))
+    assert np.allclose(comp[:-1], flat.sum() * 0.8 / 4)
+    with pytest.raises(ProfileError, match="decode_tail_fraction"):
+        small(decode_tail_fraction=1.0)

@@ -13,6 +13,8 @@ are calibrated at once:
   equal the measured stalls (the copy thread's wake-up and dispatch, beyond bytes / link rate);
 - ``move_latency_s``: placement changes (a request's layers to the host and back), their time beyond
   bytes / link rate, per moved layer;
+- ``decode_tail_fraction``: the share of a decode step after the last layer's attention (LM head, sampling),
+  which no transfer can overlap;
 - ``mixed_step_overhead_s``: a prefill chunk beside a decode against the two run apart (interleaved);
 - prefill: ``prefill_a * tokens + prefill_b`` from the prompts of the decode fit;
 - the link rate: the configured throttle, or the measured host-to-device block copy rate.
@@ -124,7 +126,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
     bench = _Bench(executor, device_tokens, single + spare)
     link = kv.transfer.link_bytes_per_s or measure_link_bytes_per_s(bench.kv)
     extra: dict = {"steps_per_point": steps}
-    xs, ys, prefill = [], [], []
+    xs, ys, prefill, tails = [], [], [], []
     try:
         # 0. warm-up (first calls pay for lazy initialisation), discarded.
         bench.prefill("w", contexts[0])
@@ -134,7 +136,12 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         # 1. decode compute of one request against its context; prefill of its prompt.
         for ctx in contexts:
             prefill.append((ctx, bench.prefill("p", ctx).step_s))
-            times = [bench.decode(["p"]).step_s for _ in range(steps + 1)]
+            results = [bench.decode(["p"]) for _ in range(steps + 1)]
+            times = [r.step_s for r in results]
+            for r in results[1:]:
+                comp = r.layer_compute_s
+                if len(comp) > 2:  # the last layer's time beyond a middle layer's: LM head and sampling
+                    tails.append(max(0.0, comp[-1] - float(np.median(comp[1:-1]))) / max(sum(comp), 1e-12))
             xs.append(ctx)
             ys.append(float(np.median(times[1:])))
             bench.free("p")
@@ -215,6 +222,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         transfer_latency_s=transfer_latency,
         move_latency_s=move_latency,
         mixed_step_overhead_s=mixed_overhead,
+        decode_tail_fraction=min(float(np.median(tails)), 0.9) if tails else 0.0,
         notes="measured by orbitflow profile on this machine",
         extra={k: (round(v, 7) if isinstance(v, float) else v) for k, v in extra.items()},
     )

@@ -62,6 +62,9 @@ class HardwareProfile:
     move_latency_s: float = 0.0
     # extra seconds of a step that runs a prefill chunk beside decodes, over prefill and decode run apart.
     mixed_step_overhead_s: float = 0.0
+    # share of decode compute that runs after the last layer's attention (final norm, LM head, sampling), so
+    # no transfer can hide behind it; the other layers share the rest evenly.
+    decode_tail_fraction: float = 0.0
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance, carried through JSON
 
@@ -100,6 +103,9 @@ class HardwareProfile:
             value = getattr(self, fname)
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             need(ok and value >= 0, fname, f"must be a finite number >= 0, got {value!r}")
+        tail = self.decode_tail_fraction
+        need(isinstance(tail, int | float) and not isinstance(tail, bool) and math.isfinite(tail) and 0 <= tail < 1,
+             "decode_tail_fraction", f"must be a number in [0, 1), got {tail!r}")
         if self.link_contention is not None:
             need(self.link_contention >= 1.0, "link_contention", "must be >= 1 (it divides the link rate)")
         need(isinstance(self.notes, str), "notes", "must be a string")
@@ -155,7 +161,13 @@ class HardwareProfile:
             per_layer = (self.decode_a * total_tokens + self.decode_b) / self.num_layers
         else:
             per_layer = _interp_extrapolate(self.layer_compute_table, float(total_tokens))
-        return np.full(self.num_layers, max(per_layer, 0.0), dtype=np.float64)
+        per_layer = max(per_layer, 0.0)
+        out = np.full(self.num_layers, per_layer, dtype=np.float64)
+        if self.decode_tail_fraction > 0 and self.num_layers > 1:
+            total = per_layer * self.num_layers
+            out[:] = total * (1 - self.decode_tail_fraction) / self.num_layers
+            out[-1] += total * self.decode_tail_fraction
+        return out
 
     def decode_step_no_offload_s(self, total_tokens: float) -> float:
         """Decode step seconds of one request when every layer's KV is on the device."""
