@@ -116,3 +116,20 @@ def test_a_prefill_beside_decodes_adds_the_measured_interference():
     kv.allocate("p", 0, [True] * LAYERS)
     mixed = ex.step([SeqInput("d", [0], 41), SeqInput("p", [0] * 32, 0)]).step_s
     assert mixed == pytest.approx(decode + prefill + 0.005, rel=1e-3)
+
+
+def test_on_the_simulator_the_mismatch_check_never_fires():
+    """The controller checks each decode step against the model the simulator charges: with the same profile
+    and no noise there is never a mismatch, even at a threshold of 1e-9 (a second model would drift)."""
+    from orbitflow.bench.workload import Trace, TraceRequest
+    from orbitflow.sim.runner import simulate_trace
+
+    profile = calibrated(device_kv_blocks=60)
+    trace = Trace([TraceRequest(f"r{i}", 0.05 * i, 40 + 30 * i, 40) for i in range(4)])
+    for policy in ("orbitflow", "deepspeed", "dynamic"):
+        config = EngineConfig(model="calibrated", device_kv_blocks=60, host_kv_blocks=4000, block_size=16,
+                              mismatch_threshold=1e-9, policy=policy, plan_in_background=False)
+        result = simulate_trace(profile, trace, config)
+        assert result.metrics.num_finished == 4
+        records = result.engine.controller.records
+        assert records and not any(r.trigger == "mismatch" for r in records), policy
