@@ -344,6 +344,9 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma list of policies")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (the same trace in every run)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every run's numbers here")
+    parser.add_argument("--save", default=None, metavar="DIR",
+                        help="also write the trace (trace.json) and each run's measured profile (profile-N.json), to "
+                             "replay with: orbitflow simulate --profile DIR/profile-1.json --trace DIR/trace.json")
     parser.add_argument("--md", default=None, metavar="PATH",
                         help="write the docs fragment (e.g. docs/results/sim_fidelity.md)")
     args = parser.parse_args()
@@ -381,6 +384,12 @@ def main() -> None:
         print_run(run)
         runs.append(run)
 
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
+        trace.save(os.path.join(args.save, "trace.json"))
+        for i, r in enumerate(runs):
+            HardwareProfile.from_dict(r["profile"]).save(os.path.join(args.save, f"profile-{i + 1}.json"))
+        print(f"wrote the trace and {len(runs)} profile(s) to {args.save}")
     verdict = verdict_lines(runs)
     if len(runs) > 1:
         print("\nspread over runs (min / median / max):")
