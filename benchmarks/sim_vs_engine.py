@@ -1,7 +1,7 @@
 """Does the simulator predict the real engine? Same trace, same config, same measured profile, every policy.
 
 One comparison ("run"):
-1. Build the real engine on SmolLM2-135M with a small device KV budget (~0.4 of a full batch's KV) and a
+1. Build the real engine on SmolLM2-135M with a small device KV budget (~0.3 of a full batch's KV) and a
    throttled host<->device link, so that offloading matters; measure its hardware profile
    (`orbitflow profile`: decode/prefill compute, per-request overhead, copy-thread latency, placement-change
    cost, prefill/decode interference).
@@ -12,9 +12,9 @@ One comparison ("run"):
 4. Rank the policies on each side by TBT attainment (ties broken by lower P95 TBT) and compare the
    rankings (Kendall tau).
 
-The defaults (budget 0.4, SLO scale 2.5) are a setting where the five policies' TBT attainments lie 8+ points
-apart on the simulator; at budget 0.3 / SLO scale 1.5 the four baselines sit within 1-5 points of each other,
-where their order is run-to-run noise on either side and no model could predict it.
+TBT attainment is a threshold metric: a policy whose decode steps sit within a few percent of the SLO flips
+between ~95% and ~10% attainment with a few percent of step-time error (or jitter), so its rank is uncertain
+on either side. The table's "step/SLO" column (median measured decode step over the SLO) flags such policies.
 
 `--repeat N` reruns the whole comparison N times (a fresh profile each time) and reports the spread. The
 criteria of issue 12, checked in every run: per-step decode latency error median <= 10% and p95 <= 20%,
@@ -168,7 +168,8 @@ def step_errors(steps: list[StepSample]) -> dict:
     """Absolute relative error per decode step (median, p95), signed median, and the total stall error."""
     if not steps:
         return {"steps": 0, "step_err_median": math.nan, "step_err_p95": math.nan, "signed_median": math.nan,
-                "stall_err": math.nan, "stall_measured_s": 0.0, "stall_model_s": 0.0}
+                "stall_err": math.nan, "stall_measured_s": 0.0, "stall_model_s": 0.0, "plan_err_median": math.nan,
+                "measured_median_s": math.nan}
     rel = np.array([(s.sim_model_s - s.measured_s) / s.measured_s for s in steps])
     stall_meas = sum(s.measured_stall_s for s in steps)
     stall_model = sum(s.sim_stall_s for s in steps)
@@ -251,13 +252,14 @@ def print_run(run: dict) -> None:
         rows.append({"policy": p, "eng_tbt": e["tbt_attainment"], "sim_tbt": s["tbt_attainment"],
                      "eng_p95": 1000 * e["p95_tbt_s"], "sim_p95": 1000 * s["p95_tbt_s"], "steps": err["steps"],
                      "med": 100 * err["step_err_median"], "p95": 100 * err["step_err_p95"],
-                     "stall": 100 * err["stall_err"], "plan": 100 * err["plan_err_median"]})
+                     "stall": 100 * err["stall_err"], "plan": 100 * err["plan_err_median"],
+                     "margin": err["measured_median_s"] / run["slo_s"]})
     e = run["errors"]
     rows.append({"policy": "all", "steps": e["steps"], "med": 100 * e["step_err_median"],
                  "p95": 100 * e["step_err_p95"], "stall": 100 * e["stall_err"], "plan": 100 * e["plan_err_median"]})
     cols = [("policy", "Policy"), ("eng_tbt", "TBT att eng"), ("sim_tbt", "TBT att sim"), ("eng_p95", "P95 TBT ms eng"),
             ("sim_p95", "P95 TBT ms sim"), ("steps", "Decode steps"), ("med", "Step err med %"),
-            ("p95", "Step err p95 %"), ("stall", "Stall err %"), ("plan", "Plan err med %")]
+            ("p95", "Step err p95 %"), ("stall", "Stall err %"), ("plan", "Plan err med %"), ("margin", "step/SLO")]
     print(format_table(rows, cols, title=f"{run['label']}: engine vs simulator (SLO {1000 * run['slo_s']:.0f} ms)"))
     print(f"  ranking engine    {' > '.join(run['ranking_engine'])}\n"
           f"  ranking simulator {' > '.join(run['ranking_simulator'])}\n"
@@ -314,13 +316,13 @@ def write_md(path: str, payload: dict) -> None:
     lines += ["", "Criteria of issue 12 (every run):", ""] + [f"- {line}" for line in payload["verdict"]] + [""]
     last = runs[-1]
     lines += [f"Per policy, {last['label']} (TBT attainment and P95 TBT, engine / simulator):", "",
-              "| policy | TBT att | P95 TBT ms | per-step error median | p95 | stall error |",
-              "|---|---|---|---|---|---|"]
+              "| policy | TBT att | P95 TBT ms | per-step error median | p95 | stall error | median step / SLO |",
+              "|---|---|---|---|---|---|---|"]
     for p, v in last["policies"].items():
         e, s = v["engine"], v["simulator"]
         lines.append(f"| {p} | {e['tbt_attainment']:.3f} / {s['tbt_attainment']:.3f} | {1000 * e['p95_tbt_s']:.0f} / "
                      f"{1000 * s['p95_tbt_s']:.0f} | {pct('step_err_median')(v)} | {pct('step_err_p95')(v)} "
-                     f"| {pct('stall_err')(v)} |")
+                     f"| {pct('stall_err')(v)} | {v['errors']['measured_median_s'] / last['slo_s']:.2f} |")
     prof = last["profile"]
     lines += ["", f"Measured profile of {last['label']}: decode {1000 * prof['decode_b']:.1f} ms + "
               f"{1e6 * prof['decode_a']:.2f} us/token, {1000 * prof['decode_per_request_s']:.2f} ms per extra request, "
@@ -338,8 +340,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests (about 1-2 minutes per run)")
     parser.add_argument("--repeat", type=int, default=1, help="rerun the whole comparison N times, fresh profile each")
     parser.add_argument("--link-gbps", type=float, default=0.3, help="host<->device link throttle, GB/s")
-    parser.add_argument("--budget", type=float, default=0.4, help="device KV budget as a fraction of a full batch's KV")
-    parser.add_argument("--slo-scale", type=float, default=2.5,
+    parser.add_argument("--budget", type=float, default=0.3, help="device KV budget as a fraction of a full batch's KV")
+    parser.add_argument("--slo-scale", type=float, default=1.5,
                         help="TBT SLO as a multiple of the base SLO (the paper's scales: 1, 1.5, 2.5)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma list of policies")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (the same trace in every run)")
