@@ -304,6 +304,14 @@ def write_md(path: str, payload: dict) -> None:
         f"{a['wall_s'] / 60:.1f} min in all.",
         f"Setup: {a['description']}.",
         "",
+    ]
+    busy = [x for x in (a["loadavg_before"] or [0])[:1] + (a["loadavg_after"] or [0])[:1] if x > (os.cpu_count() or 1)]
+    if busy:
+        lines += [f"**Taken on a contended machine** (load average up to {max(busy):.1f} on {os.cpu_count()} cores): "
+                  "the engine's wall-clock steps were slowed by other processes, differently while the profile was "
+                  "measured and while each policy ran, so these errors measure the contention, not the simulator. "
+                  "Re-run the command on a quiet machine.", ""]
+    lines += [
         "| run | decode steps | per-step error median | p95 | stall error | Kendall tau | engine ranking "
         "| simulator ranking |",
         "|---|---|---|---|---|---|---|---|",
@@ -329,7 +337,9 @@ def write_md(path: str, payload: dict) -> None:
               f"copy-thread latency {1000 * prof['transfer_latency_s']:.2f} ms per transfer, "
               f"{1000 * prof['move_latency_s']:.2f} ms per layer moved by a placement change, mixed-step overhead "
               f"{1000 * prof['mixed_step_overhead_s']:.1f} ms, {prof['decode_tail_fraction']:.0%} of a decode step "
-              "after the last layer (LM head, sampling).", ""]
+              "after the last layer (LM head, sampling).", "",
+              "The engine's own run-to-run variance (compute threads against the copy thread, GC pauses) is measured "
+              "by `python benchmarks/engine_variance.py` (step-time CV per setting, interleaved).", ""]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         fh.write("\n".join(lines))
