@@ -61,3 +61,23 @@ def test_simulate_names_a_bad_flag(capsys):
     assert "--slo-scales" in capsys.readouterr().err
     assert main(["simulate", "--policies", "warp-drive"]) == 2
     assert "--policies" in capsys.readouterr().err
+
+
+def test_simulate_runs_on_a_measured_profile_file_and_charges_its_overheads(tmp_path, capsys):
+    """`orbitflow profile --out FILE` writes a HardwareProfile; `simulate --profile FILE` must charge every
+    measured engine overhead in it (the same cost model the engine's planner used)."""
+    from orbitflow.sim.profiles import load_preset
+
+    ideal = load_preset("a5000-llama3-8b")
+    slow = ideal.with_overrides(name="measured", decode_per_request_s=0.02, transfer_latency_s=0.002,
+                                move_latency_s=0.001)
+    results = {}
+    for p in (ideal, slow):
+        path = p.save(tmp_path / f"{p.name}.json")
+        out = tmp_path / f"{p.name}-runs.json"
+        argv = ["simulate", "--profile", str(path), "--policies", "deepspeed", "--slo-scales", "1.5",
+                "--rate-scales", "2", "--num-requests", "1", "--workers", "1", "--json", str(out)]
+        assert main(argv) == 0
+        capsys.readouterr()
+        results[p.name] = json.loads(out.read_text())["runs"][0]
+    assert results["measured"]["p95_tbt_s"] > results[ideal.name]["p95_tbt_s"]

@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs_default: int | None
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument("--link-gbps", type=float, default=None,
                    help="throttle host<->device KV copies to this many GB/s (stands in for PCIe)")
+    g.add_argument("--compute-threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default: torch's, or all cores but one for the KV copy thread "
+                        "when --link-gbps throttles a CPU-only run)")
     g = p.add_argument_group("scheduling")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs_default, help="running batch size cap")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -67,7 +70,8 @@ def _optional_int(text: str) -> int | None:
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     values = dict(
         model=args.model, block_size=args.block_size, device_kv_blocks=args.device_kv_blocks,
-        host_kv_blocks=args.host_kv_blocks, link_gbps=args.link_gbps, max_num_seqs=args.max_num_seqs,
+        host_kv_blocks=args.host_kv_blocks, link_gbps=args.link_gbps, compute_threads=args.compute_threads,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling=args.scheduling,
         chunked_prefill=args.chunked_prefill, max_model_len=args.max_model_len, policy=args.policy,
         slo_ms=args.slo_ms, slo_scale=args.slo_scale, token_deposit=args.token_deposit, alpha=args.alpha,
@@ -332,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="measure this machine's engine and print a hardware profile (JSON)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--output", "-o", default=None, help="also write the profile to this file")
+    p.add_argument("--out", "--output", "-o", dest="output", default=None,
+                   help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
     add_engine_args(p)
     p.set_defaults(func=cmd_profile)
     return parser

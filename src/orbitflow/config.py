@@ -6,6 +6,7 @@ error message names the CLI flag that sets it, so a bad value reads like a usage
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -25,6 +26,9 @@ class EngineConfig:
     device_kv_blocks: int = 4096
     host_kv_blocks: int = 65536
     link_gbps: float | None = None  # throttle host<->device copies to this many GB/s (None: unthrottled)
+    # torch intra-op threads for the model's compute. None: torch's default, except on a CPU-only machine with
+    # a throttled link, where one core is left to the KV copy thread (see `resolved_compute_threads`).
+    compute_threads: int | None = None
     # Scheduling.
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 32768
@@ -67,6 +71,7 @@ class EngineConfig:
         positive("device_kv_blocks", "--device-kv-blocks")
         positive("host_kv_blocks", "--host-kv-blocks")
         positive("link_gbps", "--link-gbps", allow_none=True)
+        positive("compute_threads", "--compute-threads", allow_none=True)
         positive("max_num_seqs", "--max-num-seqs")
         positive("max_num_batched_tokens", "--max-num-batched-tokens")
         positive("chunked_prefill", "--chunked-prefill", allow_none=True)
@@ -88,6 +93,17 @@ class EngineConfig:
             raise ConfigError(f"--scheduling must be one of {', '.join(SCHEDULING_CHOICES)}, got {self.scheduling!r}")
         if self.victim not in VICTIM_CHOICES:
             raise ConfigError(f"--victim must be one of {', '.join(VICTIM_CHOICES)}, got {self.victim!r}")
+
+    def resolved_compute_threads(self, cuda: bool) -> int | None:
+        """Threads to give torch (None: leave torch's setting alone). On the CPU the copy thread's transfers
+        run on the same cores as the compute: with torch on every core, the copy thread waits for a core on
+        each wake-up and the step time varies with who wins (benchmarks/engine_variance.py)."""
+        if self.compute_threads is not None:
+            return self.compute_threads
+        if cuda or self.link_gbps is None:
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores - 1)
 
     @property
     def link_bytes_per_s(self) -> float | None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ class LLM:
         self.loaded = loaded or load_model(cfg.model)
         mc = self.loaded.config
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        threads = cfg.resolved_compute_threads(cuda=device == "cuda")
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         self.kv = KVManager(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.device_kv_blocks, cfg.host_kv_blocks,
             block_size=cfg.block_size, device=device, link_bytes_per_s=cfg.link_bytes_per_s,
@@ -71,6 +75,10 @@ class LLM:
             )
         for pool in (self.kv.device_pool, self.kv.host_pool):
             pool.reset_peak()
+        # Everything loaded so far lives as long as the engine: move it out of the cyclic GC's sight, so a
+        # collection (which the executor also keeps out of its steps) never walks the model's objects.
+        gc.collect()
+        gc.freeze()
         self.policy = policy or make_policy(cfg.policy)
         self.clock = WallClock()
         max_len = cfg.max_model_len or mc.max_position_embeddings

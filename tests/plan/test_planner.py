@@ -83,6 +83,28 @@ def test_pruned_search_is_exact_vs_brute_force(seed):
             assert got.placement is None and len(got.victims) == n_req
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed):
+    """A calibrated profile adds a fixed latency per transfer and a per-request compute overhead: the bounds
+    must stay valid lower bounds and the search exact."""
+    rng = np.random.default_rng(200 + seed)
+    for _ in range(4):
+        n_req = int(rng.integers(1, 5))
+        n_layers = int(rng.integers(2, 11)) if n_req <= 3 else int(rng.integers(2, 7))
+        base, cap, reqs = random_case(rng, n_req, n_layers)
+        comp = base.compute()
+        cm = CostModel(comp, base.link_blocks_per_s, request_overhead_s=float(rng.uniform(0, 2) * comp.mean()),
+                       transfer_latency_s=float(rng.uniform(0, 1.5) * comp.mean()))
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False)
+        got = pl.plan(reqs)
+        best = brute_force(pl, reqs, n_layers)
+        assert got.feasible == (best is not None)
+        if best is not None:
+            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
+            est = cm.step(got.placement, [r.blocks_per_layer for r in reqs], total_tokens=sum(r.tokens for r in reqs))
+            assert got.predicted_step_s == pytest.approx(est.total_s, rel=1e-9)
+
+
 def test_window_is_largest_feasible_and_capacity_holds():
     rng = np.random.default_rng(7)
     for _ in range(20):

@@ -160,3 +160,45 @@ def test_with_overrides():
         p.with_overrides(bogus=1)
     with pytest.raises(ProfileError, match="block_size"):
         p.with_overrides(block_size=0)
+
+
+def test_engine_overheads_default_to_zero_for_old_profiles_and_presets():
+    old = {"name": "old", "num_layers": 4, "kv_bytes_per_token_per_layer": 1024, "decode_a": 1e-6,
+           "decode_b": 0.04, "link_bytes_per_s": 1e9, "device_kv_blocks": 100, "host_kv_blocks": 1000}
+    p = HardwareProfile.from_json(json.dumps(old))
+    assert (p.decode_per_request_s, p.transfer_latency_s, p.move_latency_s, p.mixed_step_overhead_s) == (0, 0, 0, 0)
+    for name in PRESETS:
+        assert load_preset(name).cost_model().transfer_latency_s == 0.0
+
+
+def test_engine_overheads_round_trip_and_reach_the_cost_model():
+    p = small(decode_per_request_s=0.004, transfer_latency_s=0.001, move_latency_s=0.002, mixed_step_overhead_s=0.003)
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p
+    cm = q.cost_model()
+    assert cm.request_overhead_s == 0.004 and cm.transfer_latency_s == 0.001
+    # 3 requests: two extra requests' overhead spread over the layers
+    assert cm.compute(100, 3).sum() == pytest.approx(q.decode_step_no_offload_s(100) + 2 * 0.004)
+    assert cm.transfer_s(8) == pytest.approx(8 / q.link_blocks_per_s + 0.001)
+    assert cm.transfer_s(0) == 0.0
+    assert q.placement_change_s(2 * q.block_bytes, 2) == pytest.approx(2 * q.block_bytes / 1e9 + 2 * 0.002)
+
+
+@pytest.mark.parametrize("field", ["decode_per_request_s", "transfer_latency_s", "move_latency_s",
+                                   "mixed_step_overhead_s", "decode_tail_fraction"])
+def test_bad_engine_overhead_names_the_field(field):
+    with pytest.raises(ProfileError, match=field):
+        small(**{field: -1.0})
+    with pytest.raises(ProfileError, match=field):
+        small(**{field: math.nan})
+
+
+def test_decode_tail_goes_to_the_last_layer_and_keeps_the_total():
+    p = small(decode_tail_fraction=0.2)
+    comp = p.layer_compute_s(1000)
+    flat = small().layer_compute_s(1000)
+    assert comp.sum() == pytest.approx(flat.sum())
+    assert comp[-1] == pytest.approx(flat.sum() * (0.2 + 0.8 / 4))
+    assert np.allclose(comp[:-1], flat.sum() * 0.8 / 4)
+    with pytest.raises(ProfileError, match="decode_tail_fraction"):
+        small(decode_tail_fraction=1.0)

@@ -49,6 +49,7 @@ class TransferEngine:
         self.stream = torch.cuda.Stream(device=device_pool.storage.device) if self.is_cuda else None
         self.bytes_h2d = 0
         self.bytes_d2h = 0
+        self.layer_moves = 0  # placement changes (move_to_host / move_to_device calls), for the simulator's charge
         self.overflow_blocks = 0
         self.busy_s = 0.0  # time the link spent moving prefetches (for the controller's bandwidth estimate)
         self.overflow_blocks_peak = 0
@@ -91,9 +92,11 @@ class TransferEngine:
         return nbytes
 
     def move_to_host(self, device_ids: list[int], host_ids: list[int]) -> None:
+        self.layer_moves += 1
         self.bytes_d2h += self._copy(self.device_pool, device_ids, self.host_pool, host_ids)
 
     def move_to_device(self, host_ids: list[int], device_ids: list[int]) -> None:
+        self.layer_moves += 1
         self.bytes_h2d += self._copy(self.host_pool, host_ids, self.device_pool, device_ids)
 
     # ---- per-step prefetch schedule --------------------------------------------------------------

@@ -13,7 +13,12 @@ Two transfer models:
   is redistributed as the smallest finishes; transfers only advance at the boundary of a layer that needs
   them and overlap only with the previous layer's compute). Kept for comparison.
 
-A transfer of request ``r`` takes ``b_r / link_blocks_per_s`` seconds.
+A transfer of request ``r`` takes ``b_r / link_blocks_per_s + transfer_latency_s`` seconds (the latency is the
+engine's fixed cost per transfer: waking the copy thread and dispatching the copy; 0 for an ideal link).
+Every layer's compute also carries ``request_overhead_s / L`` per request beyond the first (the engine's
+per-request work in each layer: attention calls, KV writes), so a batch of R requests over T tokens costs
+``compute(T) + (R - 1) * request_overhead_s`` before stalls. Both default to 0; measured values come from the
+hardware profile (``HardwareProfile.cost_model()``, the one cost model that planner and simulator share).
 
 ``CostModel``'s parameters are immutable (it only memoises per-layer compute per token count): the runtime
 controller refreshes it (EWMA of measured compute / bandwidth) with :meth:`CostModel.with_updates`, which
@@ -243,13 +248,20 @@ class CostModel:
         *,
         layer_compute_scale: float | Sequence[float] | np.ndarray = 1.0,
         num_layers: int | None = None,
+        request_overhead_s: float = 0.0,
+        transfer_latency_s: float = 0.0,
     ) -> None:
         if transfer not in _TRANSFERS:
             raise ValueError(f"transfer must be one of {_TRANSFERS}, got {transfer!r}")
         if not link_blocks_per_s > 0:
             raise ValueError(f"link_blocks_per_s must be > 0, got {link_blocks_per_s}")
+        for name, value in (("request_overhead_s", request_overhead_s), ("transfer_latency_s", transfer_latency_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         self._transfer = transfer
         self._link = float(link_blocks_per_s)
+        self._req_overhead = float(request_overhead_s)
+        self._latency = float(transfer_latency_s)
         self._fn: Callable[[int], Sequence[float] | np.ndarray] | None
         if callable(layer_compute_s):
             self._fn = layer_compute_s
@@ -292,6 +304,14 @@ class CostModel:
         return self._scale.copy()
 
     @property
+    def request_overhead_s(self) -> float:
+        return self._req_overhead
+
+    @property
+    def transfer_latency_s(self) -> float:
+        return self._latency
+
+    @property
     def depends_on_tokens(self) -> bool:
         """True when per-layer compute is a function of the batch's total tokens."""
         return self._fn is not None
@@ -312,22 +332,28 @@ class CostModel:
             self._transfer if transfer is None else transfer,
             layer_compute_scale=self._scale if layer_compute_scale is None else layer_compute_scale,
             num_layers=self._num_layers if layer_compute_s is None else None,
+            request_overhead_s=self._req_overhead,
+            transfer_latency_s=self._latency,
         )
 
-    def compute(self, total_tokens: int | None = None) -> np.ndarray:
-        """Per-layer compute seconds (read-only array)."""
+    def compute(self, total_tokens: int | None = None, num_requests: int = 1) -> np.ndarray:
+        """Per-layer compute seconds of a batch of ``num_requests`` requests (read-only array)."""
         if self._fn is None:
-            key = -1
+            tokens = -1
         else:
             if total_tokens is None:
                 raise ValueError("this CostModel's compute depends on total_tokens; pass total_tokens=")
-            key = int(total_tokens)
+            tokens = int(total_tokens)
+        extra = max(int(num_requests) - 1, 0) if self._req_overhead else 0
+        key = (tokens, extra)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        base = self._fixed if self._fn is None else np.asarray(self._fn(key), dtype=float)
+        base = self._fixed if self._fn is None else np.asarray(self._fn(tokens), dtype=float)
         if base.shape != (self._num_layers,):
             raise ValueError(f"layer compute must have {self._num_layers} entries, got shape {base.shape}")
+        if extra:
+            base = base + extra * self._req_overhead / self._num_layers
         out = base * self._scale
         out.setflags(write=False)
         if len(self._cache) > 4096:
@@ -336,18 +362,18 @@ class CostModel:
         return out
 
     def transfer_s(self, blocks: float | np.ndarray) -> float | np.ndarray:
-        """Seconds to move ``blocks`` KV blocks over the link."""
+        """Seconds of one transfer of ``blocks`` KV blocks over the link (with its fixed latency; 0 for none)."""
         if isinstance(blocks, np.ndarray):
-            return blocks.astype(float) / self._link
-        return float(blocks) / self._link
+            b = blocks.astype(float)
+            return b / self._link + np.where(b > 0, self._latency, 0.0)
+        return float(blocks) / self._link + (self._latency if blocks > 0 else 0.0)
 
     # -- prediction -------------------------------------------------------------------------------------
     def stalls(
         self, host_mask: np.ndarray, blocks_per_layer: Sequence[float] | np.ndarray, comp: np.ndarray
     ) -> list[float]:
         """Per-layer stall seconds for a host mask ``[R, L]`` (True = offloaded)."""
-        b = np.asarray(blocks_per_layer, dtype=float)
-        xfer = (b / self._link).tolist()
+        xfer = self.transfer_s(np.asarray(blocks_per_layer, dtype=float)).tolist()
         if self._transfer == "fair":
             return fair_stalls(comp.tolist(), host_mask, xfer)
         hosts = [np.flatnonzero(row).tolist() for row in host_mask]
@@ -369,7 +395,7 @@ class CostModel:
             raise ValueError(
                 f"blocks_per_layer must have length {placement.num_requests}, got shape {b.shape}"
             )
-        comp = self.compute(total_tokens)
+        comp = self.compute(total_tokens, placement.num_requests)
         st = np.asarray(self.stalls(placement.host, b, comp), dtype=float)
         c = float(comp.sum())
         s = float(st.sum())

@@ -155,7 +155,7 @@ class _Window:
         self.seg_ends = starts[1:] + [self.horizon]
         self.boundaries = [int(i) + 1 for i in np.flatnonzero(change)]  # steps 1..H where b changes
         self.cm = planner.cost_model
-        self.comp = [self.cm.compute(int(self.total_tokens[s]) if self.cm.depends_on_tokens else None)
+        self.comp = [self.cm.compute(int(self.total_tokens[s]) if self.cm.depends_on_tokens else None, len(reqs))
                      for s in starts]
         self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
         self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency

@@ -164,7 +164,7 @@ class BranchAndBound:
         self.comp_total = float(comp0.sum())
         self.comp_min = float(comp0.min())
         self.suffix_comp = np.cumsum(comp0[::-1])[::-1]  # sum_{k>=l} comp_k
-        self.x0 = self.b0 / self.link
+        self.x0 = cm.transfer_s(self.b0)  # per transfer, with the link's fixed latency
         self.x0_list = self.x0.tolist()
         self.cap = planner.capacity_blocks * (1 + REL_TOL) + 1e-9
         # search order: larger requests first; identical requests adjacent (symmetry breaking)

@@ -41,7 +41,7 @@ class PlanContext:
             num_layers=profile.num_layers,
             block_size=config.block_size,
             capacity_blocks=config.device_kv_blocks,
-            cost_model=CostModel(profile.layer_compute_s, profile.link_blocks_per_s, num_layers=profile.num_layers),
+            cost_model=profile.cost_model(),  # the one cost model the simulator also runs on
             alpha=config.alpha,
             window=(config.window_min, config.window_max),
             victim=config.victim,

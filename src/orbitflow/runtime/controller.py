@@ -2,8 +2,9 @@
 
 Triggers: a batch change (arrival, finish, pause, resume), the plan's expiry step or the end of its decode
 window (whichever comes first: ``Plan.replan_step``; nothing is guaranteed past the window), a profile mismatch
-(measured step latency off the prediction by more than `mismatch_threshold`: per-layer compute and
-link bandwidth are then refreshed by EWMA), and, for policies that want it, every step. An expiry
+(measured step latency off the shared cost model's prediction for that very step, batch and placement, by
+more than `mismatch_threshold`: per-layer compute and link bandwidth are then refreshed by EWMA), and, for
+policies that want it, every step. An expiry
 that is known one step ahead is solved on a background thread while the current step runs, so the
 solver's cost stays off the critical path. Every call is recorded.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from orbitflow.plan import Plan, PlanRequest
+from orbitflow.plan import Placement, Plan, PlanRequest
 from orbitflow.policies.base import PlanContext, Policy
 
 
@@ -126,14 +127,23 @@ class Controller:
         self.plan, self.plan_ids = None, []
 
     # ---- observing --------------------------------------------------------------------------------
+    def predict(self, on_device: list[list[bool]], blocks_per_layer: list[int], total_tokens: int) -> float:
+        """Step latency of a decode step of this batch under the placement in force, by the shared cost model
+        (the profile's, as the simulator charges it, with the EWMA refresh applied): what `observe` checks."""
+        mask = np.asarray(on_device, dtype=bool).reshape(len(blocks_per_layer), -1)
+        return float(self.ctx.cost_model.step(Placement.from_mask(mask), blocks_per_layer,
+                                              total_tokens=total_tokens).total_s)
+
     def observe(self, predicted_s: float, measured_s: float, layer_compute_s: list[float],
-                total_tokens: int, link_blocks_per_s: float | None) -> None:
-        """Compare a decode step with its prediction; on mismatch refresh the profile by EWMA."""
+                total_tokens: int, link_blocks_per_s: float | None, num_requests: int = 1) -> None:
+        """Compare a decode step with its prediction (made by the planner with the profile's cost model, the
+        one the simulator charges); on mismatch refresh that model's compute scale and link rate by EWMA."""
         if predicted_s <= 0 or abs(measured_s - predicted_s) <= self.mismatch_threshold * predicted_s:
             return
         self.mismatch = True
         cm = self.ctx.cost_model
-        base = np.asarray(cm.compute(total_tokens if cm.depends_on_tokens else None)) / cm.layer_compute_scale
+        base = np.asarray(cm.compute(total_tokens if cm.depends_on_tokens else None, num_requests))
+        base = base / cm.layer_compute_scale
         measured = np.asarray(layer_compute_s, dtype=float)
         observed_scale = np.clip(measured / np.maximum(base, 1e-12), 0.05, 20.0)
         scale = (1 - self.ewma) * cm.layer_compute_scale + self.ewma * observed_scale

@@ -193,7 +193,7 @@ class Engine:
         if is_decode and self._last_prediction is not None:
             total = sum(r.num_tokens for r in self.running)
             self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total,
-                                    result.link_blocks_per_s)
+                                    result.link_blocks_per_s, num_requests=len(seqs))
         self.stats.steps += 1
         if self.running and self.controller.expires_at(self.stats.steps + 1):
             self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.stats.steps + 1)
@@ -379,8 +379,11 @@ class Engine:
                 continue
             seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids)))
             reqs.append(req)
-        if seqs and all(s.is_decode for s in seqs):
-            self._last_prediction = float(self.controller.plan.predicted_step_s) if self.controller.plan else None
+        if seqs and all(s.is_decode for s in seqs) and self.controller.plan is not None:
+            # what the cost model (the simulator's) predicts for this step's batch and placement
+            self._last_prediction = self.controller.predict(
+                [self.kv.tables[s.req_id].on_device for s in seqs], [self.kv.blocks_for(s.start_pos) for s in seqs],
+                sum(s.start_pos + 1 for s in seqs))
         else:
             self._last_prediction = None
         return seqs, reqs

@@ -8,6 +8,7 @@ prefetched by the transfer engine in the planner's `edf` order and consumed from
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -73,6 +74,9 @@ class ModelExecutor:
         self.block_size = kv.block_size
         self.scale = model_config.head_dim**-0.5
         self.device = kv.device_pool.storage.device
+        # No cyclic-GC pass inside a step: a collection there is a pause of its own that the cost model
+        # cannot know about (refcounting still frees nearly everything; cycles wait for the next step).
+        self.hold_gc = True
 
     def _decode_groups(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
         """Per layer, for a decode step: the requests whose KV of that layer is on the device, the slots
@@ -177,6 +181,9 @@ class ModelExecutor:
             [p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
             dtype=torch.long, device=self.device,
         )
+        gc_was_enabled = gc.isenabled()
+        if self.hold_gc:
+            gc.disable()
         start = time.perf_counter()
         transfer.start_step(fetches)
         try:
@@ -192,6 +199,8 @@ class ModelExecutor:
                             tokens[b] = sample_next(logits[next(sampled)], s.sampling, s.generated)
         finally:
             transfer.end_step()
+            if gc_was_enabled:
+                gc.enable()
         end = time.perf_counter()
         boundaries = entered[1:] + [end]
         compute = [boundaries[l] - entered[l] - stalls[l] for l in range(self.num_layers)]

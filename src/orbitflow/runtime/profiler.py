@@ -1,7 +1,25 @@
 """Measure the real engine on this machine and describe it as a HardwareProfile (`orbitflow profile`).
 
-Decode step time is fitted as A * tokens_in_batch + B from a few decode steps at different context
-lengths; the link rate is the configured throttle, or the measured host-to-device block copy rate.
+Everything the cost model charges is measured here, on the executor the engine runs, so the planner, the
+controller's mismatch check and the simulator (which all predict with `HardwareProfile.cost_model()`)
+are calibrated at once:
+
+- decode compute: ``decode_a * tokens + decode_b``, fitted from single-request decode steps at a few
+  context lengths (median of several steps each);
+- ``decode_per_request_s``: a batch of R requests against one request holding the same number of tokens
+  (steps interleaved, so a busy machine slows both alike), divided by R - 1;
+- ``transfer_latency_s``: decode steps of one request with every layer on the host; the latency per
+  transfer that makes the cost model's `edf` stalls, over the step's own measured per-layer compute,
+  equal the measured stalls (the copy thread's wake-up and dispatch, beyond bytes / link rate);
+- ``move_latency_s``: placement changes (a request's layers to the host and back), their time beyond
+  bytes / link rate, per moved layer;
+- ``decode_tail_fraction``: the share of a decode step after the last layer's attention (LM head, sampling),
+  which no transfer can overlap;
+- ``mixed_step_overhead_s``: a prefill chunk beside a decode against the two run apart (interleaved);
+- prefill: ``prefill_a * tokens + prefill_b`` from the prompts of the decode fit;
+- the link rate: the configured throttle, or the measured host-to-device block copy rate.
+
+Each figure is a median over interleaved repeats; the profile's ``extra`` keeps the raw medians.
 """
 
 from __future__ import annotations
@@ -10,6 +28,7 @@ import time
 
 import numpy as np
 
+from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.sim.profiles import HardwareProfile
 
 
@@ -27,46 +46,166 @@ def measure_link_bytes_per_s(kv, blocks: int = 64, repeats: int = 3) -> float:
             kv.transfer.move_to_device(host, dev)
             best = min(best, time.perf_counter() - start)
         kv.transfer.bytes_h2d -= repeats * blocks * kv.host_pool.bytes_per_block  # not real traffic
+        kv.transfer.layer_moves -= repeats
     finally:
         kv.host_pool.free(host)
         kv.device_pool.free(dev)
     return blocks * kv.host_pool.bytes_per_block / max(best, 1e-9)
 
 
-def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 5) -> HardwareProfile:
-    """Fit decode and prefill costs of a ModelExecutor.
+def _fit_transfer_latency(compute: list[float], stall_s: float, xfer_s: float, hosts: list[int]) -> float:
+    """The per-transfer latency at which `edf` predicts `stall_s` for one request (bisection; stall grows
+    monotonically with the latency)."""
 
-    Measures on a scratch KV cache (all layers on the device, whatever the configured budget), so a
-    small --device-kv-blocks never gets in the way; each context's decode time is the median of
-    `steps` steps after one warm-up step.
-    """
-    from orbitflow.kv.manager import KVManager
-    from orbitflow.runtime.executor import ModelExecutor, SeqInput
+    def stall(lat: float) -> float:
+        return sum(edf_stalls(compute, [hosts], [xfer_s + lat]))
+
+    if stall(0.0) >= stall_s:
+        return 0.0
+    lo, hi = 0.0, max(xfer_s, 1e-3)
+    while stall(hi) < stall_s and hi < 10.0:
+        hi *= 2
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if stall(mid) < stall_s else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+class _Bench:
+    """A scratch KV cache big enough for every measurement, whatever the configured budget, so a small
+    --device-kv-blocks never gets in the way; same model, link throttle and dtype as the engine's."""
+
+    def __init__(self, executor, device_tokens: int, host_tokens: int):
+        from orbitflow.kv.manager import KVManager
+        from orbitflow.runtime.executor import ModelExecutor
+
+        kv = executor.kv
+        self.layers = executor.num_layers
+        storage = kv.device_pool.storage
+        self.kv = KVManager(self.layers, storage.shape[3], storage.shape[4], self.layers * kv.blocks_for(device_tokens),
+                            max(1, self.layers * kv.blocks_for(host_tokens)), block_size=kv.block_size,
+                            dtype=storage.dtype, device=storage.device, link_bytes_per_s=kv.transfer.link_bytes_per_s)
+        self.runner = ModelExecutor(executor.model, executor.config, self.kv)
+        self.pos: dict[str, int] = {}
+
+    def prefill(self, rid: str, ctx: int, on_device: bool = True):
+        from orbitflow.runtime.executor import SeqInput
+
+        self.kv.allocate(rid, 0, [on_device] * self.layers)
+        result = self.runner.step([SeqInput(rid, [1 + (j % 100) for j in range(ctx)], 0)])
+        self.pos[rid] = ctx
+        return result
+
+    def decode(self, rids: list[str]):
+        from orbitflow.runtime.executor import SeqInput
+
+        result = self.runner.step([SeqInput(r, [1], self.pos[r]) for r in rids])
+        for r in rids:
+            self.pos[r] += 1
+        return result
+
+    def free(self, rid: str) -> None:
+        self.kv.free(rid)
+        self.pos.pop(rid, None)
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 7, batch: int = 4,
+                     chunk: int = 64) -> HardwareProfile:
+    """Fit every cost of a ModelExecutor that the cost model charges (see the module docstring)."""
+    from orbitflow.runtime.executor import SeqInput
 
     kv = executor.kv
     layers = executor.num_layers
-    storage = kv.device_pool.storage
-    scratch_blocks = layers * (kv.blocks_for(max(contexts) + steps + 2))
-    scratch = KVManager(layers, storage.shape[3], storage.shape[4], scratch_blocks, 1, block_size=kv.block_size,
-                        dtype=storage.dtype, device=storage.device)
-    runner = ModelExecutor(executor.model, executor.config, scratch)
-    xs, ys, prefill = [], [], []
+    spare = 4 * steps + 8
+    per_req = max(contexts[1] // batch, 16)
+    single = per_req * batch  # the single request holding as many tokens as the batch
+    device_tokens = (max(contexts) + spare) + batch * (per_req + spare) + (single + spare) + 2 * (chunk + spare)
+    bench = _Bench(executor, device_tokens, single + spare)
+    link = kv.transfer.link_bytes_per_s or measure_link_bytes_per_s(bench.kv)
+    extra: dict = {"steps_per_point": steps}
+    xs, ys, prefill, tails = [], [], [], []
     try:
+        # 0. warm-up (first calls pay for lazy initialisation), discarded.
+        bench.prefill("w", contexts[0])
+        for _ in range(3):
+            bench.decode(["w"])
+        bench.free("w")
+        # 1. decode compute of one request against its context; prefill of its prompt.
         for ctx in contexts:
-            scratch.allocate("profile", 0, [True] * layers)
-            prompt = [1 + (j % 100) for j in range(ctx)]
-            prefill.append((ctx, runner.step([SeqInput("profile", prompt, 0)]).step_s))
-            times = [runner.step([SeqInput("profile", [1], ctx + i)]).step_s for i in range(steps + 1)]
+            prefill.append((ctx, bench.prefill("p", ctx).step_s))
+            results = [bench.decode(["p"]) for _ in range(steps + 1)]
+            times = [r.step_s for r in results]
+            for r in results[1:]:
+                comp = r.layer_compute_s
+                if len(comp) > 2:  # the last layer's time beyond a middle layer's: LM head and sampling
+                    tails.append(max(0.0, comp[-1] - float(np.median(comp[1:-1]))) / max(sum(comp), 1e-12))
             xs.append(ctx)
             ys.append(float(np.median(times[1:])))
-            scratch.free("profile")
+            bench.free("p")
+        a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+        if a < 0:  # noise on a busy machine: no measurable growth with context
+            a, b = 0.0, float(np.median(ys))
+        pa, pb = np.polyfit([p[0] for p in prefill], [p[1] for p in prefill], 1)
+
+        # 2. per-request overhead: `batch` requests of per_req tokens against one request of batch * per_req.
+        ids = [f"b{i}" for i in range(batch)]
+        for rid in ids:
+            bench.prefill(rid, per_req)
+        bench.prefill("s", single)
+        one, many = [], []
+        for _ in range(steps + 1):
+            one.append(bench.decode(["s"]).step_s)
+            many.append(bench.decode(ids).step_s)
+        t_one, t_many = float(np.median(one[1:])), float(np.median(many[1:]))
+        per_request = max(0.0, (t_many - t_one) / (batch - 1)) if batch > 1 else 0.0
+        for rid in ids:
+            bench.free(rid)
+        extra.update(decode_one_of_batch_tokens_s=t_one, decode_batch_s=t_many, batch=batch)
+
+        # 3. mixed step: a prefill chunk beside that decode, against the two apart.
+        mixed, apart = [], []
+        for i in range(steps + 1):
+            rid = f"m{i}"
+            bench.kv.allocate(rid, 0, [True] * layers)
+            chunk_ids = [1 + (j % 100) for j in range(chunk)]
+            mixed.append(bench.runner.step([SeqInput("s", [1], bench.pos["s"]), SeqInput(rid, chunk_ids, 0)]).step_s)
+            bench.pos["s"] += 1
+            bench.free(rid)
+            bench.kv.allocate(rid, 0, [True] * layers)
+            alone = bench.runner.step([SeqInput(rid, chunk_ids, 0)]).step_s
+            bench.free(rid)
+            apart.append(alone + bench.decode(["s"]).step_s)
+        mixed_overhead = max(0.0, float(np.median(mixed[1:])) - float(np.median(apart[1:])))
+        extra.update(mixed_step_s=float(np.median(mixed[1:])), apart_s=float(np.median(apart[1:])), chunk=chunk)
+
+        # 4. placement changes: every layer of "s" to the host and back (bytes over the link + host work).
+        moves = []
+        layer_bytes = bench.kv.tables["s"].blocks_per_layer * bench.kv.host_pool.bytes_per_block
+        for _ in range(3):
+            for target in (False, True):
+                start = time.perf_counter()
+                bench.kv.apply_placement("s", [target] * layers)
+                moves.append((time.perf_counter() - start - layers * layer_bytes / link) / layers)
+        move_latency = max(0.0, float(np.median(moves)))
+
+        # 5. the copy thread: decode steps of "s" with every layer on the host.
+        bench.kv.apply_placement("s", [False] * layers)
+        lats, stalls = [], []
+        for i in range(steps + 1):
+            r = bench.decode(["s"])
+            if i == 0 or r.stall_s <= 0:
+                continue
+            xfer = bench.kv.blocks_for(bench.pos["s"] - 1) * bench.kv.host_pool.bytes_per_block / link
+            lats.append(_fit_transfer_latency(list(r.layer_compute_s), r.stall_s, xfer, list(range(layers))))
+            stalls.append(r.stall_s)
+        transfer_latency = float(np.median(lats)) if lats else 0.0
+        extra.update(offloaded_stall_s=float(np.median(stalls)) if stalls else 0.0)
+        bench.free("s")
     finally:
-        scratch.close()
-    a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    if a < 0:  # noise on a busy machine: no measurable growth with context
-        a, b = 0.0, float(np.median(ys))
-    pa, pb = np.polyfit([p[0] for p in prefill], [p[1] for p in prefill], 1)
-    link = kv.transfer.link_bytes_per_s or measure_link_bytes_per_s(kv)
+        bench.close()
     return HardwareProfile(
         name=name,
         num_layers=layers,
@@ -79,5 +218,11 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         block_size=kv.block_size,
         prefill_a=max(float(pa), 1e-7),
         prefill_b=max(float(pb), 1e-5),
+        decode_per_request_s=per_request,
+        transfer_latency_s=transfer_latency,
+        move_latency_s=move_latency,
+        mixed_step_overhead_s=mixed_overhead,
+        decode_tail_fraction=min(float(np.median(tails)), 0.9) if tails else 0.0,
         notes="measured by orbitflow profile on this machine",
+        extra={k: (round(v, 7) if isinstance(v, float) else v) for k, v in extra.items()},
     )

@@ -3,7 +3,9 @@
 A step costs what the planner's own step-latency model (`edf`, over a hardware profile) predicts
 for the placement the KV manager holds, optionally perturbed by multiplicative compute noise and by
 link-contention episodes (which is what exercises the controller's profile-mismatch trigger).
-Placement changes between steps cost their bytes over the link. KV is only counted, never stored.
+The cost model is the profile's own (`HardwareProfile.cost_model()`), the one the engine's planner uses.
+Placement changes between steps cost their bytes over the link plus the profile's host-side cost per moved
+layer; a prefill chunk beside decodes adds the measured interference. KV is only counted, never stored.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from orbitflow.kv.manager import KVManager
-from orbitflow.plan import CostModel, Placement
+from orbitflow.plan import Placement
 from orbitflow.runtime.executor import SeqInput, StepResult
 from orbitflow.sim.profiles import HardwareProfile
 
@@ -43,11 +45,12 @@ class SimExecutor:
         self.clock = clock
         self.num_layers = profile.num_layers
         self.block_size = profile.block_size
-        self.cost_model = CostModel(profile.layer_compute_s, profile.link_blocks_per_s, num_layers=self.num_layers)
+        self.cost_model = profile.cost_model()  # the very model the engine's planner predicts with
         self.noise = noise
         self.contention = contention or []  # (start_s, end_s, link slowdown factor)
         self.rng = np.random.default_rng(seed)
         self._moved_bytes = 0
+        self._moves = 0
 
     def link_slowdown(self, t: float) -> float:
         return max([f for start, end, f in self.contention if start <= t < end], default=1.0)
@@ -58,8 +61,11 @@ class SimExecutor:
             kv.ensure_capacity(s.req_id, s.start_pos + len(s.token_ids))
         slowdown = self.link_slowdown(self.clock.now())
         moved = transfer.bytes_h2d + transfer.bytes_d2h
-        move_s = (moved - self._moved_bytes) / (self.profile.effective_link_bytes_per_s / slowdown)
-        self._moved_bytes = moved
+        moves = transfer.layer_moves
+        # Placement changes since the last step: their bytes over the (possibly slowed) link, plus the
+        # engine's host-side cost per moved layer.
+        move_s = self.profile.placement_change_s(int((moved - self._moved_bytes) * slowdown), moves - self._moves)
+        self._moved_bytes, self._moves = moved, moves
         prefill = [s for s in seqs if not s.is_decode]
         decode = [s for s in seqs if s.is_decode]
         noise = float(np.exp(self.rng.normal(0.0, self.noise))) if self.noise > 0 else 1.0
@@ -80,6 +86,8 @@ class SimExecutor:
             stall = np.asarray(est.stall_per_layer_s)
             h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)
         compute[0] += prefill_s  # a prefill in the batch delays the whole step
+        if prefill and decode:  # a prefill chunk beside decodes: the measured interference
+            compute[0] += self.profile.mixed_step_overhead_s * noise
         device_used, host_used = kv.usage()
         return StepResult(
             tokens=[0 if s.sample else None for s in seqs],

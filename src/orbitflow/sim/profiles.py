@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from orbitflow.plan.cost_model import CostModel
+
 # Default prefill model: prefill_b = decode_b (one pass over the weights) and prefill_a = decode_b / RIDGE.
 # A batch of prompt tokens turns the weight GEMMs compute-bound around the GPU's roofline ridge
 # (FLOP/s over bytes/s, ~150-300 for fp16 on A5000/A6000/A100), so every further ~RIDGE prompt tokens
@@ -51,6 +53,18 @@ class HardwareProfile:
     # Divides the link rate: TP all-reduces ride the same PCIe links and the GPUs share the host's root
     # complex. None: 1 + 0.5 * log2(tensor_parallel), i.e. 1.0 / 1.5 / 2.0 for TP 1 / 2 / 4 (assumed).
     link_contention: float | None = None
+    # Engine overheads (measured by `orbitflow profile`; 0 in presets and older profiles, i.e. an ideal engine):
+    # seconds per decode step for every request in the batch beyond the first (per-request work in each layer),
+    decode_per_request_s: float = 0.0
+    # fixed seconds per prefetch transfer on top of bytes / link rate (the copy thread's wake-up and dispatch),
+    transfer_latency_s: float = 0.0
+    # host-side seconds per layer moved by a placement change (eviction or move) on top of bytes / link rate,
+    move_latency_s: float = 0.0
+    # extra seconds of a step that runs a prefill chunk beside decodes, over prefill and decode run apart.
+    mixed_step_overhead_s: float = 0.0
+    # share of decode compute that runs after the last layer's attention (final norm, LM head, sampling), so
+    # no transfer can hide behind it; the other layers share the rest evenly.
+    decode_tail_fraction: float = 0.0
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance, carried through JSON
 
@@ -85,6 +99,13 @@ class HardwareProfile:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             need(ok, fname, f"must be a finite number, got {value!r}")
             need(value > 0 if positive else value >= 0, fname, f"must be {'>' if positive else '>='} 0")
+        for fname in ("decode_per_request_s", "transfer_latency_s", "move_latency_s", "mixed_step_overhead_s"):
+            value = getattr(self, fname)
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            need(ok and value >= 0, fname, f"must be a finite number >= 0, got {value!r}")
+        tail = self.decode_tail_fraction
+        need(isinstance(tail, int | float) and not isinstance(tail, bool) and math.isfinite(tail) and 0 <= tail < 1,
+             "decode_tail_fraction", f"must be a number in [0, 1), got {tail!r}")
         if self.link_contention is not None:
             need(self.link_contention >= 1.0, "link_contention", "must be >= 1 (it divides the link rate)")
         need(isinstance(self.notes, str), "notes", "must be a string")
@@ -140,11 +161,31 @@ class HardwareProfile:
             per_layer = (self.decode_a * total_tokens + self.decode_b) / self.num_layers
         else:
             per_layer = _interp_extrapolate(self.layer_compute_table, float(total_tokens))
-        return np.full(self.num_layers, max(per_layer, 0.0), dtype=np.float64)
+        per_layer = max(per_layer, 0.0)
+        out = np.full(self.num_layers, per_layer, dtype=np.float64)
+        if self.decode_tail_fraction > 0 and self.num_layers > 1:
+            total = per_layer * self.num_layers
+            out[:] = total * (1 - self.decode_tail_fraction) / self.num_layers
+            out[-1] += total * self.decode_tail_fraction
+        return out
 
     def decode_step_no_offload_s(self, total_tokens: float) -> float:
-        """Decode step seconds when every layer's KV is on the device."""
+        """Decode step seconds of one request when every layer's KV is on the device."""
         return float(self.layer_compute_s(total_tokens).sum())
+
+    def cost_model(self, transfer: str = "edf") -> CostModel:
+        """THE step-latency model of this hardware: the engine's planner (`PlanContext.from_profile`), the
+        controller's mismatch check and the simulator (`SimExecutor`) all predict with this one, so a
+        calibrated profile calibrates all of them at once."""
+        return CostModel(self.layer_compute_s, self.link_blocks_per_s, transfer, num_layers=self.num_layers,
+                         request_overhead_s=self.decode_per_request_s, transfer_latency_s=self.transfer_latency_s)
+
+    def placement_change_s(self, nbytes: int, layers_moved: int) -> float:
+        """Seconds the engine spends on a placement change: its bytes over the link plus a host-side cost
+        per moved layer."""
+        if nbytes <= 0 and layers_moved <= 0:
+            return 0.0
+        return nbytes / self.effective_link_bytes_per_s + layers_moved * self.move_latency_s
 
     def prefill_s(self, num_tokens: int) -> float:
         if num_tokens < 0:

@@ -1,0 +1,33 @@
+"""`orbitflow profile` on a tiny model: every engine overhead is measured, finite and usable by the simulator."""
+
+import math
+
+from tiny_models import make_llm
+
+from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.runtime.profiler import _fit_transfer_latency, profile_executor
+from orbitflow.sim.profiles import HardwareProfile
+
+
+def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
+    llm = make_llm(tiny_llama, device_kv_blocks=8, host_kv_blocks=256, link_gbps=0.05)
+    try:
+        p = profile_executor(llm.executor, "tiny@here", contexts=(16, 48, 96), steps=2, batch=3, chunk=16)
+    finally:
+        llm.close()
+    for name in ("decode_a", "decode_b", "prefill_a", "prefill_b", "decode_per_request_s", "transfer_latency_s",
+                 "move_latency_s", "mixed_step_overhead_s", "decode_tail_fraction"):
+        value = getattr(p, name)
+        assert math.isfinite(value) and value >= 0, name
+    assert p.link_bytes_per_s == 0.05e9  # the configured throttle
+    assert p.device_kv_blocks == 8  # the engine's budget, not the scratch cache's
+    assert {"decode_batch_s", "mixed_step_s", "offloaded_stall_s"} <= set(p.extra)
+    assert HardwareProfile.from_json(p.to_json()) == p
+    assert llm.kv.usage() == (0, 0)  # measured on a scratch cache
+
+
+def test_transfer_latency_fit_recovers_a_known_latency():
+    comp, xfer, hosts = [0.002] * 8, 0.003, list(range(8))
+    for latency in (0.0, 0.0004, 0.002):
+        stall = sum(edf_stalls(comp, [hosts], [xfer + latency]))
+        assert abs(_fit_transfer_latency(comp, stall, xfer, hosts) - latency) < 1e-7
