@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -250,8 +250,14 @@ class Planner:
         return self.cost_model.num_layers
 
     # ==== public entry points ===========================================================================
-    def plan(self, requests: Sequence[PlanRequest]) -> Plan:
-        """Best feasible placement for the batch (see module docstring)."""
+    def plan(self, requests: Sequence[PlanRequest], hint: Mapping[Hashable, int | None] | None = None) -> Plan:
+        """Best feasible placement for the batch (see module docstring).
+
+        ``hint``: offload distance per request id (typically the previous plan's, for the batch as it is now);
+        the search tries it first, with requests it does not name at their greedy choice, so that a budget
+        that runs out early still returns a plan at least as good. It changes no proven optimum (only which of
+        equally fast plans is returned).
+        """
         t0 = time.perf_counter()
         reqs = list(requests)
         self._check_ids(reqs)
@@ -265,7 +271,8 @@ class Planner:
         if self.space == "uniform":
             mask = self._solve_uniform(win, stats)
         else:
-            mask = self._solve_pruned(win, stats, node_limit=self.node_limit, deadline=deadline)
+            mask = self._solve_pruned(win, stats, node_limit=self.node_limit, deadline=deadline,
+                                      hint=None if hint is None else [hint.get(q.request_id, -1) for q in reqs])
             if mask is not None and self.space == "full":
                 from orbitflow.plan.full_search import improve_full
 
@@ -500,10 +507,12 @@ class Planner:
         first_only: bool = False,
         node_limit: int | None = None,
         deadline: float | None = None,
+        hint: list | None = None,
     ) -> np.ndarray | None:
-        """Exact branch and bound over per-request distance candidates; returns the host mask or None."""
+        """Exact branch and bound over per-request distance candidates; returns the host mask or None.
+        ``hint``: a distance per request (-1: none given) tried first."""
         return BranchAndBound(self, win, stats, upper=upper, first_only=first_only, node_limit=node_limit,
-                              deadline=deadline).run()
+                              deadline=deadline, hint=hint).run()
 
     def _feasible(self, win: _Window, host: np.ndarray, lat0: float, later_lb: float = 0.0) -> bool:
         """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments).

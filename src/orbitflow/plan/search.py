@@ -144,8 +144,10 @@ class BranchAndBound:
         *,
         node_limit: int | None = None,
         deadline: float | None = None,
+        hint: list | None = None,
     ) -> None:
         self.pl = planner
+        self.hint = hint
         self.win = win
         self.stats = stats
         self.first_only = first_only
@@ -212,7 +214,9 @@ class BranchAndBound:
                 self.stats["lower_bound_s"] = self.best_key[0]
                 self.stats["gap"] = 0.0
             return self.best_host
-        self.dive_start = self.nodes  # the no-offload try does not eat into the first dive's allowance
+        if not self.first_only:
+            self._seed_incumbents()
+        self.dive_start = self.nodes  # the no-offload try and the seeds do not eat into the first dive's allowance
         if self.compiled and self.trace is None:
             self._search_compiled()
         else:
@@ -237,6 +241,52 @@ class BranchAndBound:
             return False
         self._leaf([0] * self.n_req, host)
         return self.best_host is not None
+
+    def _seed_incumbents(self) -> None:
+        """First incumbents, so that a search cut short by its budget still returns a good plan and an exact
+        one prunes from the start: the hint (the previous plan), then the greedy by transfer-to-compute ratio."""
+        greedy = self._greedy()
+        seeds = []
+        if self.hint is not None:
+            k_of_dist = {d: k for k, d in enumerate(self.tables.distances)}
+            seeds.append([k_of_dist.get(h, greedy[r]) if h != -1 else greedy[r] for r, h in enumerate(self.hint)])
+        seeds.append(greedy)
+        for k_of in seeds:
+            self._leaf([k_of[r] for r in self.order])
+
+    def _greedy(self) -> list[int]:
+        """Offload until capacity holds at step ``min_steps - 1``: requests whose transfer hides best behind
+        compute (lowest transfer-to-compute ratio) first, each at the densest candidate whose gaps hide its
+        transfer, then one candidate denser at a time, round robin, in the same order."""
+        n_layers = self.n_layers
+        ratio = self.x0 / max(self.comp_total / n_layers, 1e-300)  # layers of compute one transfer takes
+        order = np.argsort(ratio, kind="stable")
+        counts = self.counts
+        k_of = [0] * self.n_req
+        bcap = self.bcap
+        resident = float(bcap.sum()) * n_layers
+
+        def memory() -> float:
+            host = self.hosts_f[k_of]
+            return resident - float(bcap @ host.sum(axis=1)) + float((bcap @ host).max())
+
+        for r in order:  # transfer hidden by the compute between two host layers: distance >= ratio + 1
+            if memory() <= self.cap:
+                return k_of
+            dist = int(math.ceil(ratio[r])) + 1
+            fits = np.flatnonzero(counts <= n_layers // max(dist, 1))
+            k_of[r] = int(fits[-1]) if fits.size else 0
+        while memory() > self.cap:
+            grown = False
+            for r in order:
+                if k_of[r] < len(counts) - 1:
+                    k_of[r] += 1
+                    grown = True
+                    if memory() <= self.cap:
+                        return k_of
+            if not grown:
+                break
+        return k_of
 
     # -- search ---------------------------------------------------------------------------------------
     def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
