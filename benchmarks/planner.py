@@ -262,7 +262,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                            SamplingParams(max_tokens=total_steps + 16, ignore_eos=True))
     for _ in range(8):  # prefill and warm-up
         engine.step()
-    conditions = ["idle"] + [f"{name} {r}x{l}" for r, l in sizes for name in IMPLS]
+    conditions = ["idle", "burner"] + [f"{name} {r}x{l}" for r, l in sizes for name in IMPLS]
     steps: dict[str, list[float]] = {c: [] for c in conditions}
     solves: dict[str, list[int]] = {c: [0] for c in conditions}
     busy_s: dict[str, float] = {c: 0.0 for c in conditions}
@@ -278,12 +278,25 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
             i += 1
             count[0] += 1
 
+    def burner_loop(stop: threading.Event, count: list[int]) -> None:
+        """A thread that keeps one core busy without the GIL (hashlib releases it on large buffers): the
+        slowdown that CPU contention alone causes, as a baseline for the planner threads."""
+        import hashlib
+
+        data = bytes(1 << 20)
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+            count[0] += 1
+
     for rnd in tqdm(range(rounds), desc="engine rounds", leave=False):
         order = conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]
         for cond in order:
             stop = threading.Event()
             th = None
-            if cond != "idle":
+            if cond == "burner":
+                th = threading.Thread(target=burner_loop, args=(stop, solves[cond]))
+                th.start()
+            elif cond != "idle":
                 name, size = cond.split(" ")
                 r, l = (int(v) for v in size.split("x"))
                 th = threading.Thread(target=planner_loop, args=(stop, cases[(r, l)], IMPLS[name], solves[cond]))
@@ -305,9 +318,10 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     idle = np.asarray(steps["idle"])
     out.append(f"\n### Engine decode step while the planner solves\n\nSmolLM2-135M on CPU, 4 sequences of 256+ tokens, "
                f"torch threads {torch_threads}, no offload; a planner thread solves continuously (Planner defaults, "
-               f"16 random batches of the size shown, round robin) or the engine runs alone (idle). {rounds} rounds "
-               f"x {block} steps per condition, conditions interleaved. slowdown: median step time over idle's, with "
-               f"a 95% bootstrap interval.\n")
+               f"16 random batches of the size shown, round robin), a thread keeps a core busy without the GIL "
+               f"(burner: CPU contention alone; per second: SHA-256 of 1 MiB) or the engine runs alone (idle). "
+               f"{rounds} rounds x {block} steps per condition, conditions interleaved. slowdown: median step time "
+               f"over idle's, with a 95% bootstrap interval.\n")
     out.append("| condition | median step ms | p90 step ms | slowdown vs idle | 95% CI | solves/s beside the engine |")
     out.append("|---|---|---|---|---|---|")
     boot = np.random.default_rng(seed)

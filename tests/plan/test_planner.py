@@ -435,3 +435,23 @@ def test_pruned_search_exact_with_identical_requests_and_tight_link(seed, impl):
         assert got.feasible == (best is not None)
         if best is not None:
             assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
+
+
+def test_hint_keeps_the_optimum_and_rescues_a_small_budget():
+    rng = np.random.default_rng(31)
+    checked = 0
+    for _ in range(12):
+        cm, cap, reqs = random_case(rng, 5, 16)
+        kwargs = dict(window=(2, 8), check_better=False)
+        exact = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs)
+        if not exact.feasible:
+            continue
+        checked += 1
+        hint = dict(zip([q.request_id for q in reqs], exact.distances))
+        again = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs, hint=hint)
+        assert again.predicted_step_s == pytest.approx(exact.predicted_step_s, rel=1e-12)
+        tiny = Planner(cm, cap, node_limit=1, **kwargs).plan(reqs, hint=hint)  # the hint is tried first
+        assert tiny.feasible and tiny.predicted_step_s <= exact.predicted_step_s * (1 + 1e-12)
+        odd = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs, hint={"nope": 3, reqs[0].request_id: 999})
+        assert odd.predicted_step_s == pytest.approx(exact.predicted_step_s, rel=1e-12)  # a stale hint is harmless
+    assert checked >= 5
