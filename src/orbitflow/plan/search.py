@@ -251,6 +251,12 @@ class BranchAndBound:
             k_of_dist = {d: k for k, d in enumerate(self.tables.distances)}
             seeds.append([k_of_dist.get(h, greedy[r]) if h != -1 else greedy[r] for r, h in enumerate(self.hint)])
         seeds.append(greedy)
+        # the sparsest uniform distance that fits spreads the transfers over the layers (the greedy bunches them)
+        host_sum = self.hosts_f.sum(axis=1)
+        memory = float(self.bcap.sum()) * (self.n_layers - host_sum) + float(self.bcap.sum()) * self.hosts_f.max(axis=1)
+        fits = np.flatnonzero(memory <= self.cap)
+        if fits.size:
+            seeds.append([int(fits[0])] * self.n_req)
         for k_of in seeds:
             self._leaf([k_of[r] for r in self.order])
 
