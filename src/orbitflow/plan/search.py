@@ -177,9 +177,8 @@ class BranchAndBound:
         self.x0_list = self.x0.tolist()
         self.cap = planner.capacity_blocks * (1 + REL_TOL) + 1e-9
         # search order: larger requests first; identical requests adjacent (symmetry breaking)
-        sig = [
-            (tuple(win.blocks[:, r].tolist()), float(win.deposit[r]), float(win.slo[r])) for r in range(n_req)
-        ]
+        cols = win.blocks.T.tolist()
+        sig = [(tuple(cols[r]), float(win.deposit[r]), float(win.slo[r])) for r in range(n_req)]
         self.order = sorted(range(n_req), key=lambda r: (-self.bcap[r], -self.b0[r], sig[r], r))
         self.same_as_prev = [d > 0 and sig[self.order[d]] == sig[self.order[d - 1]] for d in range(n_req)]
         o = self.order
@@ -477,7 +476,11 @@ class BranchAndBound:
             lists = [self.lists[k] for k in k_of]
             best = self.best_key[0]
             cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-            stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut)
+            if self.compiled:  # the same floats, without the GIL
+                stalls = cc.edf_stalls(self.comp0, lists, self.x0, abort_above=cut)
+                stalls = None if stalls is None else stalls.tolist()
+            else:
+                stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut)
             if stalls is None:  # slower than the incumbent: stopped part-way
                 return
             lat0 = self.comp_total + float(sum(stalls))
