@@ -251,14 +251,14 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     from orbitflow.runtime.sampling import SamplingParams
 
     torch.set_num_threads(torch_threads)
-    llm = LLM(EngineConfig(model="smollm2-135m", max_num_seqs=4), policy=FixedPlacementPolicy("none"),
-              profile="rough")
+    llm = LLM(EngineConfig(model="smollm2-135m", max_num_seqs=4, device_kv_blocks=16384),
+              policy=FixedPlacementPolicy("none"), profile="rough")
     engine = llm.engine
     rng = np.random.default_rng(seed)
     vocab = llm.loaded.config.vocab_size
     total_steps = rounds * block * (1 + len(IMPLS) * len(sizes)) + 8
     for i in range(4):
-        engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 256).tolist(),
+        engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
                            SamplingParams(max_tokens=total_steps + 16, ignore_eos=True))
     for _ in range(8):  # prefill and warm-up
         engine.step()
@@ -316,7 +316,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     engine.step()
     llm.close()
     idle = np.asarray(steps["idle"])
-    out.append(f"\n### Engine decode step while the planner solves\n\nSmolLM2-135M on CPU, 4 sequences of 256+ tokens, "
+    out.append(f"\n### Engine decode step while the planner solves\n\nSmolLM2-135M on CPU, 4 sequences of 128+ tokens, "
                f"torch threads {torch_threads}, no offload; a planner thread solves continuously (Planner defaults, "
                f"16 random batches of the size shown, round robin), a thread keeps a core busy without the GIL "
                f"(burner: CPU contention alone; per second: SHA-256 of 1 MiB) or the engine runs alone (idle). "
