@@ -72,7 +72,8 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                f"Per batch both implementations run back to back, alternating which goes first. wall: "
                f"perf_counter; cpu: the solving thread's CPU time (what a quiet machine's wall time would be). "
                f"excess: predicted step latency of the budgeted plan over the exact optimum; same opt: the "
-               f"compiled and reference exact plans have the same predicted latency.\n")
+               f"compiled and reference exact plans have the same predicted latency (batches where both proved a "
+               f"feasible optimum; the excess, too, only counts batches with a proven optimum: n/a where none).\n")
     out.append("| R | L | batches | impl | exact p50 ms | exact p99 ms | exact p99 cpu ms | exact unproven | "
                "budget p50 ms | budget p99 ms | budget p99 cpu ms | excess mean | excess max | budget unproven | "
                "same opt |")
@@ -114,8 +115,8 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                 f"{1e3 * pct(r['ew'], 99):.2f} | {1e3 * pct(r['ec'], 99):.2f} | {r['open']}/{n_calls} | "
                 f"{1e3 * pct(r['bw'], 50):.2f} | "
                 f"{1e3 * pct(r['bw'], 99):.2f} | {1e3 * pct(r['bc'], 99):.2f} | "
-                f"{100 * float(np.mean(ex)) if ex else 0:.2f}% | {100 * max(ex, default=0):.2f}%{lost} | "
-                f"{r['cut']}/{n_calls} | {same} |")
+                + (f"{100 * float(np.mean(ex)):.2f}% | {100 * max(ex):.2f}%{lost} | " if ex else f"n/a | n/a{lost} | ")
+                + f"{r['cut']}/{n_calls} | {same} |")
         print("\n".join(out[-2:]), flush=True)
 
 
