@@ -1,7 +1,8 @@
 """Planner benchmark: solve time per call, brute-force agreement, and full vs pruned space.
 
-Run: ``python benchmarks/planner.py [--quick]`` (from the repo root, with ``src`` on the path or installed).
-Prints tables only; nothing here is a timed assertion.
+Run: ``python benchmarks/planner.py [--quick] [--md docs/results/planner.md]`` (from the repo root, with ``src`` on
+the path or installed). Every speed number is the compiled planner against the pure Python / NumPy reference
+(``Planner(compiled=False)``) measured in the same run, interleaved; nothing here is a timed assertion.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
@@ -48,50 +50,74 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-# per (R, L): the wall-clock budget of the "budget" mode, sized to the issue's p99 targets
-BUDGET_S = {(4, 32): 0.001, (8, 32): 0.005, (16, 80): 0.012}
+def _solve(cm, cap, reqs, compiled: bool, **kwargs):
+    """One plan() call: (wall seconds, this thread's CPU seconds, plan)."""
+    pl = Planner(cm, cap, alpha=1.0, window=(4, 16), compiled=compiled, **kwargs)
+    w, c = time.perf_counter(), time.thread_time()
+    p = pl.plan(reqs)
+    return time.perf_counter() - w, time.thread_time() - c, p
 
 
-def bench_speed(sizes, calls: int, seed: int) -> None:
-    print(f"\n== solve time per plan() call (space=pruned, window=(4,16), alpha=1), {calls} calls per size "
-          "(a third at L=80) ==")
-    print("modes: default = Planner defaults (2000 nodes per search, expiry on); no expiry = check_better=False;"
-          "\n       budget = time_limit_s as shown (expiry on). proven: searches that proved optimality; gap: the"
-          "\n       certified relative gap to the search's lower bound; vs default: latency excess over the default"
-          " mode's plan\n       (a budget that runs out before any plan reports the batch infeasible; counted apart)")
-    print(f"{'R':>3} {'L':>3} {'mode':<16}| {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} | {'proven':>7} "
-          f"{'gap p50':>8} {'gap max':>8} | {'nodes p50':>9} | {'vs default: same':>16} {'mean':>6} {'max':>6}")
+IMPLS = {"compiled": True, "reference": False}
+EXACT = {"node_limit": None, "check_better": False}  # the optimisation proven (expiry checks are extra searches)
+
+
+def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: float, out: list[str]) -> None:
+    """Exact and budgeted solves, compiled vs the pure Python / NumPy reference, interleaved per batch."""
+    out.append(f"\n### Solve time per plan() call: compiled vs reference\n\n"
+               f"space=pruned, window=(4, 16), alpha=1. exact: `node_limit=None, check_better=False` (the optimum "
+               f"proven), stopped at `time_limit_s={exact_cap_s:g}` (then counted in 'exact unproven' and its time "
+               f"is a lower bound); budget: `time_limit_s={budget_s:g}`, Planner defaults otherwise (expiry checks "
+               f"included). "
+               f"Per batch both implementations run back to back, alternating which goes first. wall: "
+               f"perf_counter; cpu: the solving thread's CPU time (what a quiet machine's wall time would be). "
+               f"excess: predicted step latency of the budgeted plan over the exact optimum; same opt: the "
+               f"compiled and reference exact plans have the same predicted latency (batches where both proved a "
+               f"feasible optimum; the excess, too, only counts batches with a proven optimum: n/a where none).\n")
+    out.append("| R | L | batches | impl | exact p50 ms | exact p99 ms | exact p99 cpu ms | exact unproven | "
+               "budget p50 ms | budget p99 ms | budget p99 cpu ms | excess mean | excess max | budget unproven | "
+               "same opt |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for n_req, n_layers in sizes:  # load the compiled code (numba's on-disk cache) before timing
+        _solve(*random_instance(np.random.default_rng(seed), n_req, n_layers), compiled=True, time_limit_s=0.05)
     for n_req, n_layers in sizes:
         rng = np.random.default_rng(seed + 1000 * n_req + n_layers)
-        n_calls = calls if n_layers < 80 else max(3, calls // 3)
+        n_calls = calls if n_layers < 80 else max(3, calls // 10)
         cases = [random_instance(rng, n_req, n_layers) for _ in range(n_calls)]
-        budget = BUDGET_S.get((n_req, n_layers), 0.01)
-        modes = {"default": {}, "no expiry": {"check_better": False},
-                 f"budget {1e3 * budget:g} ms": {"time_limit_s": budget}}
-        reference = []
-        for mode, kwargs in modes.items():
-            times, nodes, gaps, excess, exact, lost = [], [], [], [], 0, 0
-            for i, (cm, cap, reqs) in enumerate(cases):
-                pl = Planner(cm, cap, alpha=1.0, window=(4, 16), **kwargs)
-                t = time.perf_counter()
-                p = pl.plan(reqs)
-                times.append(time.perf_counter() - t)
-                nodes.append(p.stats.get("nodes", 0))
-                exact += int(p.stats.get("exact", 1))
-                if p.feasible:
-                    gaps.append(p.stats.get("gap", 0.0))
-                if mode == "default":
-                    reference.append(p.predicted_step_s if p.feasible else None)
-                elif p.feasible and reference[i] is not None:
-                    excess.append(p.predicted_step_s / reference[i] - 1)
-                elif reference[i] is not None:
-                    lost += 1  # out of budget before any plan: reported infeasible though one exists
-            same = f"{sum(e <= 1e-9 for e in excess)}/{len(excess) + lost}" if mode != "default" else "-"
-            print(f"{n_req:>3} {n_layers:>3} {mode:<16}| {1e3 * pct(times, 50):>8.2f} {1e3 * pct(times, 99):>8.2f} "
-                  f"{1e3 * max(times):>8.2f} | {exact:>3}/{len(cases):<3} {100 * pct(gaps, 50):>7.2f}% "
-                  f"{100 * max(gaps, default=0):>7.2f}% | {pct(nodes, 50):>9.0f} | {same:>16} "
-                  f"{100 * float(np.mean(excess)) if excess else 0:>5.2f}% {100 * max(excess, default=0):>5.2f}%"
-                  + (f"  ({lost} reported infeasible)" if lost else ""))
+        rec = {name: {"ew": [], "ec": [], "bw": [], "bc": [], "opt": [], "excess": [], "lost": 0, "cut": 0, "open": 0}
+               for name in IMPLS}
+        for i, (cm, cap, reqs) in enumerate(tqdm(cases, desc=f"R={n_req} L={n_layers}", leave=False)):
+            names = list(IMPLS) if i % 2 == 0 else list(IMPLS)[::-1]
+            for name in names:
+                r = rec[name]
+                w, c, p = _solve(cm, cap, reqs, IMPLS[name], time_limit_s=exact_cap_s, **EXACT)
+                r["open"] += not p.stats.get("exact", 1)
+                r["ew"].append(w)
+                r["ec"].append(c)
+                opt = p.predicted_step_s if p.feasible and p.stats.get("exact", 1) else None
+                r["opt"].append(opt)
+                w, c, b = _solve(cm, cap, reqs, IMPLS[name], time_limit_s=budget_s)
+                r["bw"].append(w)
+                r["bc"].append(c)
+                r["cut"] += not b.stats.get("exact", 1)
+                if b.feasible and opt is not None:
+                    r["excess"].append(b.predicted_step_s / opt - 1)
+                elif opt is not None:
+                    r["lost"] += 1  # out of budget before any plan: reported infeasible though one exists
+        both = [(a, b) for a, b in zip(rec["compiled"]["opt"], rec["reference"]["opt"])
+                if a is not None and b is not None]
+        same = f"{sum(a == b for a, b in both)}/{len(both)}"
+        for name, r in rec.items():
+            ex = r["excess"]
+            lost = f" ({r['lost']} infeasible)" if r["lost"] else ""
+            out.append(
+                f"| {n_req} | {n_layers} | {n_calls} | {name} | {1e3 * pct(r['ew'], 50):.2f} | "
+                f"{1e3 * pct(r['ew'], 99):.2f} | {1e3 * pct(r['ec'], 99):.2f} | {r['open']}/{n_calls} | "
+                f"{1e3 * pct(r['bw'], 50):.2f} | "
+                f"{1e3 * pct(r['bw'], 99):.2f} | {1e3 * pct(r['bc'], 99):.2f} | "
+                + (f"{100 * float(np.mean(ex)):.2f}% | {100 * max(ex):.2f}%{lost} | " if ex else f"n/a | n/a{lost} | ")
+                + f"{r['cut']}/{n_calls} | {same} |")
+        print("\n".join(out[-2:]), flush=True)
 
 
 def bench_bruteforce(trials: int, seed: int) -> None:
@@ -213,19 +239,171 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
         print(f"{n_req:>3} {n_layers:>3} | {fp / calls:>11.0%} {fu / calls:>12.0%} {g:>28.2f}%")
 
 
+def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, out: list[str]) -> None:
+    """Decode step time of the real engine (SmolLM2-135M, 4 sequences) while a planner thread solves
+    continuously, compiled or reference, vs idle; conditions interleaved in blocks of ``block`` steps."""
+    import threading
+
+    import torch
+
+    from orbitflow.config import EngineConfig
+    from orbitflow.llm import LLM
+    from orbitflow.policies import FixedPlacementPolicy
+    from orbitflow.runtime.sampling import SamplingParams
+
+    torch.set_num_threads(torch_threads)
+    llm = LLM(EngineConfig(model="smollm2-135m", max_num_seqs=4, device_kv_blocks=16384),
+              policy=FixedPlacementPolicy("none"), profile="rough")
+    engine = llm.engine
+    rng = np.random.default_rng(seed)
+    vocab = llm.loaded.config.vocab_size
+    total_steps = rounds * block * (1 + len(IMPLS) * len(sizes)) + 8
+    for i in range(4):
+        engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
+                           SamplingParams(max_tokens=total_steps + 16, ignore_eos=True))
+    for _ in range(8):  # prefill and warm-up
+        engine.step()
+    conditions = ["idle", "burner"] + [f"{name} {r}x{l}" for r, l in sizes for name in IMPLS]
+    steps: dict[str, list[float]] = {c: [] for c in conditions}
+    solves: dict[str, list[int]] = {c: [0] for c in conditions}
+    busy_s: dict[str, float] = {c: 0.0 for c in conditions}
+    cases = {(r, l): [random_instance(np.random.default_rng(seed + k), r, l) for k in range(16)] for r, l in sizes}
+    for cs in cases.values():  # load the compiled code before timing
+        _solve(*cs[0], compiled=True)
+
+    def planner_loop(stop: threading.Event, cs, compiled: bool, count: list[int]) -> None:
+        i = 0
+        while not stop.is_set():
+            cm, cap, reqs = cs[i % len(cs)]
+            Planner(cm, cap, alpha=1.0, window=(4, 16), compiled=compiled).plan(reqs)
+            i += 1
+            count[0] += 1
+
+    def burner_loop(stop: threading.Event, count: list[int]) -> None:
+        """A thread that keeps one core busy without the GIL (hashlib releases it on large buffers): the
+        slowdown that CPU contention alone causes, as a baseline for the planner threads."""
+        import hashlib
+
+        data = bytes(1 << 20)
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+            count[0] += 1
+
+    for rnd in tqdm(range(rounds), desc="engine rounds", leave=False):
+        order = conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]
+        for cond in order:
+            stop = threading.Event()
+            th = None
+            if cond == "burner":
+                th = threading.Thread(target=burner_loop, args=(stop, solves[cond]))
+                th.start()
+            elif cond != "idle":
+                name, size = cond.split(" ")
+                r, l = (int(v) for v in size.split("x"))
+                th = threading.Thread(target=planner_loop, args=(stop, cases[(r, l)], IMPLS[name], solves[cond]))
+                th.start()
+                time.sleep(0.002)
+            t_cond = time.perf_counter()
+            for _ in range(block):
+                t = time.perf_counter()
+                engine.step()
+                steps[cond].append(time.perf_counter() - t)
+            busy_s[cond] += time.perf_counter() - t_cond
+            stop.set()
+            if th is not None:
+                th.join()
+    for i in range(4):
+        engine.abort(f"bench-{i}")
+    engine.step()
+    llm.close()
+    idle = np.asarray(steps["idle"])
+    out.append(f"\n### Engine decode step while the planner solves\n\nSmolLM2-135M on CPU, 4 sequences of 128+ tokens, "
+               f"torch threads {torch_threads}, no offload; a planner thread solves continuously (Planner defaults, "
+               f"16 random batches of the size shown, round robin), a thread keeps a core busy without the GIL "
+               f"(burner: CPU contention alone; per second: SHA-256 of 1 MiB) or the engine runs alone (idle). "
+               f"{rounds} rounds x {block} steps per condition, conditions interleaved. slowdown: median step time "
+               f"over idle's, with a 95% bootstrap interval.\n")
+    out.append("| condition | median step ms | p90 step ms | slowdown vs idle | 95% CI | solves/s beside the engine |")
+    out.append("|---|---|---|---|---|---|")
+    boot = np.random.default_rng(seed)
+    for cond in conditions:
+        xs = np.asarray(steps[cond])
+        ratio = float(np.median(xs) / np.median(idle))
+        ci = [float(np.median(boot.choice(xs, xs.size)) / np.median(boot.choice(idle, idle.size)))
+              for _ in range(1000)]
+        lo, hi = np.percentile(ci, [2.5, 97.5])
+        rate = solves[cond][0] / busy_s[cond] if busy_s[cond] > 0 else 0.0
+        out.append(f"| {cond} | {1e3 * float(np.median(xs)):.2f} | {1e3 * pct(xs.tolist(), 90):.2f} | "
+                   f"{100 * (ratio - 1):+.1f}% | [{100 * (lo - 1):+.1f}%, {100 * (hi - 1):+.1f}%] | "
+                   f"{rate:.0f} |")
+    print("\n".join(out[-len(conditions) - 2:]), flush=True)
+
+
+def _machine() -> str:
+    import platform
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"numpy {np.__version__}, numba {_numba_version()}; load average at the start {load:.1f}")
+
+
+def _numba_version() -> str:
+    try:
+        import numba
+
+        return numba.__version__
+    except ImportError:
+        return "missing"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer calls (smoke run)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calls", type=int, default=None,
+                    help="random batches per size for the speed table (default 300, quick 20; a tenth at L=80)")
+    ap.add_argument("--budget-ms", type=float, default=1.0, help="time_limit_s of the budgeted solves, in ms")
+    ap.add_argument("--exact-cap-s", type=float, default=2.0, help="wall-clock cap of one exact solve, in seconds")
+    ap.add_argument("--sections", default="speed,engine,bruteforce,floor,uniform,full",
+                    help="comma-separated subset of speed,engine,bruteforce,floor,uniform,full")
+    ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
+    ap.add_argument("--md", metavar="PATH", help="write the speed and engine tables as a Markdown fragment "
+                    "(docs/results/planner.md)")
     args = ap.parse_args()
-    calls = 10 if args.quick else 100
+    sections = set(args.sections.split(","))
+    unknown = sections - {"speed", "engine", "bruteforce", "floor", "uniform", "full"}
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}")
+    calls = args.calls or (20 if args.quick else 300)
     sizes = [(4, 32), (8, 32), (16, 80)]
-    print(f"orbitflow planner benchmark (numpy {np.__version__}, {'quick' if args.quick else 'full'} run)")
-    bench_speed(sizes, calls, args.seed)
-    bench_bruteforce(20 if args.quick else 100, args.seed)
-    bench_floor(calls, args.seed)
-    bench_uniform(sizes, calls // 2, args.seed)
-    bench_full([(4, 32), (8, 32)], 10 if args.quick else 40, args.seed)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    machine = _machine()
+    print(f"orbitflow planner benchmark ({machine}, {'quick' if args.quick else 'full'} run)")
+    out: list[str] = []
+    if "speed" in sections:
+        bench_speed(sizes, calls, args.seed, args.budget_ms / 1e3, args.exact_cap_s, out)
+    if "engine" in sections:
+        bench_engine(args.engine_rounds or (3 if args.quick else 12), 5, args.seed, args.torch_threads,
+                     [(4, 32), (16, 80)], out)
+    if "bruteforce" in sections:
+        bench_bruteforce(20 if args.quick else 100, args.seed)
+    if "floor" in sections:
+        bench_floor(10 if args.quick else 100, args.seed)
+    if "uniform" in sections:
+        bench_uniform(sizes, 5 if args.quick else 50, args.seed)
+    if "full" in sections:
+        bench_full([(4, 32), (8, 32)], 10 if args.quick else 40, args.seed)
+    if args.md:
+        cmd = "python benchmarks/planner.py " + " ".join(sys.argv[1:])
+        head = (f"## Planner speed: compiled vs pure Python / NumPy reference\n\nProduced by `{cmd}` on {started} "
+                f"({machine}), seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` "
+                f"(8-1024 blocks per layer, link 1.9-6x a layer's compute, capacity 0.3-0.6 of the KV, SLO 1.5-2.5x "
+                f"the no-offload step).\n")
+        os.makedirs(os.path.dirname(os.path.abspath(args.md)), exist_ok=True)
+        with open(args.md, "w") as f:
+            f.write(head + "\n".join(out) + "\n")
+        print(f"wrote {args.md}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances
+from orbitflow.plan import compiled as cc
 
 # Paper section 2.3: tokens 34 -> 3 blocks at step 1, 49 -> 4 blocks 15 steps later; request 2: 6 blocks.
 CM = CostModel([1.0] * 9, 3.0)
@@ -43,6 +44,15 @@ def test_paper_example_window_forces_growth_aware_choice():
     assert p.predicted_step_s == pytest.approx(9.0)  # stall-free (e.g. C) is still possible
 
 
+@pytest.fixture(params=["compiled", "reference"])
+def impl(request, monkeypatch):
+    """Run a brute-force check with the compiled search and with the pure Python / NumPy reference."""
+    if request.param == "compiled" and not cc.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    monkeypatch.setenv(cc.ENV, "1" if request.param == "compiled" else "0")
+    return request.param
+
+
 def random_case(rng, n_req, n_layers):
     comp = rng.uniform(1e-3, 2e-3, n_layers)
     b = rng.integers(1, 60, n_req)
@@ -55,7 +65,24 @@ def random_case(rng, n_req, n_layers):
     return CostModel(comp, link), cap, reqs
 
 
+_BRUTE: dict = {}  # brute force answers, shared by the compiled and the reference runs of a test
+
+
+def _case_key(pl, reqs, *extra):
+    cm = pl.cost_model
+    comp = tuple(cm.compute(0).tolist()) if cm.depends_on_tokens else tuple(cm.compute().tolist())
+    return (comp, cm.depends_on_tokens, cm.link_blocks_per_s, pl.capacity_blocks, pl.alpha, pl.min_steps,
+            pl.max_steps, tuple(reqs), *extra)
+
+
 def brute_force(pl, reqs, n_layers):
+    key = _case_key(pl, reqs, "best")
+    if key not in _BRUTE:
+        _BRUTE[key] = _brute_force(pl, reqs, n_layers)
+    return _BRUTE[key]
+
+
+def _brute_force(pl, reqs, n_layers):
     best = None
     for ds in itertools.product(pruned_distances(n_layers), repeat=len(reqs)):
         e = pl.evaluate(Placement.from_distances(n_layers, ds), reqs)
@@ -65,7 +92,7 @@ def brute_force(pl, reqs, n_layers):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_pruned_search_is_exact_vs_brute_force(seed):
+def test_pruned_search_is_exact_vs_brute_force(seed, impl):
     rng = np.random.default_rng(100 + seed)
     for _ in range(5):
         n_req = int(rng.integers(1, 6))
@@ -218,6 +245,15 @@ def small_growing_case(rng, token_compute):
 
 
 def brute_force_replan_step(pl, reqs, plan, n_layers):
+    key = _case_key(pl, reqs, plan.distances, plan.window)
+    if pl.cost_model.depends_on_tokens:  # the compute function is not comparable: never share
+        key = (id(pl), *key)
+    if key not in _BRUTE:
+        _BRUTE[key] = _brute_force_replan_step(pl, reqs, plan, n_layers)
+    return _BRUTE[key]
+
+
+def _brute_force_replan_step(pl, reqs, plan, n_layers):
     """min(window, capacity overflow, first block boundary inside the window where some feasible plan of the
     pruned space is strictly faster than ``plan`` for the batch as it will be then)."""
     from orbitflow.plan.planner import _Window
@@ -243,7 +279,7 @@ def brute_force_replan_step(pl, reqs, plan, n_layers):
 
 
 @pytest.mark.parametrize("token_compute", [False, True])
-def test_replan_step_matches_brute_force(token_compute):
+def test_replan_step_matches_brute_force(token_compute, impl):
     # finished requests stop growing, the executor's schedule is not monotone in transfer sizes and
     # token-dependent compute can hide other plans' transfers: none of it may delay the re-plan
     rng = np.random.default_rng(21 + token_compute)
@@ -284,7 +320,7 @@ def test_expiry_when_more_compute_hides_another_plans_transfers():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_budgeted_search_certifies_its_gap(seed):
+def test_budgeted_search_certifies_its_gap(seed, impl):
     """Out of nodes, the planner returns a feasible plan no better than the optimum and a lower bound no
     worse than it (brute force), and says the search was cut."""
     rng = np.random.default_rng(300 + seed)
@@ -404,7 +440,7 @@ def test_huge_deposit_absorbs_every_miss(deposit):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_pruned_search_exact_with_identical_requests_and_tight_link(seed):
+def test_pruned_search_exact_with_identical_requests_and_tight_link(seed, impl):
     # duplicated requests exercise the symmetry breaking; a slow link makes the search link-bound
     rng = np.random.default_rng(300 + seed)
     for _ in range(4):
@@ -421,3 +457,23 @@ def test_pruned_search_exact_with_identical_requests_and_tight_link(seed):
         assert got.feasible == (best is not None)
         if best is not None:
             assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
+
+
+def test_hint_keeps_the_optimum_and_rescues_a_small_budget():
+    rng = np.random.default_rng(31)
+    checked = 0
+    for _ in range(12):
+        cm, cap, reqs = random_case(rng, 5, 16)
+        kwargs = dict(window=(2, 8), check_better=False)
+        exact = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs)
+        if not exact.feasible:
+            continue
+        checked += 1
+        hint = dict(zip([q.request_id for q in reqs], exact.distances))
+        again = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs, hint=hint)
+        assert again.predicted_step_s == pytest.approx(exact.predicted_step_s, rel=1e-12)
+        tiny = Planner(cm, cap, node_limit=1, **kwargs).plan(reqs, hint=hint)  # the hint is tried first
+        assert tiny.feasible and tiny.predicted_step_s <= exact.predicted_step_s * (1 + 1e-12)
+        odd = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs, hint={"nope": 3, reqs[0].request_id: 999})
+        assert odd.predicted_step_s == pytest.approx(exact.predicted_step_s, rel=1e-12)  # a stale hint is harmless
+    assert checked >= 5

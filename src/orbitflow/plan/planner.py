@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from orbitflow.plan import compiled as cc
 from orbitflow.plan.cost_model import CostModel
 from orbitflow.plan.placement import Placement
 from orbitflow.plan.search import REL_TOL as _REL_TOL
@@ -153,12 +154,15 @@ class _Window:
         starts = [0] + [int(i) + 1 for i in np.flatnonzero(change[: self.horizon - 1])]
         self.seg_starts = starts
         self.seg_ends = starts[1:] + [self.horizon]
+        self.seg_starts_a = np.array(self.seg_starts, dtype=np.int64)
+        self.seg_ends_a = np.array(self.seg_ends, dtype=np.int64)
         self.boundaries = [int(i) + 1 for i in np.flatnonzero(change)]  # steps 1..H where b changes
         self.cm = planner.cost_model
         self.comp = [self.cm.compute(int(self.total_tokens[s]) if self.cm.depends_on_tokens else None, len(reqs))
                      for s in starts]
         self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
         self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency
+        self.tails: list[np.ndarray] | None = None  # compiled evaluator: suffix sums of each segment's compute
         self.slo = np.array([q.slo_s for q in reqs], dtype=float)
         self.deposit = np.array([max(0.0, float(q.deposit)) for q in reqs], dtype=float)
 
@@ -180,6 +184,9 @@ class Planner:
     one. ``gap`` (relative) stops the search once the incumbent is proven within it (0: exact). Each expiry
     search ("is some other plan strictly faster at this future step?") gets ``expiry_node_limit`` nodes
     (None: unlimited); an undecided one ends the plan's validity there (re-planning early is safe).
+    ``compiled``: run the search and the step evaluator compiled (:mod:`orbitflow.plan.compiled`, numba,
+    without the GIL); None: when numba is installed and ``ORBITFLOW_PLAN_COMPILED`` is not ``0``. Both give the
+    same plans; the pure Python / NumPy path is the reference.
     """
 
     def __init__(
@@ -200,6 +207,7 @@ class Planner:
         gap: float = 0.0,
         expiry_node_limit: int | None = 200,
         host_capacity_blocks: float = math.inf,
+        compiled: bool | None = None,
     ) -> None:
         if space not in ("pruned", "uniform", "full"):
             raise ValueError(f"space must be 'pruned', 'uniform' or 'full', got {space!r}")
@@ -235,14 +243,21 @@ class Planner:
         self.gap = float(gap)
         self.expiry_node_limit = expiry_node_limit
         self._victims = resolve_victim_order(victim_order, cost_model.num_layers, seed)
+        self.compiled = cc.enabled(compiled)
 
     @property
     def num_layers(self) -> int:
         return self.cost_model.num_layers
 
     # ==== public entry points ===========================================================================
-    def plan(self, requests: Sequence[PlanRequest]) -> Plan:
-        """Best feasible placement for the batch (see module docstring)."""
+    def plan(self, requests: Sequence[PlanRequest], hint: Mapping[Hashable, int | None] | None = None) -> Plan:
+        """Best feasible placement for the batch (see module docstring).
+
+        ``hint``: offload distance per request id (typically the previous plan's, for the batch as it is now);
+        the search tries it first, with requests it does not name at their greedy choice, so that a budget
+        that runs out early still returns a plan at least as good. It changes no proven optimum (only which of
+        equally fast plans is returned).
+        """
         t0 = time.perf_counter()
         reqs = list(requests)
         self._check_ids(reqs)
@@ -256,7 +271,8 @@ class Planner:
         if self.space == "uniform":
             mask = self._solve_uniform(win, stats)
         else:
-            mask = self._solve_pruned(win, stats, node_limit=self.node_limit, deadline=deadline)
+            mask = self._solve_pruned(win, stats, node_limit=self.node_limit, deadline=deadline,
+                                      hint=None if hint is None else [hint.get(q.request_id, -1) for q in reqs])
             if mask is not None and self.space == "full":
                 from orbitflow.plan.full_search import improve_full
 
@@ -295,8 +311,14 @@ class Planner:
             lat = win.seg_cache.get((mask_key, i))
             if lat is None:
                 comp = win.comp[i]
-                st = self.cost_model.stalls(host, win.blocks[win.seg_starts[i]], comp)
-                lat = win.seg_cache[(mask_key, i)] = float(comp.sum()) + float(sum(st))
+                if self.compiled and self.cost_model.transfer == "edf":  # same floats, no GIL
+                    if win.tails is None:
+                        win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
+                    xfer = win.blocks[win.seg_starts[i]] / self.cost_model.link_blocks_per_s
+                    stall = cc.step_stall(np.array(comp, dtype=float), win.tails[i], host, xfer)
+                else:
+                    stall = float(sum(self.cost_model.stalls(host, win.blocks[win.seg_starts[i]], comp)))
+                lat = win.seg_cache[(mask_key, i)] = float(comp.sum()) + stall
             out.append(lat)
         return out
 
@@ -320,6 +342,9 @@ class Planner:
 
     def _violations(self, win: _Window, seg_lat: Sequence[float]) -> np.ndarray:
         """Cumulative violations ``V[k]`` over the first ``k`` steps, k = 0..H (fluid Token-Deposit)."""
+        if self.compiled:
+            return cc.violations(np.array(seg_lat, dtype=float), win.seg_starts_a, win.seg_ends_a, win.slo,
+                                 win.deposit, win.horizon)
         per_step = np.zeros(win.horizon)
         bal = win.deposit.copy()
         for i, lat in enumerate(seg_lat):
@@ -482,10 +507,12 @@ class Planner:
         first_only: bool = False,
         node_limit: int | None = None,
         deadline: float | None = None,
+        hint: list | None = None,
     ) -> np.ndarray | None:
-        """Exact branch and bound over per-request distance candidates; returns the host mask or None."""
+        """Exact branch and bound over per-request distance candidates; returns the host mask or None.
+        ``hint``: a distance per request (-1: none given) tried first."""
         return BranchAndBound(self, win, stats, upper=upper, first_only=first_only, node_limit=node_limit,
-                              deadline=deadline).run()
+                              deadline=deadline, hint=hint).run()
 
     def _feasible(self, win: _Window, host: np.ndarray, lat0: float, later_lb: float = 0.0) -> bool:
         """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments).

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from orbitflow.plan import compiled as cc
 from orbitflow.plan.bounds import SeparableTables, count_matrix, dp_bound, separable_tables
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.placement import distance_row, pruned_distances
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from orbitflow.plan.planner import Planner, _Window
 
 REL_TOL = 1e-12
+PAUSE_EVERY = 32  # compiled search: nodes between deadline checks
 
 
 def better(key: tuple[float, float], best: tuple[float, float]) -> bool:
@@ -93,6 +95,8 @@ class CandidateTables(NamedTuple):
     gap_first: np.ndarray  # [K, J] chain gaps as (cum index of start, cum index of end), padded
     gap_last: np.ndarray
     sep: SeparableTables
+    lay_ptr: np.ndarray  # [K+1] CSR of ``lists`` (compiled search)
+    lay: np.ndarray
 
 
 @lru_cache(maxsize=64)
@@ -119,9 +123,12 @@ def candidate_tables(num_layers: int) -> CandidateTables:
             gap_first[k, j] = hl[j - 1] + 1 if j else 0
             gap_last[k, j] = layer
     sep = separable_tables(mats, counts)
-    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last):
+    lay_ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    lay = np.array([i for hl in lists for i in hl], dtype=np.int64)
+    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last, lay_ptr, lay):
         a.setflags(write=False)
-    return CandidateTables(dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats, gap_first, gap_last, sep)
+    return CandidateTables(dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats, gap_first, gap_last, sep,
+                           lay_ptr, lay)
 
 
 class BranchAndBound:
@@ -137,8 +144,10 @@ class BranchAndBound:
         *,
         node_limit: int | None = None,
         deadline: float | None = None,
+        hint: list | None = None,
     ) -> None:
         self.pl = planner
+        self.hint = hint
         self.win = win
         self.stats = stats
         self.first_only = first_only
@@ -168,9 +177,8 @@ class BranchAndBound:
         self.x0_list = self.x0.tolist()
         self.cap = planner.capacity_blocks * (1 + REL_TOL) + 1e-9
         # search order: larger requests first; identical requests adjacent (symmetry breaking)
-        sig = [
-            (tuple(win.blocks[:, r].tolist()), float(win.deposit[r]), float(win.slo[r])) for r in range(n_req)
-        ]
+        cols = win.blocks.T.tolist()
+        sig = [(tuple(cols[r]), float(win.deposit[r]), float(win.slo[r])) for r in range(n_req)]
         self.order = sorted(range(n_req), key=lambda r: (-self.bcap[r], -self.b0[r], sig[r], r))
         self.same_as_prev = [d > 0 and sig[self.order[d]] == sig[self.order[d - 1]] for d in range(n_req)]
         o = self.order
@@ -187,6 +195,8 @@ class BranchAndBound:
         gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
         self.chain = np.maximum(self.x0[:, None, None] - gaps[None], 0.0).sum(axis=2)  # [R, K]
         self.lat_ok = planner._lat_prefilter(win)
+        self.tables = tables
+        self.compiled = planner.compiled and self.edf
         self.best_host: np.ndarray | None = None
         self.best_key = (upper, math.inf)
         self.choice = [0] * n_req
@@ -203,11 +213,15 @@ class BranchAndBound:
                 self.stats["lower_bound_s"] = self.best_key[0]
                 self.stats["gap"] = 0.0
             return self.best_host
-        self.dive_start = self.nodes  # the no-offload try does not eat into the first dive's allowance
-        n_layers = self.n_layers
-        zero = np.zeros(n_layers)
-        self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0, np.zeros(self.sep_off.size),
-                   np.zeros(self.mats.shape[1:]))
+        if not self.first_only:
+            self._seed_incumbents()
+        self.dive_start = self.nodes  # the no-offload try and the seeds do not eat into the first dive's allowance
+        if self.compiled and self.trace is None:
+            self._search_compiled()
+        else:
+            zero = np.zeros(self.n_layers)
+            self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0, np.zeros(self.sep_off.size),
+                       np.zeros(self.mats.shape[1:]))
         if self.best_host is not None and not self.first_only:
             best = self.best_key[0]
             lower = min(best, self.open_lb)
@@ -226,6 +240,58 @@ class BranchAndBound:
             return False
         self._leaf([0] * self.n_req, host)
         return self.best_host is not None
+
+    def _seed_incumbents(self) -> None:
+        """First incumbents, so that a search cut short by its budget still returns a good plan and an exact
+        one prunes from the start: the hint (the previous plan), then the greedy by transfer-to-compute ratio."""
+        greedy = self._greedy()
+        seeds = []
+        if self.hint is not None:
+            k_of_dist = {d: k for k, d in enumerate(self.tables.distances)}
+            seeds.append([k_of_dist.get(h, greedy[r]) if h != -1 else greedy[r] for r, h in enumerate(self.hint)])
+        seeds.append(greedy)
+        # the sparsest uniform distance that fits spreads the transfers over the layers (the greedy bunches them)
+        host_sum = self.hosts_f.sum(axis=1)
+        memory = float(self.bcap.sum()) * (self.n_layers - host_sum) + float(self.bcap.sum()) * self.hosts_f.max(axis=1)
+        fits = np.flatnonzero(memory <= self.cap)
+        if fits.size:
+            seeds.append([int(fits[0])] * self.n_req)
+        for k_of in seeds:
+            self._leaf([k_of[r] for r in self.order])
+
+    def _greedy(self) -> list[int]:
+        """Offload until capacity holds at step ``min_steps - 1``: requests whose transfer hides best behind
+        compute (lowest transfer-to-compute ratio) first, each at the densest candidate whose gaps hide its
+        transfer, then one candidate denser at a time, round robin, in the same order."""
+        n_layers = self.n_layers
+        ratio = self.x0 / max(self.comp_total / n_layers, 1e-300)  # layers of compute one transfer takes
+        order = np.argsort(ratio, kind="stable")
+        counts = self.counts
+        k_of = [0] * self.n_req
+        bcap = self.bcap
+        resident = float(bcap.sum()) * n_layers
+
+        def memory() -> float:
+            host = self.hosts_f[k_of]
+            return resident - float(bcap @ host.sum(axis=1)) + float((bcap @ host).max())
+
+        for r in order:  # transfer hidden by the compute between two host layers: distance >= ratio + 1
+            if memory() <= self.cap:
+                return k_of
+            dist = int(math.ceil(ratio[r])) + 1
+            fits = np.flatnonzero(counts <= n_layers // max(dist, 1))
+            k_of[r] = int(fits[-1]) if fits.size else 0
+        while memory() > self.cap:
+            grown = False
+            for r in order:
+                if k_of[r] < len(counts) - 1:
+                    k_of[r] += 1
+                    grown = True
+                    if memory() <= self.cap:
+                        return k_of
+            if not grown:
+                break
+        return k_of
 
     # -- search ---------------------------------------------------------------------------------------
     def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
@@ -313,6 +379,73 @@ class BranchAndBound:
                 self.open_lb = min([self.open_lb, *(float(lat_lb[j]) for j in ordered[i:] if alive[j])])
                 return
 
+    def _search_compiled(self) -> None:
+        """The search of :meth:`_node`, run by :func:`orbitflow.plan.compiled.bb_search` (no GIL, no Python
+        object per node). It hands back a leaf that beats the incumbent at step 0 (the window rule is checked
+        here), and every ``PAUSE_EVERY`` nodes when there is a deadline."""
+        n_req, n_layers, n_cand = self.n_req, self.n_layers, len(self.counts)
+        win, pl, t = self.win, self.pl, self.tables
+        ist = np.zeros(cc.N_IST, dtype=np.int64)
+        ist[cc.NODES] = self.nodes
+        ist[cc.DIVE_START] = self.dive_start
+        ist[cc.FIRST_ONLY] = int(self.first_only)
+        ist[cc.NODE_LIMIT] = -1 if self.node_limit is None else self.node_limit
+        never = 1 << 62
+        ist[cc.CHUNK_STOP] = never if self.deadline is None else self.nodes + n_req + 2  # after the first dive
+        fst = np.zeros(cc.N_FST)
+        fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
+        fst[cc.OPEN_LB] = self.open_lb
+        fst[cc.GAP] = self.gap
+        slo_on = bool(np.isfinite(win.slo).any() and win.compute_grows)  # as Planner._lat_prefilter
+        fst[cc.KNOWN_PASS] = float(win.slo.min())
+        fst[cc.KNOWN_FAIL] = math.inf
+        k_of = np.zeros(n_req, dtype=np.int64)
+        choice = np.zeros(n_req, dtype=np.int64)
+        shape_l = (n_req, n_layers)
+        args = (
+            ist, fst, np.asarray(self.order, dtype=np.int64), np.asarray(self.same_as_prev, dtype=np.bool_), choice,
+            np.zeros(n_req, np.int64), np.zeros(n_req, np.int64), np.zeros((n_req, n_cand), np.int64),
+            np.zeros((n_req, n_cand)), np.zeros((n_req, n_cand), np.bool_), np.zeros((n_req, n_cand)),
+            np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
+            np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
+            np.zeros((n_req, n_layers + 1, n_layers)),
+            self.counts, self.hosts_f, self.cumh, self.pairs_after, self.mats, self.sep_n, self.sep_slope,
+            self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
+            self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
+            np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
+            self.cap,
+            slo_on, win.deposit, win.slo, pl.alpha, pl.min_steps, pl.max_steps,
+            cc.tail(self.comp0), t.lay_ptr, t.lay, k_of,
+            np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(t.lay.size + 1),
+            np.empty(n_layers), np.empty(n_layers),
+        )
+        nodes0 = self.nodes
+        while True:
+            code = cc.bb_search(*args)
+            if code == cc.LEAF:
+                host = self.hosts[k_of]
+                lat0, lb = float(fst[cc.LEAF_LAT]), float(fst[cc.LEAF_LB])
+                win.seg_cache[(host.tobytes(), 0)] = lat0
+                if pl._feasible(win, host, lat0, later_lb=lb):
+                    self.best_host, self.best_key = host.copy(), (lat0, float(fst[cc.LEAF_MOVED]))
+                    fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
+                    if self.first_only:
+                        ist[cc.DONE] = 1
+            elif code == cc.PAUSED:
+                if time.perf_counter() > self.deadline:
+                    ist[cc.TIMED_OUT] = 1
+                ist[cc.CHUNK_STOP] = int(ist[cc.NODES]) + PAUSE_EVERY
+            else:
+                break
+        leaves = int(ist[cc.LEAVES])
+        self.nodes = int(ist[cc.NODES])
+        self.stats["nodes"] += self.nodes - nodes0 - leaves
+        self.stats["leaves"] += leaves
+        if ist[cc.HIT]:
+            self.stats["exact"] = 0
+        self.done = bool(ist[cc.DONE])
+        self.open_lb = float(fst[cc.OPEN_LB])
+
     def _out_of_budget(self) -> bool:
         """Whether the node or time budget is spent (then the search stops: ``done``, not ``exact``). Budgets
         never stop the main search's first dive (one node per request and its first leaf), so it gets the
@@ -343,7 +476,11 @@ class BranchAndBound:
             lists = [self.lists[k] for k in k_of]
             best = self.best_key[0]
             cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-            stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut)
+            if self.compiled:  # the same floats, without the GIL
+                stalls = cc.edf_stalls(self.comp0, lists, self.x0, abort_above=cut)
+                stalls = None if stalls is None else stalls.tolist()
+            else:
+                stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut)
             if stalls is None:  # slower than the incumbent: stopped part-way
                 return
             lat0 = self.comp_total + float(sum(stalls))

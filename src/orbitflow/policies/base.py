@@ -33,6 +33,7 @@ class PlanContext:
     host_capacity_blocks: float = math.inf  # host blocks the batch may use (the engine sets it per solve)
     node_limit: int | None = 2000  # planner budget per solve
     time_limit_s: float | None = None
+    previous: dict | None = None  # offload distance per request id of the plan in place (the search's first try)
 
     @classmethod
     def from_profile(cls, config, profile) -> PlanContext:

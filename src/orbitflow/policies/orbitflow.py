@@ -16,4 +16,4 @@ class OrbitFlowPolicy(Policy):
         self.space = space
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
-        return ctx.planner(space=self.space).plan(requests)
+        return ctx.planner(space=self.space).plan(requests, hint=ctx.previous)

@@ -120,6 +120,7 @@ class Controller:
         )
         if plan.feasible:
             self.plan, self.plan_ids, self.plan_step = plan, list(ids), step
+            self.ctx.previous = dict(zip(ids, plan.distances)) if plan.distances is not None else None
             self.mismatch = False
         return plan
 

@@ -1,0 +1,491 @@
+"""Compiled kernels of the planner: the executor's EDF schedule and the branch and bound's inner loop.
+
+Compiled with numba (nopython, ``nogil``, ``cache=True``), so a solve on the planner thread does not hold the
+GIL while it searches and the engine's step loop keeps running beside it. Every function takes float64 / int64
+/ uint8 arrays only (one signature each, compiled once and cached on disk).
+
+The pure Python / NumPy code stays the reference (:func:`orbitflow.plan.cost_model.edf_stalls`,
+:class:`orbitflow.plan.search.BranchAndBound`'s ``_node``) and the fallback when numba is missing or
+``ORBITFLOW_PLAN_COMPILED=0`` is set. The compiled code performs the same float operations in the same order
+(up to one rounding in a mean), so both give the same stalls, the same bounds and the same plans
+(tests/plan/test_compiled.py).
+
+Prefetch depth (``slots``): with ``d`` buffer slots per request, a request's first ``d`` host-resident layers
+may start moving at t=0 and its ``k``-th host-resident layer (``k >= d``, 0-based) is released when its
+``(k-d)``-th host-resident layer has finished computing; ``d=1`` is the executor's one slot per request.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+try:  # numba is a runtime dependency, but the planner must keep working without it
+    import numba
+
+    _jit = numba.njit(nogil=True, cache=True)
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - exercised by installs without numba
+    numba = None
+    HAVE_NUMBA = False
+
+    def _jit(fn):
+        return fn
+
+
+__all__ = ["HAVE_NUMBA", "enabled", "edf_stalls"]
+
+ENV = "ORBITFLOW_PLAN_COMPILED"
+REL_TOL = 1e-12  # == search.REL_TOL (kept here to avoid importing search.py)
+
+
+def enabled(compiled: bool | None = None) -> bool:
+    """Whether the compiled kernels are used: ``compiled`` if given, else numba is installed and the
+    environment variable ``ORBITFLOW_PLAN_COMPILED`` is not ``0``."""
+    if compiled is None:
+        return HAVE_NUMBA and os.environ.get(ENV, "1") != "0"
+    if compiled and not HAVE_NUMBA:
+        raise ValueError("compiled=True needs numba (pip install numba), or pass compiled=False")
+    return bool(compiled)
+
+
+# ==== the executor's schedule ===============================================================================
+@_jit
+def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr, stall):
+    """Per-layer stalls of the EDF schedule into ``stall``; returns their sum, or -1.0 once the step is known
+    to take longer than ``abort_above``.
+
+    Request ``r``'s host layers are ``lay[ptr[row[r]]:ptr[row[r] + 1]]`` (CSR, increasing); ``xfer[r]`` the
+    seconds to move one of them; ``tail[l]`` the compute of layers ``l..`` (for the abort). ``nxt`` / ``cur``
+    (R), ``fin`` (L) and ``arr`` (len(lay)) are scratch. The link is simulated lazily, as in the reference:
+    decisions are taken while a layer waits for its KV; each decision scans the requests (R is small), moves
+    the released transfer needed earliest (ties: lower request index) or idles until the next release.
+    """
+    n_req = row.size
+    n_layers = comp.size
+    inf = math.inf
+    for r in range(n_req):
+        nxt[r] = ptr[row[r]]
+        cur[r] = ptr[row[r]]
+    for layer in range(n_layers):
+        stall[layer] = 0.0
+        fin[layer] = inf
+    t_link = 0.0
+    t = 0.0
+    for layer in range(n_layers):
+        while True:
+            waiting = False
+            for r in range(n_req):
+                a = nxt[r]
+                if a < ptr[row[r] + 1] and lay[a] == layer:
+                    waiting = True
+                    break
+            if not waiting:
+                break
+            thr = t_link + 1e-12 + 1e-9 * t_link
+            pick = -1
+            pick_key = 1 << 62
+            next_rel = inf
+            for r in range(n_req):
+                a = nxt[r]
+                if a >= ptr[row[r] + 1]:
+                    continue
+                rel = 0.0 if a - ptr[row[r]] < slots else fin[lay[a - slots]]
+                if rel <= thr:
+                    key = lay[a] * n_req + r
+                    if key < pick_key:
+                        pick_key = key
+                        pick = r
+                elif rel < next_rel:
+                    next_rel = rel
+            if pick < 0:
+                if next_rel == inf:  # cannot happen: the waiting transfer was released by an earlier layer
+                    break
+                t_link = next_rel  # idle until the next release
+                continue
+            t_link += xfer[pick]
+            arr[nxt[pick]] = t_link
+            nxt[pick] += 1
+        ready = -inf
+        for r in range(n_req):
+            c = cur[r]
+            if c < ptr[row[r] + 1] and lay[c] == layer:
+                if arr[c] > ready:
+                    ready = arr[c]
+                cur[r] = c + 1
+        if ready > t:
+            stall[layer] = ready - t
+            t = ready
+            if t + tail[layer] > abort_above:
+                return -1.0
+        t += comp[layer]
+        fin[layer] = t
+    total = 0.0
+    for layer in range(n_layers):
+        total += stall[layer]
+    return total
+
+
+def tail(comp: np.ndarray) -> np.ndarray:
+    """``out[l] = sum(comp[l:])`` as the reference evaluator computes it."""
+    return np.cumsum(comp[::-1])[::-1].copy()
+
+
+def edf_stalls(
+    comp: Sequence[float] | np.ndarray,
+    hosts: Sequence[Sequence[int]],
+    xfer: Sequence[float] | np.ndarray,
+    slots: int = 1,
+    abort_above: float = math.inf,
+) -> np.ndarray | None:
+    """Compiled counterpart of :func:`orbitflow.plan.cost_model.edf_stalls` with ``slots`` buffer slots per
+    request (module docstring). Returns the per-layer stalls, or None once the step is known to take longer
+    than ``abort_above`` seconds."""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    c = np.ascontiguousarray(comp, dtype=np.float64)
+    x = np.ascontiguousarray(xfer, dtype=np.float64)
+    if x.size != len(hosts):
+        raise ValueError(f"xfer has {x.size} entries for {len(hosts)} requests")
+    lens = [len(h) for h in hosts]
+    ptr = np.zeros(len(hosts) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum(lens)
+    lay = np.fromiter((int(i) for h in hosts for i in h), dtype=np.int64, count=int(ptr[-1]))
+    n_req, n_layers = len(hosts), c.size
+    stall = np.empty(n_layers)
+    total = _edf(c, tail(c), ptr, lay, np.arange(n_req, dtype=np.int64), x, np.int64(slots), float(abort_above),
+                 np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
+                 stall)
+    return None if total < 0 else stall
+
+
+def host_csr(host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CSR (ptr, layers) of the host layers of each row of a host mask ``[R, L]``."""
+    r_idx, lay = np.nonzero(host)
+    ptr = np.zeros(host.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.bincount(r_idx, minlength=host.shape[0]), out=ptr[1:])
+    return ptr, lay.astype(np.int64)
+
+
+def step_stall(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.ndarray, slots: int = 1) -> float:
+    """Total stall of one step for a host mask (used for the planner's later window segments)."""
+    ptr, lay = host_csr(host)
+    n_req, n_layers = host.shape
+    return float(_edf(comp, tail, ptr, lay, np.arange(n_req, dtype=np.int64), xfer, np.int64(slots), math.inf,
+                      np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers),
+                      np.empty(lay.size + 1), np.empty(n_layers)))
+
+
+# ==== branch and bound ======================================================================================
+# integer state (ist)
+DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT = range(11)
+N_IST = 11
+# float state (fst)
+BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, LEAF_LAT, LEAF_MOVED, LEAF_LB, GAP = range(9)
+N_FST = 9
+# phases and return codes
+ENTER, LOOP, AFTER_LEAF = 0, 1, 2
+FINISHED, LEAF, PAUSED = 0, 1, 2
+
+
+@_jit
+def _better(lat, moved, best_lat, best_moved):
+    tol = REL_TOL * max(abs(best_lat), 1.0) if math.isfinite(best_lat) else 0.0
+    if lat < best_lat - tol:
+        return True
+    if lat <= best_lat + tol:
+        return moved < best_moved - 1e-9
+    return False
+
+
+@_jit
+def _prunable(lb, moved_lb, best_lat, best_moved, gap):
+    if not math.isfinite(best_lat):
+        return False
+    if gap > 0:
+        return lb >= best_lat * (1 - gap)
+    tol = REL_TOL * max(abs(best_lat), 1.0)
+    if lb > best_lat + tol:
+        return True
+    if lb >= best_lat - tol:
+        return moved_lb >= best_moved - 1e-9
+    return False
+
+
+@_jit
+def _lat_ok(lb, fst, slo_on, dep, slo, alpha, d_lo, d_hi):
+    """The planner's SLO prefilter (``Planner._lat_prefilter``), memoised in ``fst``."""
+    if not slo_on:
+        return True
+    if lb <= fst[KNOWN_PASS]:
+        return True
+    if lb >= fst[KNOWN_FAIL]:
+        return False
+    passed = False
+    for d in range(d_lo, d_hi + 1):
+        viol = 0.0
+        for r in range(slo.size):
+            delta = 1.0 - lb / slo[r]
+            if delta < 0:
+                safe = np.floor(dep[r] / -delta + 1e-9)
+                viol += max(d - safe, 0.0)
+        if viol <= alpha * d + 1e-9:
+            passed = True
+            break
+    if passed:
+        fst[KNOWN_PASS] = lb
+    else:
+        fst[KNOWN_FAIL] = lb
+    return passed
+
+
+@_jit
+def _unwind(depth, pos, nk, ordk, alive, lat_lb, fst):
+    """Budget spent: the least bound of the children left unexplored at every open level."""
+    for d in range(depth, -1, -1):
+        for i in range(pos[d], nk[d]):
+            k = ordk[d, i]
+            if alive[d, k] and lat_lb[d, k] < fst[OPEN_LB]:
+                fst[OPEN_LB] = lat_lb[d, k]
+
+
+@_jit
+def _budget_spent(ist, n_req):
+    """``BranchAndBound._out_of_budget``: never during the first dive."""
+    if ist[FIRST_ONLY] or ist[NODES] - ist[DIVE_START] > n_req + 1:
+        if (ist[NODE_LIMIT] >= 0 and ist[NODES] > ist[NODE_LIMIT]) or ist[TIMED_OUT]:
+            ist[HIT] = 1
+            ist[DONE] = 1
+    return ist[DONE] != 0
+
+
+@_jit
+def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
+            lat_lb, alive, kid_moved, ordk, fst,
+            counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
+            bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
+            last, f_scratch):
+    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), sorted cheapest first."""
+    n_layers = comp0.size
+    n_tiles = sep_off.size
+    n_pieces = sep_slope.shape[1]
+    bc = bcap[r]
+    rest = rest_b[d + 1]
+    x = x0[r]
+    rb0 = rest_b0[d + 1]
+    rs = ratio_suffix[d + 1]
+    for k in range(n_kids):
+        new_res = res[d] + bc * (n_layers - counts[k])
+        bmax = -math.inf
+        bsum = 0.0
+        for layer in range(n_layers):
+            nb = buf[d, layer] + bc * hosts_f[k, layer]
+            bsum += nb
+            if nb > bmax:
+                bmax = nb
+        bmean = bsum / n_layers
+        alive[d, k] = new_res + bmax + rest <= cap
+        rhs = new_res + rest * n_layers - cap
+        y1 = rhs + bmax
+        if n_layers > 1:
+            y2 = (rhs + bmean) / (1 - 1 / n_layers)
+            ymin = y1 if y1 / n_layers <= bmax - bmean else y2
+        else:
+            ymin = y1
+        ymin = max(ymin, 0.0)
+        lat = -math.inf
+        for layer in range(n_layers):
+            new_after = after[d, layer] + x * pairs_after[k, layer]
+            val = (vol[d, layer] + x * cumh[k, layer]) + suffix_comp[layer] + new_after
+            if val > lat:
+                lat = val
+        forced = (vol[d, n_layers - 1] + x * cumh[k, n_layers - 1]) + ymin * (rs / link)
+        lat = max(lat, forced + comp_min if forced > 0 else 0.0)
+        sep_lb = -math.inf
+        u = min(ymin * rs / rb0, n_layers) if rb0 > 0 else 0.0
+        for j in range(n_tiles):
+            val = sep_off[j] + (sep[d, j] + x * sep_n[j, k])
+            if rb0 > 0:
+                phi = -math.inf
+                for p in range(n_pieces):
+                    q = sep_slope[j, p] * u + sep_icept[j, p]
+                    if q > phi:
+                        phi = q
+                val = val + (rb0 / link) * phi
+            if val > sep_lb:
+                sep_lb = val
+        kid_chain = max(comp_total + chain[r, k], chain_lb[d])
+        lat_lb[d, k] = max(max(lat, kid_chain), sep_lb)
+        kid_moved[d, k] = moved[d] + b0[r] * counts[k]
+    if last:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
+        for k in range(n_kids):
+            if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
+                continue
+            f = f_scratch
+            f[0] = (v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
+            for layer in range(1, n_layers):
+                s = max(f[layer - 1], v[d, 0, layer] + x * mats[k, 0, layer])
+                cand = -math.inf
+                for m in range(layer):
+                    q = f[m] + (v[d, m + 1, layer] + x * mats[k, m + 1, layer])
+                    if q > cand:
+                        cand = q
+                f[layer] = max(s, cand) + comp0[layer]
+            if f[n_layers - 1] > lat_lb[d, k]:
+                lat_lb[d, k] = f[n_layers - 1]
+    # stable order by (bound, offload count); counts increase with k
+    for i in range(n_kids):
+        ordk[d, i] = i
+    for i in range(1, n_kids):
+        k = ordk[d, i]
+        j = i - 1
+        while j >= 0 and lat_lb[d, ordk[d, j]] > lat_lb[d, k]:
+            ordk[d, j + 1] = ordk[d, j]
+            j -= 1
+        ordk[d, j + 1] = k
+
+
+@_jit
+def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, alive, kid_moved,
+              res, buf, vol, after, chain_lb, moved, sep, v,
+              counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
+              bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
+              slo_on, dep, slo, alpha, d_lo, d_hi,
+              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch):
+    """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
+    explicit stack, so it can stop and resume).
+
+    Returns ``LEAF`` with a complete assignment in ``choice`` that beats the incumbent at step 0 (the caller
+    checks the window rule, updates ``fst[BEST_*]`` and resumes), ``PAUSED`` when ``ist[NODES]`` reaches
+    ``ist[CHUNK_STOP]`` (the caller checks its deadline, sets ``ist[TIMED_OUT]`` and resumes), or
+    ``FINISHED``. One function, kept whole: its state is the stack.
+    """
+    n_req = order.size
+    n_cand = counts.size
+    n_layers = comp0.size
+    while True:
+        d = ist[DEPTH]
+        phase = ist[PHASE]
+        if phase == ENTER:
+            if ist[NODES] >= ist[CHUNK_STOP]:
+                return PAUSED
+            ist[NODES] += 1
+            if _budget_spent(ist, n_req):
+                _unwind(d - 1, pos, nk, ordk, alive, lat_lb, fst)
+                return FINISHED
+            n_kids = choice[d - 1] + 1 if same_as_prev[d] else n_cand
+            nk[d] = n_kids
+            _expand(d, order[d], n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
+                    lat_lb, alive, kid_moved, ordk, fst,
+                    counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
+                    bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
+                    cap, d == n_req - 1, f_scratch)
+            pos[d] = 0
+            ist[PHASE] = LOOP
+            continue
+        if phase == AFTER_LEAF:
+            if _budget_spent(ist, n_req):
+                _unwind(d, pos, nk, ordk, alive, lat_lb, fst)
+                return FINISHED
+            pos[d] += 1
+            ist[PHASE] = LOOP
+            continue
+        descended = False
+        i = pos[d]
+        while i < nk[d]:
+            k = ordk[d, i]
+            lb = lat_lb[d, k]
+            if (not alive[d, k] or _prunable(lb, kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP])
+                    or not _lat_ok(lb, fst, slo_on, dep, slo, alpha, d_lo, d_hi)):
+                i += 1
+                continue
+            choice[d] = k
+            pos[d] = i
+            r = order[d]
+            if d == n_req - 1:  # a leaf: the exact schedule, stopped once slower than the incumbent
+                if ist[NODES] >= ist[CHUNK_STOP]:
+                    return PAUSED
+                ist[LEAVES] += 1
+                ist[NODES] += 1
+                for dd in range(n_req):
+                    k_of[order[dd]] = choice[dd]
+                mv = 0.0
+                for q in range(n_req):
+                    mv += b0[q] * counts[k_of[q]]
+                best = fst[BEST_LAT]
+                cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
+                st = _edf(comp0, tail, lay_ptr, lay, k_of, x0, 1, cut, e_nxt, e_cur, e_fin, e_arr, e_stall)
+                if st >= 0:
+                    lat0 = comp_total + st
+                    if _better(lat0, mv, fst[BEST_LAT], fst[BEST_MOVED]):
+                        fst[LEAF_LAT] = lat0
+                        fst[LEAF_MOVED] = mv
+                        fst[LEAF_LB] = lb
+                        ist[PHASE] = AFTER_LEAF
+                        return LEAF
+                if _budget_spent(ist, n_req):
+                    _unwind(d, pos, nk, ordk, alive, lat_lb, fst)
+                    return FINISHED
+                i += 1
+                continue
+            # descend: the child's accumulators (same operations as the reference)
+            bc = bcap[r]
+            x = x0[r]
+            e = d + 1
+            res[e] = res[d] + bc * (n_layers - counts[k])
+            for layer in range(n_layers):
+                buf[e, layer] = buf[d, layer] + bc * hosts_f[k, layer]
+                vol[e, layer] = vol[d, layer] + x * cumh[k, layer]
+                after[e, layer] = after[d, layer] + x * pairs_after[k, layer]
+            chain_lb[e] = max(comp_total + chain[r, k], chain_lb[d])
+            moved[e] = kid_moved[d, k]
+            for j in range(sep_off.size):
+                sep[e, j] = sep[d, j] + x * sep_n[j, k]
+            for m in range(n_layers + 1):
+                for layer in range(n_layers):
+                    v[e, m, layer] = v[d, m, layer] + x * mats[k, m, layer]
+            ist[DEPTH] = e
+            ist[PHASE] = ENTER
+            descended = True
+            break
+        if descended:
+            continue
+        pos[d] = nk[d]
+        if d == 0:
+            return FINISHED
+        ist[DEPTH] = d - 1
+        pos[d - 1] += 1
+
+
+# ==== the window rule ======================================================================================
+@_jit
+def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
+    """``Planner._violations``: cumulative fluid Token-Deposit violations over the first ``k`` steps."""
+    per_step = np.zeros(horizon)
+    bal = deposit.copy()
+    n_req = slo.size
+    for i in range(seg_lat.size):
+        s = seg_starts[i]
+        e = seg_ends[i]
+        n = e - s
+        for r in range(n_req):
+            delta = 1.0 - seg_lat[i] / slo[r]
+            if delta < 0:
+                ok = min(np.floor(bal[r] / -delta + 1e-9), float(n))
+                if ok < n:
+                    for step in range(s + int(ok), e):
+                        per_step[step] += 1
+                    bal[r] = 0.0
+                else:
+                    bal[r] = max(bal[r] + n * delta, 0.0)
+            else:
+                bal[r] = bal[r] + n * delta
+    cum = np.zeros(horizon + 1)
+    acc = 0.0
+    for step in range(horizon):
+        acc += per_step[step]
+        cum[step + 1] = acc
+    return cum

@@ -1,0 +1,174 @@
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from orbitflow.plan import CostModel, Planner, PlanRequest
+from orbitflow.plan import compiled as cc
+from orbitflow.plan.cost_model import edf_stalls
+
+needs_numba = pytest.mark.skipif(not cc.HAVE_NUMBA, reason="numba is not installed")
+
+
+def _edf_case(rng):
+    n_req, n_layers = int(rng.integers(1, 7)), int(rng.integers(1, 24))
+    comp = rng.uniform(0.5, 2.0, n_layers)
+    host = rng.random((n_req, n_layers)) < rng.uniform(0.05, 0.95)
+    xfer = rng.integers(0, 30, n_req) / float(rng.uniform(2, 40))
+    return comp, [np.flatnonzero(h).tolist() for h in host], xfer
+
+
+def _reference_slots(comp, hosts, xfer, slots):
+    """Event-by-event simulation with ``slots`` buffer slots per request: a request's first ``slots`` host
+    layers are released at t=0, its k-th (k >= slots) when its (k-slots)-th host layer has finished computing;
+    the link moves one released transfer at a time, the one needed earliest (ties: lower request)."""
+    n_req = len(hosts)
+    moved = [0] * n_req  # transfers moved per request
+    done_at: dict[int, float] = {}  # layer -> end time
+    arrival: dict[tuple[int, int], float] = {}
+    link = t = 0.0
+    stalls = []
+
+    def release(r):
+        k = moved[r]
+        if k < slots:
+            return 0.0
+        return done_at.get(hosts[r][k - slots])  # None: not released yet
+
+    for layer, c in enumerate(comp):
+        need = [r for r in range(n_req) if layer in hosts[r]]
+        while any((r, layer) not in arrival for r in need):
+            pend = [r for r in range(n_req) if moved[r] < len(hosts[r]) and release(r) is not None]
+            ready = [r for r in pend if release(r) <= link + 1e-12 + 1e-9 * link]
+            if not ready:
+                link = min(release(r) for r in pend)
+                continue
+            r = min(ready, key=lambda q: (hosts[q][moved[q]], q))
+            link += xfer[r]
+            arrival[(r, hosts[r][moved[r]])] = link
+            moved[r] += 1
+        start = max([t] + [arrival[(r, layer)] for r in need])
+        stalls.append(start - t)
+        t = start + c
+        done_at[layer] = t
+    return stalls
+
+
+@needs_numba
+def test_compiled_edf_is_the_reference_bit_for_bit():
+    rng = np.random.default_rng(0)
+    aborted = 0
+    for _ in range(400):
+        comp, hosts, xfer = _edf_case(rng)
+        ref = edf_stalls(comp, hosts, xfer)
+        got = cc.edf_stalls(comp, hosts, xfer)
+        assert got.tolist() == ref  # identical floats, not just close
+        total = float(np.sum(comp)) + sum(ref)
+        for limit in (total * 0.9, total * (1 + 1e-9)):
+            a, b = edf_stalls(comp, hosts, xfer, abort_above=limit), cc.edf_stalls(comp, hosts, xfer, abort_above=limit)
+            assert (a is None) == (b is None)
+            aborted += a is None
+    assert aborted > 50
+
+
+@needs_numba
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_compiled_edf_with_prefetch_slots_matches_event_simulation(slots):
+    rng = np.random.default_rng(10 + slots)
+    for _ in range(300):
+        comp, hosts, xfer = _edf_case(rng)
+        got = cc.edf_stalls(comp, hosts, xfer, slots=slots)
+        assert np.allclose(got, _reference_slots(comp.tolist(), hosts, xfer.tolist(), slots), rtol=0, atol=1e-9)
+
+
+@needs_numba
+def test_more_slots_never_stall_more_on_the_paper_example():
+    # paper section 2.3, placement A (distance 3 for both requests): one slot stalls 1 per offloaded layer;
+    # with two slots the second request's next layer moves while the first's is being read
+    hosts = [[2, 5, 8], [2, 5, 8]]
+    one = cc.edf_stalls([1.0] * 9, hosts, [1.0, 2.0], slots=1).sum()
+    two = cc.edf_stalls([1.0] * 9, hosts, [1.0, 2.0], slots=2).sum()
+    assert one == pytest.approx(3.0) and two < one
+    with pytest.raises(ValueError, match="slots"):
+        cc.edf_stalls([1.0], [[0]], [1.0], slots=0)
+
+
+def _planner_case(rng):
+    n_req = int(rng.integers(1, 7))
+    n_layers = int(rng.choice([4, 9, 16, 32]))
+    comp = rng.uniform(1e-3, 2e-3, n_layers)
+    b = np.exp(rng.uniform(np.log(2), np.log(300), n_req)).astype(int)
+    link = float(b.sum() / (comp.mean() * rng.uniform(1.5, 6.0)))
+    cap = float(b.sum() * n_layers * rng.uniform(0.25, 0.9))
+    reqs = [PlanRequest(i, int(b[i]), int(b[i] * 16 - rng.integers(0, 16)),
+                        int(rng.integers(1, 60)) if rng.random() < 0.7 else None, float(rng.uniform(0, 8)),
+                        float(rng.uniform(1.0, 2.5) * comp.sum()) if rng.random() < 0.8 else math.inf)
+            for i in range(n_req)]
+    if rng.random() < 0.3:
+        slope = float(rng.uniform(0, 1e-4))
+        cm = CostModel(lambda tokens: comp * (1 + slope * tokens), link)
+    else:
+        cm = CostModel(comp, link)
+    return cm, cap, reqs
+
+
+@needs_numba
+def test_compiled_and_reference_planners_give_identical_plans():
+    """Same plan, window, expiry and node counts: the compiled search is the reference search."""
+    rng = np.random.default_rng(1)
+    cut = 0
+    for i in range(60):
+        cm, cap, reqs = _planner_case(rng)
+        kwargs = dict(alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(int(rng.integers(1, 5)), 16),
+                      node_limit=[None, 2000, 5][i % 3], gap=0.02 if i % 7 == 0 else 0.0)
+        ref = Planner(cm, cap, compiled=False, **kwargs).plan(reqs)
+        got = Planner(cm, cap, compiled=True, **kwargs).plan(reqs)
+        assert got.distances == ref.distances and got.feasible == ref.feasible
+        assert got.predicted_step_s == ref.predicted_step_s  # bit for bit
+        assert (got.window, got.expiry_step, got.violations) == (ref.window, ref.expiry_step, ref.violations)
+        assert got.step_latencies_s == ref.step_latencies_s
+        for key in ("nodes", "leaves", "exact", "gap", "lower_bound_s"):
+            assert got.stats.get(key) == ref.stats.get(key), key
+        cut += not ref.stats.get("exact", 1)
+    assert cut > 0  # some searches ran out of nodes, and stopped at the same node
+
+
+@needs_numba
+def test_compiled_search_honours_a_deadline():
+    rng = np.random.default_rng(2)
+    hurried = 0
+    for _ in range(10):
+        cm, cap, reqs = _planner_case(rng)
+        p = Planner(cm, cap, window=(2, 8), node_limit=None, time_limit_s=1e-9, compiled=True).plan(reqs)
+        hurried += not p.stats.get("exact", 1)
+        assert p.stats["nodes"] <= len(reqs) + 2 + 1  # the first dive, then the first deadline check
+    assert hurried > 0
+
+
+def test_planner_without_numba_uses_the_reference():
+    code = (
+        "import sys; sys.modules['numba'] = None\n"
+        "import orbitflow.plan as p\n"
+        "from orbitflow.plan import compiled as cc\n"
+        "assert not cc.HAVE_NUMBA and 'torch' not in sys.modules\n"
+        "pl = p.Planner(p.CostModel([1.0] * 4, 2.0), 6)\n"
+        "assert not pl.compiled\n"
+        "print(pl.plan([p.PlanRequest('a', 2, 30), p.PlanRequest('b', 1, 10)]).distances)\n"
+        "try:\n"
+        "    p.Planner(p.CostModel([1.0] * 4, 2.0), 6, compiled=True)\n"
+        "except ValueError as e:\n"
+        "    assert 'numba' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('compiled=True without numba must fail')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().startswith("(")
+
+
+def test_environment_variable_selects_the_reference(monkeypatch):
+    monkeypatch.setenv(cc.ENV, "0")
+    assert not Planner(CostModel([1.0] * 2, 1.0), 4).compiled
+    monkeypatch.setenv(cc.ENV, "1")
+    assert Planner(CostModel([1.0] * 2, 1.0), 4).compiled == cc.HAVE_NUMBA
