@@ -314,7 +314,7 @@ class Planner:
                 if self.compiled and self.cost_model.transfer == "edf":  # same floats, no GIL
                     if win.tails is None:
                         win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
-                    xfer = win.blocks[win.seg_starts[i]] / self.cost_model.link_blocks_per_s
+                    xfer = np.asarray(self.cost_model.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
                     stall = cc.step_stall(np.array(comp, dtype=float), win.tails[i], host, xfer)
                 else:
                     stall = float(sum(self.cost_model.stalls(host, win.blocks[win.seg_starts[i]], comp)))
