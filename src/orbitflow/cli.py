@@ -189,7 +189,9 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
         policies += [f"orbitflow@{v}" for v in victims]
     slo_scales = _floats(args.slo_scales, "--slo-scales")
     rate_scales = _floats(args.rate_scales, "--rate-scales")
-    fractions = [None] if args.device_kv_blocks else _floats(args.device_kv_fraction, "--device-kv-fraction")
+    fractions = [None]  # None: the setup's budget (0.5 of the largest batch, or a trace file's own)
+    if args.device_kv_fraction is not None and not args.device_kv_blocks:
+        fractions = _floats(args.device_kv_fraction, "--device-kv-fraction")
     links = [None] if args.link_gbps is None else _floats(args.link_gbps, "--link-gbps")
     slots = [None] if args.prefetch_slots == "policy" else _ints(args.prefetch_slots, "--prefetch-slots")
     deposit = (True, False) if args.no_deposit_runs else (True,)
@@ -221,7 +223,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     points = simulate_points(args, profile)
     try:
         setup = SimSetup(
-            device_kv_fraction=points[0].device_kv_fraction or 0.5, device_kv_blocks=args.device_kv_blocks,
+            device_kv_blocks=args.device_kv_blocks,
             noise_cv=args.noise_cv, solver_time=args.solver_time, seeds=args.seeds, first_seed=args.seed,
             num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, trace_path=args.trace, step_s=args.step_s,
@@ -262,8 +264,9 @@ def print_simulate_tables(summary: list[dict], config: dict) -> None:
                  "tps": fmt_ci(r["tokens_per_s"], ".1f"), "mem": fmt_ci(r["device_mem_util"], ".2f"),
                  "pauses": fmt_ci(r["num_pauses"], ".1f")}
                 for r in summary if r["slo_scale"] == s]
+        work = f"trace {config['trace']}" if config["trace"] else f"{config['num_requests']} requests"
         print(format_table(rows, columns, title=f"{config['preset']} | SLO scale {s} | mean ± 95% CI over "
-                                                f"{len(config['seeds'])} seeds x {config['num_requests']} requests | "
+                                                f"{len(config['seeds'])} seeds x {work} | "
                                                 f"noise CV {config['noise_cv']} | solver time {config['solver_time']}"))
         print()
 
@@ -376,9 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--max-num-seqs", type=int, default=4, help="batch size cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=32768, help="tokens per batch cap")
-    p.add_argument("--device-kv-fraction", default=str(DEFAULT_DEVICE_KV_FRACTION), metavar="F[,F...]",
-                   help="device KV budget as a fraction of the largest batch's KV (max-num-batched-tokens, every "
-                        "layer); 0.5 is the paper's setup (about 16K of 32K tokens); a comma list sweeps it")
+    p.add_argument("--device-kv-fraction", default=None, metavar="F[,F...]",
+                   help=f"device KV budget as a fraction of the largest batch's KV (max-num-batched-tokens, every "
+                        f"layer); default {DEFAULT_DEVICE_KV_FRACTION}, the paper's setup (about 16K of 32K tokens), "
+                        f"or a --trace file's own GPU block budget; a comma list sweeps it")
     p.add_argument("--device-kv-blocks", type=int, default=None,
                    help="device KV budget in layer-blocks (overrides --device-kv-fraction and a trace's own)")
     p.add_argument("--link-gbps", default=None, metavar="X[,X...]",
