@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs_default: int | None
     g.add_argument("--window-min", type=int, default=d.window_min, help="shortest decode window (steps)")
     g.add_argument("--window-max", type=int, default=d.window_max, help="longest decode window (steps)")
     g.add_argument("--victim", choices=VICTIM_CHOICES, default=d.victim, help="pause victim rule")
+    g.add_argument("--prefetch-slots", type=int, default=None, metavar="D",
+                   help="prefetch depth: KV layers of one request in flight at once (default: the policy's own, "
+                        "DeepSpeed 2, others 1); the capacity equation charges D layers of buffer per request")
     add_planner_budget_args(g)
     g.add_argument("--seed", type=int, default=0)
 
@@ -73,6 +76,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         slo_ms=args.slo_ms, slo_scale=args.slo_scale, token_deposit=args.token_deposit, alpha=args.alpha,
         window_min=args.window_min, window_max=args.window_max, victim=args.victim, seed=args.seed,
         plan_node_limit=args.plan_node_limit, plan_time_limit_ms=args.plan_time_limit_ms,
+        prefetch_slots=args.prefetch_slots,
     )
     values.update(overrides)
     return EngineConfig(**values)
