@@ -22,8 +22,10 @@ import numpy as np
 from orbitflow.bench.workload import Trace, generate_trace, paper_default_rate_per_s
 from orbitflow.sim.profiles import HardwareProfile
 
-# Lognormal CV of the simulator's compute and transfer noise. Measured on the real engine: the spread of
-# decode-step times at a fixed batch (`python benchmarks/step_jitter.py`, SmolLM2-135M, CPU, 2026-11-23).
+# Lognormal CV of the simulator's compute and transfer noise. To be taken from the real engine's decode-step
+# jitter at a fixed batch (`python benchmarks/step_jitter.py`, which needs a quiet machine: on the shared
+# 2-core development machine other jobs' interference dominates it). Until then 0.05, a typical GPU decode
+# step-to-step spread, is an assumption; `--noise-cv` sets it.
 DEFAULT_NOISE_CV = 0.05
 DEFAULT_SEEDS = 5
 DEFAULT_NUM_REQUESTS = 64
