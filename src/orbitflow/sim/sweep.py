@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -174,8 +175,10 @@ def run_one(profile: HardwareProfile, setup: SimSetup, point: Point, seed: int) 
                         device_kv_blocks=blocks, max_num_seqs=setup.max_num_seqs,
                         max_num_batched_tokens=setup.max_num_batched_tokens, prefetch_slots=point.prefetch_slots,
                         **extra)
+    start = time.perf_counter()
     result = simulate_trace(prof, trace, config, noise_cv=setup.noise_cv, solver_time=setup.solver_time)
     metrics = result.metrics.to_dict()
+    metrics["wall_s"] = time.perf_counter() - start  # the run's own wall time (for timing the sweep)
     metrics.update(policy=point.policy, slo_scale=point.slo_scale, rate_scale=point.rate_scale,
                    token_deposit=point.token_deposit, seed=seed, device_kv_blocks=blocks,
                    link_gbps=prof.link_bytes_per_s / 1e9, label=point.label(),
