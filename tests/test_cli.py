@@ -46,14 +46,58 @@ def test_plan_rejects_a_malformed_request(capsys):
 def test_simulate_writes_json_and_plots(tmp_path, capsys):
     out = tmp_path / "runs.json"
     argv = ["simulate", "--policies", "orbitflow,flexgen+", "--slo-scales", "1.5", "--rate-scales", "2",
-            "--num-requests", "4", "--workers", "1", "--json", str(out), "--plots", str(tmp_path / "plots")]
+            "--num-requests", "2", "--seeds", "2", "--seed", "5", "--workers", "1", "--json", str(out),
+            "--plots", str(tmp_path / "plots")]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "orbitflow" in printed and "flexgen+" in printed
-    runs = json.loads(out.read_text())["runs"]
-    assert {r["policy"] for r in runs} == {"orbitflow", "flexgen+"}
-    assert all(0 <= r["tbt_attainment"] <= 1 and 0 <= r["tbt_attainment_no_deposit"] <= 1 for r in runs)
+    assert "orbitflow" in printed and "flexgen+" in printed and "±" in printed
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert {r["policy"] for r in runs} == {"orbitflow", "flexgen+"} and {r["seed"] for r in runs} == {5, 6}
+    assert all(0 <= r["tbt_attainment"] <= 1 for r in runs)
+    config = data["config"]
+    for key in ("device_kv_blocks", "largest_batch_blocks", "link_gbps", "prefetch_slots", "noise_cv", "solver_time",
+                "seeds"):
+        assert key in config
+    assert config["device_kv_blocks"] == round(0.5 * config["largest_batch_blocks"]) and config["seeds"] == [5, 6]
+    assert config["solver_time"] == "measured" and config["noise_cv"] > 0
+    rows = data["summary"]
+    assert len(rows) == 2  # one per policy
+    for row in rows:
+        assert {"policy", "slo_scale"} <= set(row)
+        for metric in ("tbt_attainment", "tpot_attainment", "p95_tbt_s", "p99_tbt_s", "ttft_mean_s", "e2e_mean_s",
+                       "throughput_rpm", "tokens_per_s", "device_mem_util", "num_pauses"):
+            assert set(row[metric]) >= {"mean", "ci95"} and row[metric]["n"] == 2
     assert any((tmp_path / "plots").glob("*.png"))
+
+
+def test_simulate_defaults_are_the_papers_setup():
+    from orbitflow.cli import build_parser
+
+    args = build_parser().parse_args(["simulate"])
+    from orbitflow.sim.sweep import DEFAULT_DEVICE_KV_FRACTION
+
+    assert args.device_kv_fraction is None and DEFAULT_DEVICE_KV_FRACTION == 0.5  # None: 0.5 or a trace's own
+    assert args.noise_cv > 0 and args.solver_time == "measured"
+    assert args.seeds >= 5 and args.num_requests >= 64 and args.prefetch_slots == "policy"
+    assert args.policies == "all"
+
+
+def test_simulate_replays_an_artifact_trace(tmp_path, capsys):
+    trace = {"requests": {"a": {"input_length": 300, "output_length": 20, "arrival_time": 0},
+                          "b": {"input_length": 500, "output_length": 10, "arrival_time": 40}},
+             "num_gpu_blocks": 200}
+    path = tmp_path / "artifact.json"
+    path.write_text(json.dumps(trace))
+    out = tmp_path / "runs.json"
+    argv = ["simulate", "--policies", "orbitflow", "--slo-scales", "1.5", "--rate-scales", "1", "--seeds", "1",
+            "--trace", str(path), "--step-s", "0.05", "--workers", "1", "--json", str(out)]
+    assert main(argv) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["num_finished"] == 2 and run["total_output_tokens"] == 30
+    assert run["device_kv_blocks"] == 200 * 16 // 16 * 32  # the file's budget: 200 blocks of 16 tokens, 32 layers
+    assert main(argv[:-6] + ["--trace", str(path), "--workers", "1"]) == 2  # no --step-s
+    assert "--step-s" in capsys.readouterr().err
 
 
 def test_simulate_names_a_bad_flag(capsys):

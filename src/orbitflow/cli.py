@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs_default: int | None
     g.add_argument("--window-min", type=int, default=d.window_min, help="shortest decode window (steps)")
     g.add_argument("--window-max", type=int, default=d.window_max, help="longest decode window (steps)")
     g.add_argument("--victim", choices=VICTIM_CHOICES, default=d.victim, help="pause victim rule")
+    g.add_argument("--prefetch-slots", type=int, default=None, metavar="D",
+                   help="prefetch depth: KV layers of one request in flight at once (default: the policy's own, "
+                        "DeepSpeed 2, others 1); the capacity equation charges D layers of buffer per request")
     add_planner_budget_args(g)
     g.add_argument("--seed", type=int, default=0)
 
@@ -77,6 +80,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         slo_ms=args.slo_ms, slo_scale=args.slo_scale, token_deposit=args.token_deposit, alpha=args.alpha,
         window_min=args.window_min, window_max=args.window_max, victim=args.victim, seed=args.seed,
         plan_node_limit=args.plan_node_limit, plan_time_limit_ms=args.plan_time_limit_ms,
+        prefetch_slots=args.prefetch_slots,
     )
     values.update(overrides)
     return EngineConfig(**values)
@@ -155,18 +159,27 @@ def _floats(text: str, flag: str) -> list[float]:
     return values
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from orbitflow.bench.metrics import format_table
-    from orbitflow.policies import ABLATIONS, BASELINES, policy_names
-    from orbitflow.sim.profiles import ProfileError, resolve_profile
-    from orbitflow.sim.sweep import run_sweep, summary_rows
-
+def _ints(text: str, flag: str) -> list[int]:
     try:
-        profile = resolve_profile(args.profile or args.preset)
-    except (ProfileError, FileNotFoundError, KeyError, ValueError) as exc:
-        raise CLIError(f"--preset/--profile: {exc}") from None
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CLIError(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise CLIError(f"{flag} must list integers >= 1, got {text!r}")
+    return values
+
+
+def fmt_ci(cell: dict | None, fmt: str = ".3f", scale: float = 1.0) -> str:
+    """'mean ± ci95' of a summary cell."""
+    if not cell or cell.get("mean") is None:
+        return "-"
+    return f"{format(cell['mean'] * scale, fmt)} ± {format((cell['ci95'] or 0.0) * scale, fmt)}"
+
+
+def simulate_points(args: argparse.Namespace, profile) -> list:
+    from orbitflow.policies import ABLATIONS, BASELINES, policy_names
+    from orbitflow.sim.sweep import grid
+
     if args.policies == "all":
         policies = ["orbitflow", *BASELINES]
     else:
@@ -184,36 +197,86 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         policies += [f"orbitflow@{v}" for v in victims]
     slo_scales = _floats(args.slo_scales, "--slo-scales")
     rate_scales = _floats(args.rate_scales, "--rate-scales")
-    # The paper's setup: the device budget is about 0.23 x the KV blocks of the largest batch allowed.
-    largest_batch_blocks = args.max_num_batched_tokens // profile.block_size * profile.num_layers
-    device_blocks = args.device_kv_blocks or round(0.23 * largest_batch_blocks)
-    overrides = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "device_kv_blocks": device_blocks}
-    total = len(policies) * len(slo_scales) * len(rate_scales) * 2
+    fractions = [None]  # None: the setup's budget (0.5 of the largest batch, or a trace file's own)
+    if args.device_kv_fraction is not None and not args.device_kv_blocks:
+        fractions = _floats(args.device_kv_fraction, "--device-kv-fraction")
+    links = [None] if args.link_gbps is None else _floats(args.link_gbps, "--link-gbps")
+    slots = [None] if args.prefetch_slots == "policy" else _ints(args.prefetch_slots, "--prefetch-slots")
+    deposit = (True, False) if args.no_deposit_runs else (True,)
+    points = []
+    for f in fractions:
+        for link in links:
+            for d in slots:
+                points += grid(policies, slo_scales, rate_scales, deposit, device_kv_fraction=f, link_gbps=link,
+                               prefetch_slots=d)
+    return points
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from orbitflow.bench.workload import TraceError, load_trace_file
+    from orbitflow.sim.profiles import ProfileError, resolve_profile
+    from orbitflow.sim.sweep import SimSetup, config_record, run_points, summarize, with_no_deposit
+
+    try:
+        profile = resolve_profile(args.profile or args.preset)
+    except (ProfileError, FileNotFoundError, KeyError, ValueError) as exc:
+        raise CLIError(f"--preset/--profile: {exc}") from None
+    if args.trace:
+        try:
+            load_trace_file(args.trace, step_s=args.step_s)
+        except TraceError as exc:
+            raise CLIError(f"--trace: {exc}") from None
+    points = simulate_points(args, profile)
+    try:
+        setup = SimSetup(
+            device_kv_blocks=args.device_kv_blocks,
+            noise_cv=args.noise_cv, solver_time=args.solver_time, seeds=args.seeds, first_seed=args.seed,
+            num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, trace_path=args.trace, step_s=args.step_s,
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    total = len(points) * setup.seeds
     with tqdm(total=total, desc=f"simulate {profile.name}", unit="run", disable=not sys.stderr.isatty()) as bar:
-        runs = run_sweep(profile, policies, slo_scales, rate_scales, num_requests=args.num_requests, seed=args.seed,
-                         workers=args.workers, progress=lambda _: bar.update(1), **overrides)
-    columns = [("policy", "Policy"), ("rate_scale", "Rate x"), ("tbt_attainment", "TBT att"),
-               ("tbt_attainment_no_deposit", "TBT att (no dep)"), ("tpot_attainment", "TPOT att"),
-               ("p95_tbt_s", "P95 TBT s"), ("p99_tbt_s", "P99 TBT s"), ("throughput_rpm", "req/min"),
-               ("e2e_mean_s", "E2E s"), ("device_mem_util", "Dev mem"), ("pauses", "Pauses"),
-               ("solver_calls", "Solves")]
-    rows = summary_rows(runs)
-    for s in slo_scales:
-        print(format_table([r for r in rows if r["slo_scale"] == s], columns,
-                           title=f"{profile.name} | SLO scale {s} | {args.num_requests} requests per run | "
-                                 f"device budget {device_blocks} blocks"))
-        print()
+        runs = run_points(profile, setup, points, workers=args.workers, progress=lambda *_: bar.update(1))
+    summary = summarize(runs)
+    config = config_record(profile, setup, points)
+    print_simulate_tables(summary, config)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"preset": profile.name, "device_kv_blocks": device_blocks, "runs": runs}, fh, indent=1)
+            json.dump({"config": config, "summary": summary, "runs": runs}, fh, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
         from orbitflow.bench.plots import write_plots
 
-        for path in write_plots(runs, args.plots):
+        for path in write_plots(with_no_deposit(runs), args.plots):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def print_simulate_tables(summary: list[dict], config: dict) -> None:
+    from orbitflow.bench.metrics import format_table
+
+    columns = [("label", "Policy"), ("rate_scale", "Rate x"), ("dep", "Deposit"), ("blocks", "Budget"),
+               ("link", "GB/s"), ("tbt", "TBT att"), ("tpot", "TPOT att"), ("p95", "P95 TBT s"),
+               ("p99", "P99 TBT s"), ("ttft", "TTFT s"), ("e2e", "E2E s"), ("rpm", "req/min"), ("tps", "tok/s"),
+               ("mem", "Dev mem"), ("pauses", "Pauses")]
+    for s in sorted({r["slo_scale"] for r in summary}):
+        rows = [{"label": r["label"], "rate_scale": r["rate_scale"], "dep": "on" if r["token_deposit"] else "off",
+                 "blocks": r["device_kv_blocks"], "link": round(r["link_gbps"], 2),
+                 "tbt": fmt_ci(r["tbt_attainment"]), "tpot": fmt_ci(r["tpot_attainment"]),
+                 "p95": fmt_ci(r["p95_tbt_s"]), "p99": fmt_ci(r["p99_tbt_s"]), "ttft": fmt_ci(r["ttft_mean_s"], ".1f"),
+                 "e2e": fmt_ci(r["e2e_mean_s"], ".0f"), "rpm": fmt_ci(r["throughput_rpm"], ".2f"),
+                 "tps": fmt_ci(r["tokens_per_s"], ".1f"), "mem": fmt_ci(r["device_mem_util"], ".2f"),
+                 "pauses": fmt_ci(r["num_pauses"], ".1f")}
+                for r in summary if r["slo_scale"] == s]
+        work = f"trace {config['trace']}" if config["trace"] else f"{config['num_requests']} requests"
+        print(format_table(rows, columns, title=f"{config['preset']} | SLO scale {s} | mean ± 95% CI over "
+                                                f"{len(config['seeds'])} seeds x {work} | "
+                                                f"noise CV {config['noise_cv']} | solver time {config['solver_time']}"))
+        print()
 
 
 # ---- plan ----------------------------------------------------------------------------------------------
@@ -296,7 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub, add_engine_args, engine_config)
     add_bench_parser(sub)
 
+    from orbitflow.sim.sweep import (
+        DEFAULT_DEVICE_KV_FRACTION,
+        DEFAULT_NOISE_CV,
+        DEFAULT_NUM_REQUESTS,
+        DEFAULT_SEEDS,
+        SOLVER_TIME_HELP,
+    )
+
     p = sub.add_parser("simulate", help="paper-scale sweeps of policies on the simulator (tables, JSON, plots)",
+                       description="With no flags: the paper's setup (device budget 0.5 of the largest batch, noise "
+                                   "on, planner solve time charged, 5 seeds x 64 requests, every policy at SLO "
+                                   "scales 1/1.5/2.5 and rate scales 1/3/5).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.sim presets)")
     p.add_argument("--profile", default=None, help="a profile JSON file (from `orbitflow profile`) instead of a preset")
@@ -306,15 +380,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run OrbitFlow with each of these pause-victim rules (paper Fig. 13c), e.g. "
                         "largest-kv+deposit,longest,shortest,random")
     p.add_argument("--slo-scales", default="1,1.5,2.5", help="comma list of SLO scales")
-    p.add_argument("--rate-scales", default="1,2,3,4,5", help="comma list of arrival-rate scales")
-    p.add_argument("--num-requests", type=int, default=16, help="requests per run")
+    p.add_argument("--rate-scales", default="1,3,5", help="comma list of arrival-rate scales (x the paper's 0.97/min)")
+    p.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="requests per run")
+    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS,
+                   help="runs per point, seeds --seed.. (each its own trace and noise); tables show mean ± 95%% CI")
+    p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--max-num-seqs", type=int, default=4, help="batch size cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=32768, help="tokens per batch cap")
+    p.add_argument("--device-kv-fraction", default=None, metavar="F[,F...]",
+                   help=f"device KV budget as a fraction of the largest batch's KV (max-num-batched-tokens, every "
+                        f"layer); default {DEFAULT_DEVICE_KV_FRACTION}, the paper's setup (about 16K of 32K tokens), "
+                        f"or a --trace file's own GPU block budget; a comma list sweeps it")
     p.add_argument("--device-kv-blocks", type=int, default=None,
-                   help="device KV budget (default: 0.23 x the blocks of the largest batch, as in the paper)")
+                   help="device KV budget in layer-blocks (overrides --device-kv-fraction and a trace's own)")
+    p.add_argument("--link-gbps", default=None, metavar="X[,X...]",
+                   help="host-to-device link rate in GB/s (default: the profile's); a comma list sweeps it")
+    p.add_argument("--prefetch-slots", default="policy", metavar="policy|D[,D...]",
+                   help="prefetch depth (KV buffer slots per request): 'policy' = each policy's real one "
+                        "(DeepSpeed 2, others 1), or a comma list of depths for every policy")
+    p.add_argument("--noise-cv", type=float, default=DEFAULT_NOISE_CV,
+                   help="CV of the seeded lognormal noise on every layer's compute and every transfer, unseen by "
+                        "the planner (0: the planner's model exactly)")
+    p.add_argument("--solver-time", default="measured", help=SOLVER_TIME_HELP)
+    p.add_argument("--no-deposit-runs", action="store_true",
+                   help="also run every point without Token-Deposit (paper Fig. 13b)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay this trace file (the project's format or the paper artifact's JSON) instead of "
+                        "generating one per seed; --rate-scales then compress its arrivals")
+    p.add_argument("--step-s", type=float, default=None, metavar="S",
+                   help="seconds per scheduler step, to convert an artifact trace's arrival_time")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write every run's metrics as JSON")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write {config, summary (mean and ci95 per metric), runs (one per seed)} as JSON")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots mirroring paper Figs. 9-13")
     p.set_defaults(func=cmd_simulate)
 

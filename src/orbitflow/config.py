@@ -53,6 +53,10 @@ class EngineConfig:
     # Planner budget per solve (like a MILP solver's): past it the best plan found so far is used.
     plan_node_limit: int | None = 2000
     plan_time_limit_ms: float | None = None
+    # Prefetch depth: KV buffer slots per request, i.e. how many of its host layers may be in flight at once
+    # (charged by the capacity equation). None: the policy's own (DeepSpeed 2, as it prefetches layer i+1
+    # while layer i runs; every other policy 1).
+    prefetch_slots: int | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -79,6 +83,9 @@ class EngineConfig:
         positive("plan_node_limit", "--plan-node-limit", allow_none=True)
         positive("plan_time_limit_ms", "--plan-time-limit-ms", allow_none=True)
         positive("slo_ms", "--slo-ms", allow_none=True)
+        if self.prefetch_slots is not None and (not isinstance(self.prefetch_slots, int)
+                                                or isinstance(self.prefetch_slots, bool) or self.prefetch_slots < 1):
+            raise ConfigError(f"--prefetch-slots must be an integer >= 1, got {self.prefetch_slots!r}")
         positive("slo_scale", "--slo-scale")
         positive("window_min", "--window-min")
         positive("window_max", "--window-max")

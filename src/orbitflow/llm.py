@@ -82,8 +82,10 @@ class LLM:
         self.policy = policy or make_policy(cfg.policy)
         self.clock = WallClock()
         max_len = cfg.max_model_len or mc.max_position_embeddings
+        ctx = PlanContext.from_profile(cfg, self.profile, self.policy)
+        self.kv.transfer.prefetch_slots = ctx.cost_model.prefetch_slots  # the engine runs the depth it plans for
         self.engine = Engine(
-            cfg, self.executor, self.policy, PlanContext.from_profile(cfg, self.profile), self.clock,
+            cfg, self.executor, self.policy, ctx, self.clock,
             default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
         )
         self._ids = itertools.count()

@@ -75,6 +75,23 @@ def test_unreachable_server_and_missing_slo_are_one_line_errors(tmp_path, capsys
     assert "--slo-ms is required" in capsys.readouterr().err
 
 
+def test_artifact_trace_is_read_by_bench_and_needs_step_s(tmp_path, capsys):
+    from orbitflow.bench.client import build_trace
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    path = tmp_path / "artifact.json"
+    path.write_text(json.dumps({"requests": {"x": {"input_length": 12, "output_length": 3, "arrival_time": 20},
+                                             "y": {"input_length": 7, "output_length": 2, "arrival_time": 0}}}))
+    args = parser.parse_args(["bench", "--trace", str(path), "--step-s", "0.1"])
+    trace = build_trace(args)
+    assert [(r.request_id, r.arrival_s, r.input_tokens, r.output_tokens) for r in trace] == [
+        ("y", 0.0, 7, 2), ("x", pytest.approx(2.0), 12, 3)]
+    args = parser.parse_args(["bench", "--trace", str(path), "--slo-ms", "50"])
+    assert cmd_bench(args) == 2
+    assert "--step-s" in capsys.readouterr().err
+
+
 def test_token_times_spreads_extra_tokens_by_text():
     chunks = [(1.0, "a"), (2.0, "abcdef"), (3.0, "")]
     assert token_times(chunks, 3) == [1.0, 2.0, 3.0]

@@ -126,3 +126,65 @@ def test_scale_trace_and_arrivals():
 
 def test_paper_rate():
     assert paper_default_rate_per_s() == pytest.approx(0.97 / 60)
+
+
+def test_artifact_trace_is_read_with_lengths_arrivals_and_budget(tmp_path):
+    import json
+
+    from orbitflow.bench.workload import load_trace_file
+
+    data = {"requests": {"7": {"input_length": 1200, "output_length": 64, "arrival_time": 30},
+                         "3": {"input_length": 800, "output_length": 16, "arrival_time": 0.0}},
+            "config": {"num_gpu_blocks": 1000, "block_size": 32}}
+    path = tmp_path / "artifact.json"
+    path.write_text(json.dumps(data))
+    loaded = load_trace_file(path, step_s=0.05)
+    assert loaded.source_format == "artifact"
+    assert [(r.request_id, r.arrival_s, r.input_tokens, r.output_tokens) for r in loaded.trace] == [
+        ("3", 0.0, 800, 16), ("7", pytest.approx(1.5), 1200, 64)]
+    assert loaded.device_kv_tokens == 32000
+    assert loaded.device_kv_blocks(block_size=16, num_layers=32) == 2000 * 32
+    # the project's own format still loads, with no budget
+    own = tmp_path / "own.json"
+    loaded.trace.save(own)
+    again = load_trace_file(own)
+    assert again.source_format == "orbitflow" and again.device_kv_tokens is None and len(again.trace) == 2
+
+
+@pytest.mark.parametrize("requests, field", [
+    ({"a": {"input_length": 0, "output_length": 4, "arrival_time": 0}}, "requests['a'].input_length"),
+    ({"a": {"input_length": 5, "arrival_time": 0}}, "requests['a'].output_length: missing"),
+    ({"a": {"input_length": 5, "output_length": 4, "arrival_time": -2}}, "requests['a'].arrival_time"),
+    ({"a": {"input_length": 5, "output_length": 4, "arrival_time": "soon"}}, "requests['a'].arrival_time"),
+    ({"a": [1, 2]}, "requests['a']: expected an object"),
+    ({}, "no requests"),
+])
+def test_bad_artifact_trace_names_the_field(tmp_path, requests, field):
+    import json
+
+    from orbitflow.bench.workload import TraceError, load_trace_file
+
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"requests": requests}))
+    with pytest.raises(TraceError) as err:
+        load_trace_file(path, step_s=0.1)
+    assert field in str(err.value) and str(path) in str(err.value)
+
+
+def test_artifact_trace_needs_step_s_and_a_sane_budget(tmp_path):
+    import json
+
+    from orbitflow.bench.workload import TraceError, load_trace_file
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"requests": {"a": {"input_length": 5, "output_length": 4, "arrival_time": 1}}}))
+    with pytest.raises(TraceError, match="--step-s"):
+        load_trace_file(path)
+    with pytest.raises(TraceError, match="--step-s"):
+        load_trace_file(path, step_s=-1.0)
+    path.write_text(json.dumps({"requests": {"a": {"input_length": 5, "output_length": 4, "arrival_time": 1}},
+                                "num_gpu_blocks": "lots"}))
+    with pytest.raises(TraceError, match="num_gpu_blocks"):
+        load_trace_file(path, step_s=0.1)
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace_file(tmp_path / "missing.json")

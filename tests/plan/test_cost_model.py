@@ -283,3 +283,93 @@ def test_edf_stalls_matches_reference_with_negative_compute():
         comp, hosts, xfer = _fuzz_edf_instance(rng)
         comp = (np.asarray(comp) - rng.uniform(0.0, 1.0, len(comp))).tolist()
         assert edf_stalls(comp, hosts, xfer) == _edf_stalls_reference(comp, hosts, xfer)
+
+
+# -- prefetch depth -------------------------------------------------------------------------------------
+def _reference_edf_slots(comp, host, xfer, slots):
+    """Independent event-by-event simulation of the executor's schedule with ``slots`` prefetch slots per
+    request: transfer ``k`` of request ``r`` (its k-th host layer) is released at 0 when ``k < slots``, else
+    when its ``(k - slots)``-th host layer has finished; the link moves the released transfer needed earliest."""
+    n_req, n_layers = host.shape
+    hosts = [list(np.flatnonzero(host[r])) for r in range(n_req)]
+    release = {(r, k): 0.0 for r in range(n_req) for k in range(min(slots, len(hosts[r])))}
+    moved = set()
+    arrived = {}
+    link_free = 0.0
+    t = 0.0
+    stalls = []
+    for layer in range(n_layers):
+        needed = [r for r in range(n_req) if host[r, layer]]
+        while any((r, layer) not in arrived for r in needed):
+            waiting = [(rk, rel) for rk, rel in release.items() if rk not in moved]
+            ready = [rk for rk, rel in waiting if rel <= link_free + 1e-12]
+            if not ready:
+                link_free = min(rel for _, rel in waiting)
+                continue
+            r, k = min(ready, key=lambda rk: (hosts[rk[0]][rk[1]], rk[0]))
+            moved.add((r, k))
+            link_free += xfer[r]
+            arrived[(r, hosts[r][k])] = link_free
+        start = max([t] + [arrived[(r, layer)] for r in needed])
+        stalls.append(start - t)
+        t = start + comp[layer]
+        for r in needed:
+            k = hosts[r].index(layer) + slots
+            if k < len(hosts[r]):
+                release[(r, k)] = t
+    return stalls
+
+
+def test_reference_with_one_slot_is_the_single_slot_reference():
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        comp, host, b, cm = _random_case(rng)
+        x = b / cm.link_blocks_per_s
+        assert np.allclose(_reference_edf_slots(comp, host, x, 1), _reference_edf(comp, host, x), atol=1e-9)
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_edf_with_deeper_prefetch_matches_reference(slots):
+    rng = np.random.default_rng(20 + slots)
+    for _ in range(200):
+        comp, host, b, cm = _random_case(rng)
+        deep = CostModel(comp, cm.link_blocks_per_s, prefetch_slots=slots)
+        got = deep.step(Placement.from_mask(~host), b).stall_per_layer_s
+        ref = _reference_edf_slots(comp, host, b / cm.link_blocks_per_s, slots)
+        assert np.allclose(got, ref, atol=1e-9)
+        # a deeper prefetch never makes the step slower here: one more slot only releases transfers earlier
+        one = cm.step(Placement.from_mask(~host), b).total_s
+        assert deep.step(Placement.from_mask(~host), b).total_s <= one + 1e-9
+
+
+def test_paper_example_unchanged_at_depth_one():
+    """Section 2.3 at an explicit depth of 1: the same stalls as the default model (test_paper_example_edf)."""
+    cm = CostModel([1.0] * 9, 3.0, prefetch_slots=1)
+    for dists, stall1, stall16 in (([3, 3], 3.0, 4.0), ([None, 3], 0.0, 0.0), ([4, 3], 0.0, 2.0 / 3.0)):
+        assert cm.step(Placement.from_distances(9, dists), STEP1).stall_s == pytest.approx(stall1, abs=1e-12)
+        assert cm.step(Placement.from_distances(9, dists), STEP16).stall_s == pytest.approx(stall16, abs=1e-12)
+
+
+def test_depth_two_overlaps_the_next_layer_with_this_layers_compute():
+    """DeepSpeed's pipelining (paper 5.1, Baselines 1): layer i+1 moves while layer i runs. One request, every
+    layer on the host, 1 s per transfer and per layer: depth 1 serialises (1 + 2 * 3 + 1 = 8 s), depth 2 pays
+    only the first transfer (1 + 4 = 5 s) and stalls only at layer 0."""
+    p = Placement.from_distances(4, [1])
+    assert CostModel([1.0] * 4, 2.0).step(p, [2]).total_s == pytest.approx(8.0)
+    deep = CostModel([1.0] * 4, 2.0, prefetch_slots=2).step(p, [2])
+    assert deep.total_s == pytest.approx(5.0)
+    assert np.allclose(deep.stall_per_layer_s, [1.0, 0.0, 0.0, 0.0])
+    # with transfers longer than compute the link is the bottleneck: 4 transfers of 2 s back to back + 1 s
+    assert CostModel([1.0] * 4, 1.0, prefetch_slots=2).step(p, [2]).total_s == pytest.approx(9.0)
+
+
+def test_prefetch_slots_validated_and_carried_by_updates():
+    with pytest.raises(ValueError, match="prefetch_slots"):
+        CostModel([1.0], 1.0, prefetch_slots=0)
+    with pytest.raises(ValueError, match="prefetch_slots"):
+        CostModel([1.0], 1.0, transfer="fair", prefetch_slots=2)
+    cm = CostModel([1.0, 1.0], 1.0, prefetch_slots=2)
+    assert cm.with_updates(link_blocks_per_s=2.0).prefetch_slots == 2
+    assert cm.with_updates(prefetch_slots=1).prefetch_slots == 1
+    with pytest.raises(ValueError, match="slots"):
+        edf_stalls([1.0, 1.0], [[0, 1]], [1.0], slots=0)

@@ -80,3 +80,16 @@ def test_import_does_not_pull_torch():
     code = "import sys, orbitflow.plan; assert 'torch' not in sys.modules, 'torch imported'"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_buffer_grows_with_prefetch_depth():
+    # distance 2 over 4 layers: host layers 1 and 3 of both requests
+    p = Placement.from_distances(4, [2, 2])
+    b = [3, 5]
+    assert p.buffer_blocks(b) == 8  # the paper's max_l sum_r (1 - x) b_r
+    assert p.buffer_blocks(b, slots=1) == 8
+    assert p.buffer_blocks(b, slots=2) == 16  # layer 1 buffered while layer 3 may be in flight
+    assert p.buffer_blocks(b, slots=3) == 16  # only two host layers each
+    assert p.memory_blocks(b, slots=2) == p.resident_blocks(b) + 16
+    one = Placement.from_distances(4, [4, None])  # a single host layer: depth cannot add to it
+    assert one.buffer_blocks(b, slots=2) == one.buffer_blocks(b) == 3

@@ -477,3 +477,24 @@ def test_hint_keeps_the_optimum_and_rescues_a_small_budget():
         odd = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs, hint={"nope": 3, reqs[0].request_id: 999})
         assert odd.predicted_step_s == pytest.approx(exact.predicted_step_s, rel=1e-12)  # a stale hint is harmless
     assert checked >= 5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_search_is_exact_vs_brute_force_at_prefetch_depth_two(seed):
+    """At depth 2 the single-slot latency bounds do not hold; the search keeps only valid cuts and stays exact,
+    and capacity charges the deeper buffer."""
+    rng = np.random.default_rng(300 + seed)
+    for _ in range(4):
+        n_req = int(rng.integers(1, 4))
+        n_layers = int(rng.integers(2, 9))
+        cm1, cap, reqs = random_case(rng, n_req, n_layers)
+        cm = CostModel(cm1.compute(), cm1.link_blocks_per_s, prefetch_slots=2)
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.5, 1.0])), window=(2, 10), check_better=False)
+        got = pl.plan(reqs)
+        best = brute_force(pl, reqs, n_layers)
+        assert got.feasible == (best is not None)
+        if best is not None:
+            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
+            b = [r.blocks_per_layer for r in reqs]
+            assert got.memory_blocks == pytest.approx(got.placement.memory_blocks(b, slots=2))
+            assert got.memory_blocks <= cap + 1e-6

@@ -83,3 +83,20 @@ def test_unknown_policy_names_the_flag():
 
     with pytest.raises(ConfigError, match="--policy"):
         make_policy("nope")
+
+
+def test_deepspeed_prefetches_one_layer_ahead_at_depth_two():
+    """Paper 5.1, Baselines 1: DeepSpeed fetches layer i+1 while layer i runs. One request, four layers on the
+    host, 1 s per transfer and per layer: 5 s with the overlap (depth 2) instead of 8 s."""
+    from orbitflow.config import EngineConfig
+    from orbitflow.policies.base import prefetch_slots_for
+
+    ds = make_policy("deepspeed")
+    assert prefetch_slots_for(EngineConfig(), ds) == 2
+    assert prefetch_slots_for(EngineConfig(), make_policy("orbitflow")) == 1
+    assert prefetch_slots_for(EngineConfig(prefetch_slots=1), ds) == 1  # the config overrides the policy
+    reqs = [PlanRequest("a", 2, 32, 0)]
+    for slots, step_s in ((2, 5.0), (1, 8.0)):
+        ctx = PlanContext(num_layers=4, block_size=16, capacity_blocks=100,
+                          cost_model=CostModel([1.0] * 4, 2.0, prefetch_slots=slots))
+        assert ds.plan(reqs, ctx).predicted_step_s == pytest.approx(step_s)

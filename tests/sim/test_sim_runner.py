@@ -68,3 +68,57 @@ def test_deposit_hides_a_prefill_stall_after_fast_early_steps(a5000, deposit):
         assert result.metrics.tbt_attainment > result.metrics.tbt_attainment_generated
     else:
         assert stats.delivered_violations == stats.generated_violations
+
+
+def _step_times(result):
+    return [t for r in sorted(result.records, key=lambda r: r.request_id) for t in r.generated_s]
+
+
+def test_noise_is_reproducible_under_a_seed_and_differs_across_seeds(a5000):
+    trace = Trace([TraceRequest("a", 0.0, 4000, 60), TraceRequest("b", 0.5, 9000, 40)])
+
+    def run(seed, cv=0.05):
+        config = sim_config(a5000, policy="flexgen+", slo_scale=1.5, seed=seed, device_kv_blocks=6000)
+        return simulate_trace(a5000, trace, config, noise_cv=cv)
+
+    same1, same2, other = run(1), run(1), run(2)
+    assert _step_times(same1) == _step_times(same2)
+    assert _step_times(same1) != _step_times(other)
+    clean = _step_times(run(1, cv=0.0))
+    assert _step_times(same1) != clean
+    # mean-one noise: the run takes about as long as without it
+    assert abs(same1.metrics.makespan_s / run(1, cv=0.0).metrics.makespan_s - 1) < 0.1
+    assert _step_times(run(2, cv=0.0)) == clean  # without noise the seed changes nothing here
+
+
+def test_planner_does_not_see_the_noise(a5000):
+    """The controller predicts with the noise-free profile: its predictions are the clean run's."""
+    trace = Trace([TraceRequest("a", 0.0, 4000, 30), TraceRequest("b", 0.0, 9000, 30)])
+    config = sim_config(a5000, policy="orbitflow", slo_scale=1.5, device_kv_blocks=6000)
+    noisy = simulate_trace(a5000, trace, config, noise_cv=0.05)
+    clean = simulate_trace(a5000, trace, config)
+    first = [r.predicted_step_s for r in noisy.engine.controller.records[:1]]
+    assert first == [r.predicted_step_s for r in clean.engine.controller.records[:1]]
+
+
+def test_solver_time_is_charged_on_the_virtual_clock(a5000):
+    trace = Trace([TraceRequest("a", 0.0, 4000, 30), TraceRequest("b", 1.0, 9000, 30)])
+    config = sim_config(a5000, policy="orbitflow", slo_scale=1.5, device_kv_blocks=6000)
+    free = simulate_trace(a5000, trace, config).metrics
+    slow = simulate_trace(a5000, trace, config, solver_time="2000ms")
+    charged = [r.charged_s for r in slow.engine.controller.records]
+    assert charged and all(c == 2.0 for c in charged)
+    # the first token of each request waits for (at least) the solve that admits it
+    assert slow.metrics.ttft_mean_s >= free.ttft_mean_s + 2.0 - 1e-9
+    assert slow.metrics.extra["solver_charged_s"] == pytest.approx(2.0 * len(charged))
+
+
+def test_solver_time_flag_values():
+    from orbitflow.sim.sweep import solver_time_model
+
+    assert solver_time_model("off") is None
+    assert solver_time_model("measured")(0.25) == 0.25
+    assert solver_time_model("5ms")(0.25) == pytest.approx(0.005)
+    for bad in ("fast", "-1ms", "ms"):
+        with pytest.raises(ValueError, match="--solver-time"):
+            solver_time_model(bad)

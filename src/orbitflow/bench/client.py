@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_summary
-from orbitflow.bench.workload import Trace, TraceError, TraceRequest, generate_trace, scale_trace
+from orbitflow.bench.workload import Trace, TraceError, TraceRequest, generate_trace, load_trace_file, scale_trace
 
 # Token ids for prompts given as lengths: inside every real vocabulary, clear of the special tokens.
 _PROMPT_ID_RANGE = (100, 1000)
@@ -197,9 +197,7 @@ def build_trace(args: argparse.Namespace) -> Trace:
         if args.generate is not None:
             raise BenchError("give either --trace or --generate, not both")
         try:
-            trace = Trace.load(args.trace)
-        except FileNotFoundError:
-            raise BenchError(f"--trace: no such file {args.trace}") from None
+            trace = load_trace_file(args.trace, step_s=getattr(args, "step_s", None)).trace
         except TraceError as exc:
             raise BenchError(f"--trace: {exc}") from None
     elif args.generate is not None:
@@ -277,7 +275,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("workload")
     g.add_argument("--trace", default=None, metavar="FILE",
                    help='trace JSON: {"requests": [{"id", "arrival_s", "input_tokens", "output_tokens", '
-                        '"slo_s"?, "prompt"?}]}')
+                        '"slo_s"?, "prompt"?}]}, or the paper artifact\'s {"requests": {ID: {"input_length", '
+                        '"output_length", "arrival_time"}}} with arrivals in scheduler steps (see --step-s)')
+    g.add_argument("--step-s", type=float, default=None, metavar="S",
+                   help="seconds per scheduler step, to convert the arrival_time of an artifact-format --trace")
     g.add_argument("--generate", type=int, default=None, metavar="N",
                    help="instead of --trace, synthesise N requests from the long-context length mix")
     g.add_argument("--rate", type=float, default=0.5, help="arrival rate of --generate, requests per second (Poisson)")

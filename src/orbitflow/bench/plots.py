@@ -235,3 +235,26 @@ def write_plots(runs: Sequence[Run], out_dir: str | Path, fmt: str = "png", dpi:
         fig.savefig(path, dpi=dpi)
         paths.append(path)
     return paths
+
+
+def plot_ci_bars(panels: Sequence[tuple[str, Sequence[str], dict[str, Sequence[tuple[float, float]]]]],
+                 ylabel: str, scale: float = 1.0) -> Figure:
+    """Side-by-side panels of grouped bars with 95% CI error bars: each panel is (title, x labels,
+    {series: [(mean, ci95) per x label]}); for sweeps over one knob (budget, link rate, prefetch depth)."""
+    fig = Figure(figsize=(4.2 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (title, xs, series) in zip(axes, panels):
+        width = 0.8 / max(len(series), 1)
+        x = np.arange(len(xs))
+        for i, (name, cells) in enumerate(series.items()):
+            means = [c[0] * scale if c[0] is not None else math.nan for c in cells]
+            errs = [(c[1] or 0.0) * scale for c in cells]
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, means, width, yerr=errs, capsize=2, label=name)
+        ax.set_xticks(x)
+        ax.set_xticklabels(xs, fontsize="small")
+        ax.set_title(title, fontsize="medium")
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    return fig

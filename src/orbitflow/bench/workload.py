@@ -280,3 +280,91 @@ def trace_stats(trace: Trace | Sequence[TraceRequest]) -> dict[str, float]:
         stats["rate_per_s"] = float(1.0 / gaps.mean())
         stats["interarrival_cv"] = float(gaps.std() / gaps.mean())
     return stats
+
+
+# ----------------------------------------------------------------------------- trace files from outside
+ARTIFACT_BLOCK_KEYS = ("num_gpu_blocks", "gpu_blocks", "num_gpu_blocks_override")
+
+
+@dataclass
+class LoadedTrace:
+    """A trace file as read: the trace, the file's format and its own device KV budget, if it gives one."""
+
+    trace: Trace
+    source_format: str  # "orbitflow" or "artifact"
+    device_kv_tokens: int | None = None  # GPU KV budget of the file, in tokens (every layer)
+
+    def device_kv_blocks(self, block_size: int, num_layers: int) -> int | None:
+        """The file's budget in the planner's layer-blocks of ``block_size`` tokens."""
+        if self.device_kv_tokens is None:
+            return None
+        return self.device_kv_tokens // block_size * num_layers
+
+
+def _artifact_int(value: Any, where: str, minimum: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise TraceError(f"{where}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def trace_from_artifact(data: dict, step_s: float | None) -> LoadedTrace:
+    """The paper artifact's JSON: ``{"requests": {id: {"input_length", "output_length", "arrival_time"}},
+    "num_gpu_blocks"?, "block_size"?}`` with ``arrival_time`` in scheduler steps (times ``step_s`` seconds).
+
+    The GPU block budget (``num_gpu_blocks``, or the same key under ``"config"``) counts vLLM-style blocks of
+    ``block_size`` tokens (default 16) of every layer; it is returned in tokens.
+    """
+    if step_s is None:
+        raise TraceError("trace: arrival_time is counted in scheduler steps in this format; give --step-s "
+                         "(seconds per step) to convert it")
+    if not (isinstance(step_s, int | float) and math.isfinite(step_s) and step_s > 0):
+        raise TraceError(f"--step-s must be a number > 0, got {step_s!r}")
+    requests = data["requests"]
+    if not requests:
+        raise TraceError("requests: the trace has no requests")
+    out = []
+    for rid, item in requests.items():
+        where = f"requests[{rid!r}]"
+        if not isinstance(item, dict):
+            raise TraceError(f"{where}: expected an object, got {type(item).__name__}")
+        for name in ("input_length", "output_length", "arrival_time"):
+            if name not in item:
+                raise TraceError(f"{where}.{name}: missing")
+        inp = _artifact_int(item["input_length"], f"{where}.input_length", 1)
+        outl = _artifact_int(item["output_length"], f"{where}.output_length", 1)
+        arrival = item["arrival_time"]
+        if not (isinstance(arrival, int | float) and not isinstance(arrival, bool) and math.isfinite(arrival)
+                and arrival >= 0):
+            raise TraceError(f"{where}.arrival_time: must be a number of steps >= 0, got {arrival!r}")
+        out.append(TraceRequest(str(rid), float(arrival) * float(step_s), inp, outl))
+    config = data.get("config") if isinstance(data.get("config"), dict) else {}
+    blocks = next(((k, src[k]) for src in (data, config) for k in ARTIFACT_BLOCK_KEYS if k in src), None)
+    tokens = None
+    if blocks is not None:
+        n = _artifact_int(blocks[1], blocks[0], 1)
+        bs_src = data if "block_size" in data else config
+        bs = _artifact_int(bs_src.get("block_size", 16), "block_size", 1)
+        tokens = n * bs
+    return LoadedTrace(Trace(out), "artifact", tokens)
+
+
+def load_trace_file(path: str | Path, step_s: float | None = None) -> LoadedTrace:
+    """Read a trace file in the project's format (``requests`` a list) or the paper artifact's (``requests``
+    a map of id to lengths and a step-counted arrival). Errors name the file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}: invalid JSON: {exc}") from exc
+    try:
+        if isinstance(data, dict) and isinstance(data.get("requests"), dict):
+            return trace_from_artifact(data, step_s)
+        return LoadedTrace(Trace.from_dict(data), "orbitflow")
+    except TraceError as exc:
+        raise TraceError(f"{path}: {exc}") from exc

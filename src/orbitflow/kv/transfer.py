@@ -1,8 +1,9 @@
 """Moves KV blocks between the host and device pools over one (optionally throttled) link.
 
 Within a decode step the schedule is the one the planner's `edf` cost model assumes:
-- every request has ONE prefetch slot; its first host-resident layer may start moving at step start,
-  its next one only after the previously fetched layer has been consumed (`release`);
+- every request has `prefetch_slots` prefetch slots (the prefetch depth d, default ONE); its first d
+  host-resident layers may start moving at step start, its k-th (k >= d) only after its (k-d)-th fetched
+  layer has been consumed (`release`);
 - the link serves one transfer at a time, non-preemptively, earliest-needed layer first
   (ties: lower batch index);
 - a layer waits until all of its host-resident KV has arrived (`wait_layer`); that wait is its stall.
@@ -44,6 +45,7 @@ class TransferEngine:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.link_bytes_per_s = link_bytes_per_s
+        self.prefetch_slots = 1  # prefetch depth: fetches of one request that may be in flight at once
         self.materialized = device_pool.storage is not None
         self.is_cuda = self.materialized and device_pool.storage.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device_pool.storage.device) if self.is_cuda else None
@@ -112,7 +114,8 @@ class TransferEngine:
                 self._pending[b] = queue
                 for f in queue:
                     self._fetches[(b, f.layer)] = f
-                self._push_ready(queue[0])
+                for f in queue[: self.prefetch_slots]:
+                    self._push_ready(f)
             self._cond.notify_all()
 
     def _push_ready(self, fetch: _Fetch) -> None:
@@ -150,9 +153,9 @@ class TransferEngine:
             queue = self._pending.get(batch_index)
             if queue and queue[0] is fetch:
                 queue.pop(0)
-                if queue:
-                    self._push_ready(queue[0])
-                else:
+                if len(queue) >= self.prefetch_slots:
+                    self._push_ready(queue[self.prefetch_slots - 1])
+                elif not queue:
                     del self._pending[batch_index]
             self._cond.notify_all()
 

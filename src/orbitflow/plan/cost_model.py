@@ -3,9 +3,11 @@
 Two transfer models:
 
 * ``"edf"`` (default) is exactly the schedule the executor runs. Layers run in order, layer ``l`` taking
-  ``comp[l]``. Each request owns ONE prefetch buffer slot, free at step start, so each request's first
-  host-resident layer may start moving at t=0; its next host layer may start moving once the previously
-  fetched layer has finished running. The link moves one transfer at a time, non-preemptively; whenever it
+  ``comp[l]``. Each request owns ``slots`` prefetch buffer slots (the prefetch depth ``d``, default 1),
+  free at step start, so each request's first ``d`` host-resident layers may start moving at t=0; its
+  ``k``-th host layer (``k >= d``, 0-based) may start moving once its ``(k-d)``-th host layer has finished
+  running. With ``d = 1`` a request fetches its next host layer only after the previous one has run.
+  The link moves one transfer at a time, non-preemptively; whenever it
   is free it picks, among the ready transfers, the one whose layer is needed earliest (ties: lower request
   index), and idles only when nothing is ready. A layer starts when the previous layer has finished and all
   of its host-resident KV has arrived; the wait is that layer's stall.
@@ -62,21 +64,23 @@ def _key_rows(n_layers: int, n_req: int) -> tuple[tuple[int, ...], ...]:
 
 
 def edf_stalls(
-    comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float], abort_above: float = math.inf
+    comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float], abort_above: float = math.inf,
+    slots: int = 1,
 ) -> list[float] | None:
     """Per-layer stalls of the executor's schedule (see module docstring).
 
     ``comp``: per-layer compute seconds; ``hosts[r]``: strictly increasing 0-based host layers of request
-    ``r``; ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``. Returns None as soon as the step is
-    known to take longer than ``abort_above`` seconds (the planner's cut for a leaf that cannot win).
+    ``r``; ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``; ``slots``: prefetch depth (buffer
+    slots per request, >= 1). Returns None as soon as the step is known to take longer than ``abort_above``
+    seconds (the planner's cut for a leaf that cannot win).
 
     The link is simulated lazily: decisions are taken when a layer needs its KV. A decision at time ``t``
     only depends on transfers released by ``t``, and every transfer released after an unfinished layer
     is released later than any decision taken before that layer starts, so the lazy order is exact.
     "Released by ``t``" means released at or before ``t + 1e-12 + 1e-9 * t``.
 
-    A transfer is identified by its EDF key ``layer * R + r`` (unique: a request has at most one transfer
-    pending). Releases happen at layer ends, in time order (kept sorted should a negative compute send
+    A transfer is identified by its EDF key ``layer * R + r`` (unique: a request fetches each layer once).
+    Releases happen at layer ends, in time order (kept sorted should a negative compute send
     time back), so released transfers wait in a FIFO of events (release time, keys) until a decision
     admits them into a sorted list of available keys. The decisions while layer ``l`` waits are taken in
     two phases:
@@ -98,12 +102,19 @@ def edf_stalls(
     if isinstance(comp, np.ndarray):
         comp = comp.tolist()
     rel: list[list[int]] = [[] for _ in range(n_layers)]  # keys released when layer l ends
-    avail: list[int] = []  # admitted (available) keys, sorted; at t=0 each request's first transfer
-    for kr, hl in zip(_key_rows(n_layers, n_req), hosts):
-        p = avail
-        for layer in hl:
-            p.append(kr[layer])
-            p = rel[layer]
+    avail: list[int] = []  # admitted (available) keys, sorted; at t=0 each request's first `slots` transfers
+    if slots == 1:
+        for kr, hl in zip(_key_rows(n_layers, n_req), hosts):
+            p = avail
+            for layer in hl:
+                p.append(kr[layer])
+                p = rel[layer]
+    else:
+        if not (isinstance(slots, int) and slots >= 1):
+            raise ValueError(f"slots (prefetch depth) must be an integer >= 1, got {slots!r}")
+        for kr, hl in zip(_key_rows(n_layers, n_req), hosts):
+            for k, layer in enumerate(hl):
+                (avail if k < slots else rel[hl[k - slots]]).append(kr[layer])
     stall = [0.0] * n_layers
     if not avail:
         return stall
@@ -250,6 +261,7 @@ class CostModel:
         num_layers: int | None = None,
         request_overhead_s: float = 0.0,
         transfer_latency_s: float = 0.0,
+        prefetch_slots: int = 1,
     ) -> None:
         if transfer not in _TRANSFERS:
             raise ValueError(f"transfer must be one of {_TRANSFERS}, got {transfer!r}")
@@ -258,6 +270,11 @@ class CostModel:
         for name, value in (("request_overhead_s", request_overhead_s), ("transfer_latency_s", transfer_latency_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if isinstance(prefetch_slots, bool) or not isinstance(prefetch_slots, int) or prefetch_slots < 1:
+            raise ValueError(f"prefetch_slots must be an integer >= 1, got {prefetch_slots!r}")
+        if prefetch_slots != 1 and transfer != "edf":
+            raise ValueError("prefetch_slots > 1 needs transfer='edf' (Algorithm 1 as printed has one slot)")
+        self._slots = prefetch_slots
         self._transfer = transfer
         self._link = float(link_blocks_per_s)
         self._req_overhead = float(request_overhead_s)
@@ -300,6 +317,11 @@ class CostModel:
         return self._transfer
 
     @property
+    def prefetch_slots(self) -> int:
+        """Prefetch depth: buffer slots per request (layers of it that may be in flight at once)."""
+        return self._slots
+
+    @property
     def layer_compute_scale(self) -> np.ndarray:
         return self._scale.copy()
 
@@ -323,6 +345,7 @@ class CostModel:
         layer_compute_scale: float | Sequence[float] | np.ndarray | None = None,
         link_blocks_per_s: float | None = None,
         transfer: str | None = None,
+        prefetch_slots: int | None = None,
     ) -> CostModel:
         """A copy with some parameters replaced (the controller's EWMA refresh)."""
         comp: ComputeSpec = layer_compute_s if layer_compute_s is not None else (self._fn or self._fixed)
@@ -334,6 +357,7 @@ class CostModel:
             num_layers=self._num_layers if layer_compute_s is None else None,
             request_overhead_s=self._req_overhead,
             transfer_latency_s=self._latency,
+            prefetch_slots=self._slots if prefetch_slots is None else prefetch_slots,
         )
 
     def compute(self, total_tokens: int | None = None, num_requests: int = 1) -> np.ndarray:
@@ -377,7 +401,7 @@ class CostModel:
         if self._transfer == "fair":
             return fair_stalls(comp.tolist(), host_mask, xfer)
         hosts = [np.flatnonzero(row).tolist() for row in host_mask]
-        return edf_stalls(comp.tolist(), hosts, xfer)
+        return edf_stalls(comp.tolist(), hosts, xfer, slots=self._slots)
 
     def step(
         self,

@@ -126,16 +126,21 @@ class Placement:
         b = self._check_blocks(blocks_per_layer)
         return float(self._mask.sum(axis=1) @ b)
 
-    def buffer_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
-        """Prefetch buffer ``B_buf = max_l sum_r (1 - x[r, l]) b_r``."""
+    def buffer_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray, slots: int = 1) -> float:
+        """Prefetch buffer ``B_buf = max_l sum_r (1 - x[r, l]) b_r min(d, n_r(l))`` for prefetch depth ``d``.
+
+        ``n_r(l)``: host layers of request ``r`` at or after ``l``. While layer ``l``'s KV of ``r`` sits in the
+        buffer, ``r``'s next ``d - 1`` host layers may be in flight too; with ``d = 1`` this is the paper's
+        ``max_l sum_r (1 - x[r, l]) b_r``.
+        """
         b = self._check_blocks(blocks_per_layer)
         if self.num_requests == 0:
             return 0.0
-        return float((b @ (~self._mask)).max())
+        return float((b @ buffer_slots(~self._mask, slots)).max())
 
-    def memory_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
-        """Left side of the capacity equation: resident blocks plus prefetch buffer."""
-        return self.resident_blocks(blocks_per_layer) + self.buffer_blocks(blocks_per_layer)
+    def memory_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray, slots: int = 1) -> float:
+        """Left side of the capacity equation: resident blocks plus prefetch buffer (``slots``: depth)."""
+        return self.resident_blocks(blocks_per_layer) + self.buffer_blocks(blocks_per_layer, slots)
 
     def host_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
         """Blocks moved over the link in one decode step (``blocks_to_fetch``)."""
@@ -164,3 +169,16 @@ class Placement:
         if d is not None:
             return f"Placement(L={self.num_layers}, distances={d})"
         return f"Placement(R={self.num_requests}, L={self.num_layers}, host={int((~self._mask).sum())})"
+
+
+def buffer_slots(host: np.ndarray, slots: int = 1) -> np.ndarray:
+    """Layers of each request the prefetch buffer holds while layer ``l`` is buffered, for a host mask
+    ``[R, L]`` (True = offloaded) and prefetch depth ``slots``: ``host[r, l] * min(slots, n_r(l))`` with
+    ``n_r(l)`` the host layers of ``r`` at or after ``l``. With one slot it is the host mask itself."""
+    if slots == 1:
+        return host
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots (prefetch depth) must be an integer >= 1, got {slots!r}")
+    remaining = np.cumsum(host[:, ::-1], axis=1)[:, ::-1]
+    return np.where(host, np.minimum(remaining, slots), 0)
+

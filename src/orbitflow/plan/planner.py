@@ -3,7 +3,8 @@
 Problem (paper section 4.3): choose one KV placement for the batch that minimises the predicted latency of
 the target step (step 0 of the window), subject to
 
-* capacity: resident blocks + prefetch buffer <= ``capacity_blocks`` at every step of the decode window,
+* capacity: resident blocks + prefetch buffer (``Placement.buffer_blocks`` at the cost model's prefetch depth)
+  <= ``capacity_blocks`` at every step of the decode window,
   while each request grows to ``b_r(t) = max(b_r, ceil((tokens_r + min(t, tokens_left_r)) / block_size))``;
 * bounded SLO violations: with the Token-Deposit fluid model (per step of predicted latency ``T``,
   ``balance_r += 1 - T / slo_r``; a step whose balance would go negative is one violation of ``r`` and the
@@ -39,7 +40,7 @@ import numpy as np
 
 from orbitflow.plan import compiled as cc
 from orbitflow.plan.cost_model import CostModel
-from orbitflow.plan.placement import Placement
+from orbitflow.plan.placement import Placement, buffer_slots
 from orbitflow.plan.search import REL_TOL as _REL_TOL
 from orbitflow.plan.search import BranchAndBound, candidate_tables
 from orbitflow.plan.search import better as _better
@@ -315,7 +316,8 @@ class Planner:
                     if win.tails is None:
                         win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
                     xfer = np.asarray(self.cost_model.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
-                    stall = cc.step_stall(np.array(comp, dtype=float), win.tails[i], host, xfer)
+                    stall = cc.step_stall(np.array(comp, dtype=float), win.tails[i], host, xfer,
+                                          self.cost_model.prefetch_slots)
                 else:
                     stall = float(sum(self.cost_model.stalls(host, win.blocks[win.seg_starts[i]], comp)))
                 lat = win.seg_cache[(mask_key, i)] = float(comp.sum()) + stall
@@ -337,7 +339,8 @@ class Planner:
     def _memory(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """Capacity-equation left side for each row of ``blocks`` [T, R]."""
         resident = blocks @ (~host).sum(axis=1)
-        buf = (blocks @ host).max(axis=1) if host.shape[0] else np.zeros(blocks.shape[0])
+        slots = self.cost_model.prefetch_slots
+        buf = (blocks @ buffer_slots(host, slots)).max(axis=1) if host.shape[0] else np.zeros(blocks.shape[0])
         return resident + buf
 
     def _violations(self, win: _Window, seg_lat: Sequence[float]) -> np.ndarray:

@@ -161,7 +161,9 @@ class BranchAndBound:
         self.hosts, self.hosts_f, self.counts = tables.hosts, tables.hosts_f, tables.counts
         self.cumh, self.pairs_after, self.lists, self.mats = tables.cumh, tables.pairs_after, tables.lists, tables.mats
         cm = planner.cost_model
-        self.edf = cm.transfer == "edf"  # the bounds are proven for the executor's schedule only
+        # the latency bounds are proven for the executor's schedule with ONE prefetch slot per request only;
+        # at a deeper prefetch the search keeps just the capacity cut (still exact, with weaker pruning)
+        self.edf = cm.transfer == "edf" and cm.prefetch_slots == 1
         self.link = cm.link_blocks_per_s
         self.b0 = win.blocks[0]
         self.bcap = win.blocks[planner.min_steps - 1]

@@ -36,13 +36,14 @@ class PlanContext:
     previous: dict | None = None  # offload distance per request id of the plan in place (the search's first try)
 
     @classmethod
-    def from_profile(cls, config, profile) -> PlanContext:
-        """Planning inputs for an engine built from `config` on hardware described by `profile`."""
+    def from_profile(cls, config, profile, policy: Policy | None = None) -> PlanContext:
+        """Planning inputs for an engine built from `config` on hardware described by `profile` (``policy``:
+        whose own prefetch depth applies when the config leaves it open)."""
         return cls(
             num_layers=profile.num_layers,
             block_size=config.block_size,
             capacity_blocks=config.device_kv_blocks,
-            cost_model=profile.cost_model(),  # the one cost model the simulator also runs on
+            cost_model=profile.cost_model(prefetch_slots=prefetch_slots_for(config, policy)),  # the one model the simulator also runs on
             alpha=config.alpha,
             window=(config.window_min, config.window_max),
             victim=config.victim,
@@ -74,12 +75,20 @@ class Policy:
     name = "policy"
     replan_on: frozenset[str] = frozenset({"batch"})
     pause_resume = False  # may the engine pause a victim when the plan is infeasible?
+    prefetch_slots = 1  # the prefetch depth the real system uses (EngineConfig.prefetch_slots overrides it)
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         raise NotImplementedError
 
     def describe(self) -> str:
         return self.name
+
+
+def prefetch_slots_for(config, policy: Policy | None) -> int:
+    """The prefetch depth a run uses: the config's if set, else the policy's own."""
+    if getattr(config, "prefetch_slots", None) is not None:
+        return int(config.prefetch_slots)
+    return int(getattr(policy, "prefetch_slots", 1))
 
 
 def default_slo_s(config, profile) -> float:

@@ -1,4 +1,8 @@
-"""DeepSpeed-Inference: every layer's KV lives on the host and is fetched one layer ahead."""
+"""DeepSpeed-Inference: every layer's KV lives on the host and is fetched one layer ahead.
+
+Prefetch depth 2 (paper section 5.1, Baselines, item 1: it prefetches the next layer while the current one
+runs): layer i+1's KV may move while layer i computes, so the link and the compute overlap.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from orbitflow.policies.base import PlanContext, Policy
 class DeepSpeedPolicy(Policy):
     name = "deepspeed"
     replan_on = frozenset()
+    prefetch_slots = 2
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         placement = Placement.from_distances(ctx.num_layers, [1] * len(requests))

@@ -34,7 +34,7 @@ class DynamicHeuristicPolicy(Policy):
         def placement() -> Placement:
             return Placement.from_distances(ctx.num_layers, [options[k] for k in level])
 
-        while placement().memory_blocks(blocks) > ctx.capacity_blocks:
+        while placement().memory_blocks(blocks, ctx.cost_model.prefetch_slots) > ctx.capacity_blocks:
             growable = [i for i in by_size if level[i] < len(options) - 1]
             if not growable:
                 break

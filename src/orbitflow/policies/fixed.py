@@ -53,7 +53,8 @@ class FixedPlacementPolicy(Policy):
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         rows = [placement_row(self.spec, ctx.num_layers, r.request_id) for r in requests]
         placement = Placement.from_mask(np.array(rows, dtype=bool).reshape(len(requests), ctx.num_layers))
-        needed = placement.memory_blocks([final_blocks(r, ctx.block_size) for r in requests])
+        needed = placement.memory_blocks([final_blocks(r, ctx.block_size) for r in requests],
+                                         ctx.cost_model.prefetch_slots)
         if needed > ctx.capacity_blocks:
             raise PlacementError(
                 f"placement {self.spec!r} needs {int(needed)} device KV blocks (resident + prefetch buffer) "

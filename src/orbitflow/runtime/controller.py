@@ -7,12 +7,18 @@ more than `mismatch_threshold`: per-layer compute and link bandwidth are then re
 policies that want it, every step. An expiry
 that is known one step ahead is solved on a background thread while the current step runs, so the
 solver's cost stays off the critical path. Every call is recorded.
+
+On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`:
+a solve that the batch must wait for (a batch change, an infeasible plan, no plan yet) advances the clock by
+its solve time; a re-plan of an unchanged batch (expiry, mismatch, every step) leaves the old plan running and
+adopts the new one at the first decision once its solve time has passed on the clock.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -36,6 +42,7 @@ class PlanRecord:
     background: bool = False
     proven: bool = True  # False when the planner's budget ran out before optimality was proven
     gap: float = 0.0  # the planner's certified relative gap to the best possible plan
+    charged_s: float | None = None  # seconds of virtual clock charged for this solve (simulator only)
 
 
 class Controller:
@@ -58,9 +65,29 @@ class Controller:
         self.records: list[PlanRecord] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitflow-planner") if background else None
         self._ahead: tuple[int, list, Future] | None = None
+        self._clock = None  # set by charge_solve_time (simulator)
+        self._solve_time: Callable[[float], float] | None = None
+        self._pending: tuple[Plan, list, int, float] | None = None  # (plan, ids, step, ready at) while solving
+        self.adopted_late = 0  # re-plans adopted after the old plan ran on while they solved
+
+    def charge_solve_time(self, clock, solve_time: Callable[[float], float]) -> None:
+        """Put every solve on ``clock``: ``solve_time(measured wall seconds)`` is what it costs there."""
+        self._clock = clock
+        self._solve_time = solve_time
 
     # ---- when -------------------------------------------------------------------------------------
     def trigger(self, step: int, batch_ids: list) -> str | None:
+        if self._pending is not None:
+            plan, ids, plan_step, ready = self._pending
+            if ids != batch_ids:
+                self._pending = None  # the batch changed under the solve: its plan is stale
+            elif self._clock.now() + 1e-12 >= ready:
+                self._pending = None
+                self.plan, self.plan_ids, self.plan_step = plan, list(ids), plan_step
+                self.mismatch = False
+                self.adopted_late += 1
+            else:
+                return None  # still solving: the old plan keeps running
         if self.plan is None or batch_ids != self.plan_ids:
             return "batch"
         wanted = self.policy.replan_on
@@ -76,19 +103,22 @@ class Controller:
     def solve(self, requests: list[PlanRequest], step: int, trigger: str) -> Plan:
         """Plan now, unless the background thread already solved this very step for this batch."""
         ids = [r.request_id for r in requests]
+        plan, background = None, False
         if self._ahead is not None:
             ahead_step, ahead_ids, future = self._ahead
             self._ahead = None
             if ahead_step == step and ahead_ids == ids and trigger == "expiry":
                 plan, solve_s = future.result()
-                return self._install(plan, ids, step, trigger, solve_s, background=True)
+                background = True
         start = time.perf_counter()
-        plan = self.policy.plan(requests, self.ctx)
+        if plan is None:
+            plan = self.policy.plan(requests, self.ctx)
         if not plan.feasible and (len(requests) == 1 or not self.policy.pause_resume):
             # Nothing to pause (or a policy without Pause-Resume): settle for the fastest plan that fits
-            # the device, SLO cap or not.
+            # the device, SLO cap or not. This holds for a plan solved ahead on the planner thread too.
             plan = self.policy.plan(requests, replace(self.ctx, alpha=math.inf))
-        return self._install(plan, ids, step, trigger, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return self._install(plan, ids, step, trigger, solve_s + elapsed if background else elapsed, background)
 
     def expires_at(self, step: int) -> bool:
         """Whether the plan's expiry trigger will fire at `step` (so it is worth solving ahead)."""
@@ -118,6 +148,14 @@ class Controller:
                 proven=bool(plan.stats.get("exact", 1)), gap=float(plan.stats.get("gap", 0.0)),
             )
         )
+        if self._clock is not None:
+            cost = float(self._solve_time(solve_s))
+            self.records[-1].charged_s = cost
+            if plan.feasible and trigger != "batch" and self.plan is not None and ids == self.plan_ids:
+                # the old plan still fits this batch: it runs on while the new one solves
+                self._pending = (plan, list(ids), step, self._clock.now() + cost)
+                return plan
+            self._clock.advance(cost)  # nothing valid to run meanwhile: the batch waits for the plan
         if plan.feasible:
             self.plan, self.plan_ids, self.plan_step = plan, list(ids), step
             self.ctx.previous = dict(zip(ids, plan.distances)) if plan.distances is not None else None
@@ -126,6 +164,7 @@ class Controller:
 
     def forget(self) -> None:
         self.plan, self.plan_ids = None, []
+        self._pending = None
 
     # ---- observing --------------------------------------------------------------------------------
     def predict(self, on_device: list[list[bool]], blocks_per_layer: list[int], total_tokens: int) -> float:

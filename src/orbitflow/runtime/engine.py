@@ -289,13 +289,14 @@ class Engine:
 
     def _memory_for(self, cand: Request) -> bool:
         """Whether both pools together can hold `cand` to its last token while every admitted request
-        also grows to its last token, plus the largest prefetch buffer any plan could ask for (one layer
-        of every request). Then no plan of theirs can run the host pool dry."""
+        also grows to its last token, plus the largest prefetch buffer any plan could ask for (prefetch-depth
+        layers of every request). Then no plan of theirs can run the host pool dry."""
         admitted = self.running + self.paused + [cand]
         final = sum(self._final_blocks(r) for r in admitted)
         free = self.kv.device_pool.num_free + self.kv.host_pool.num_free
         held = sum(self.kv.tables[r.request_id].blocks_per_layer for r in admitted if r.request_id in self.kv.tables)
-        return final * self.num_layers + final <= free + held * self.num_layers
+        slots = self.controller.ctx.cost_model.prefetch_slots  # a prefetch buffer of `slots` layers each
+        return final * (self.num_layers + slots) <= free + held * self.num_layers
 
     def _victim(self, plan: Plan, batch: list[Request]) -> Request:
         """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a

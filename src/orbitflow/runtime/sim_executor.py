@@ -1,8 +1,11 @@
 """The simulated executor: the same step interface as ModelExecutor, on a virtual clock.
 
 A step costs what the planner's own step-latency model (`edf`, over a hardware profile) predicts
-for the placement the KV manager holds, optionally perturbed by multiplicative compute noise and by
-link-contention episodes (which is what exercises the controller's profile-mismatch trigger).
+for the placement the KV manager holds, at the run's prefetch depth (``prefetch_slots``), optionally perturbed
+by link-contention episodes and by seeded multiplicative noise the planner does not see: with ``noise_cv``
+every layer's compute, every request's transfers of the step and every prefill take a lognormal factor
+of mean 1 and that coefficient of variation (the older ``noise`` is one log-normal factor, sigma ``noise``,
+on the step's compute).
 The cost model is the profile's own (`HardwareProfile.cost_model()`), the one the engine's planner uses.
 Placement changes between steps cost their bytes over the link plus the profile's host-side cost per moved
 layer; a prefill chunk beside decodes adds the measured interference. KV is only counted, never stored.
@@ -14,6 +17,7 @@ import numpy as np
 
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Placement
+from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.runtime.executor import SeqInput, StepResult
 from orbitflow.sim.profiles import HardwareProfile
 
@@ -39,18 +43,30 @@ class SimExecutor:
         noise: float = 0.0,
         contention: list[tuple[float, float, float]] | None = None,
         seed: int = 0,
+        noise_cv: float = 0.0,
+        prefetch_slots: int = 1,
     ):
+        if not (noise_cv >= 0 and np.isfinite(noise_cv)):
+            raise ValueError(f"noise_cv must be a finite number >= 0, got {noise_cv!r}")
         self.profile = profile
         self.kv = kv
         self.clock = clock
         self.num_layers = profile.num_layers
         self.block_size = profile.block_size
-        self.cost_model = profile.cost_model()  # the very model the engine's planner predicts with
+        self.cost_model = profile.cost_model(prefetch_slots=prefetch_slots)  # the engine planner's very model
         self.noise = noise
+        self.noise_cv = noise_cv
+        self._ln_sigma = float(np.sqrt(np.log1p(noise_cv**2)))  # lognormal with mean 1 and CV noise_cv
         self.contention = contention or []  # (start_s, end_s, link slowdown factor)
         self.rng = np.random.default_rng(seed)
         self._moved_bytes = 0
         self._moves = 0
+
+    def _factors(self, n: int) -> np.ndarray:
+        """``n`` seeded lognormal factors of mean 1 and CV ``noise_cv`` (ones when it is 0)."""
+        if self._ln_sigma == 0.0:
+            return np.ones(n)
+        return self.rng.lognormal(-0.5 * self._ln_sigma**2, self._ln_sigma, size=n)
 
     def link_slowdown(self, t: float) -> float:
         return max([f for start, end, f in self.contention if start <= t < end], default=1.0)
@@ -71,6 +87,8 @@ class SimExecutor:
         noise = float(np.exp(self.rng.normal(0.0, self.noise))) if self.noise > 0 else 1.0
         prefill_tokens = sum(len(s.token_ids) for s in prefill)
         prefill_s = self.profile.prefill_s(prefill_tokens) * noise
+        if prefill_tokens and self.noise_cv:
+            prefill_s *= float(self._factors(1)[0])
         compute = np.zeros(self.num_layers)
         stall = np.zeros(self.num_layers)
         h2d = 0
@@ -81,9 +99,18 @@ class SimExecutor:
             model = self.cost_model
             if slowdown != 1.0:
                 model = model.with_updates(link_blocks_per_s=model.link_blocks_per_s / slowdown)
-            est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
-            compute = np.asarray(est.compute_per_layer_s) * noise
-            stall = np.asarray(est.stall_per_layer_s)
+            if self.noise_cv:
+                # the same schedule as the planner's model, on perturbed compute and transfer times
+                compute = np.asarray(model.compute(total_tokens if model.depends_on_tokens else None, len(decode)))
+                compute = compute * noise
+                compute = compute * self._factors(self.num_layers)
+                xfer = np.asarray(model.transfer_s(np.asarray(blocks, dtype=float))) * self._factors(len(decode))
+                hosts = [np.flatnonzero(~row).tolist() for row in mask]
+                stall = np.asarray(edf_stalls(compute.tolist(), hosts, xfer.tolist(), slots=model.prefetch_slots))
+            else:
+                est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
+                compute = np.asarray(est.compute_per_layer_s) * noise
+                stall = np.asarray(est.stall_per_layer_s)
             h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)
         compute[0] += prefill_s  # a prefill in the batch delays the whole step
         if prefill and decode:  # a prefill chunk beside decodes: the measured interference

@@ -173,12 +173,13 @@ class HardwareProfile:
         """Decode step seconds of one request when every layer's KV is on the device."""
         return float(self.layer_compute_s(total_tokens).sum())
 
-    def cost_model(self, transfer: str = "edf") -> CostModel:
+    def cost_model(self, transfer: str = "edf", prefetch_slots: int = 1) -> CostModel:
         """THE step-latency model of this hardware: the engine's planner (`PlanContext.from_profile`), the
         controller's mismatch check and the simulator (`SimExecutor`) all predict with this one, so a
         calibrated profile calibrates all of them at once."""
         return CostModel(self.layer_compute_s, self.link_blocks_per_s, transfer, num_layers=self.num_layers,
-                         request_overhead_s=self.decode_per_request_s, transfer_latency_s=self.transfer_latency_s)
+                         request_overhead_s=self.decode_per_request_s, transfer_latency_s=self.transfer_latency_s,
+                         prefetch_slots=prefetch_slots)
 
     def placement_change_s(self, nbytes: int, layers_moved: int) -> float:
         """Seconds the engine spends on a placement change: its bytes over the link plus a host-side cost

@@ -12,12 +12,13 @@ from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics
 from orbitflow.bench.workload import Trace
 from orbitflow.config import EngineConfig
 from orbitflow.policies import make_policy
-from orbitflow.policies.base import PlanContext, default_slo_s
+from orbitflow.policies.base import PlanContext, default_slo_s, prefetch_slots_for
 from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.engine import Engine, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.runtime.sim_executor import SimExecutor, accounting_kv
 from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.sim.sweep import solver_time_model
 
 
 def sim_config(profile: HardwareProfile, **overrides) -> EngineConfig:
@@ -42,13 +43,23 @@ def simulate_trace(
     noise: float = 0.0,
     contention: list[tuple[float, float, float]] | None = None,
     max_steps: int = 2_000_000,
+    noise_cv: float = 0.0,
+    solver_time: str = "off",
 ) -> SimResult:
+    """Replay ``trace``. ``noise_cv``: seeded (``config.seed``) lognormal noise on compute and transfers that
+    the planner does not see; ``solver_time``: see :func:`solver_time_model`. The prefetch depth is the
+    config's, or the policy's own."""
     clock = VirtualClock()
+    charge = solver_time_model(solver_time)
     kv = accounting_kv(profile, config.device_kv_blocks)
-    executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.seed)
     policy = make_policy(config.policy)
-    ctx = PlanContext.from_profile(config, profile)
+    slots = prefetch_slots_for(config, policy)
+    executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.seed,
+                           noise_cv=noise_cv, prefetch_slots=slots)
+    ctx = PlanContext.from_profile(config, profile, policy)
     engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
+    if charge is not None:
+        engine.controller.charge_solve_time(clock, charge)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     rejected: list[str] = []
     i = 0
@@ -82,7 +93,8 @@ def simulate_trace(
     metrics = compute_metrics(
         records, engine.default_slo_s, device_mem_util=engine.stats.device_mem_util,
         solver_calls=c.solver_calls, solver_time_s=c.solver_time_s, rejected=len(rejected),
-        pauses=engine.stats.pauses,
+        pauses=engine.stats.pauses, prefetch_slots=slots,
+        solver_charged_s=sum(r.charged_s or 0.0 for r in c.records), plans_adopted_late=c.adopted_late,
     )
     engine.close()
     return SimResult(policy.name, metrics, records, engine)

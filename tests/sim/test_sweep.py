@@ -1,0 +1,64 @@
+"""Multi-seed sweeps: confidence intervals, 'better' only without overlap, budgets, link rates, depths."""
+
+import math
+
+import pytest
+
+from orbitflow.sim.profiles import load_preset
+from orbitflow.sim.sweep import (
+    PAPER_SETUP,
+    Point,
+    SimSetup,
+    better,
+    config_record,
+    largest_batch_blocks,
+    mean_ci95,
+    point_device_blocks,
+    point_profile,
+    summarize,
+)
+
+
+def test_mean_ci95_uses_student_t():
+    cell = mean_ci95([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert cell["mean"] == 3.0 and cell["n"] == 5
+    assert cell["ci95"] == pytest.approx(2.776 * math.sqrt(2.5) / math.sqrt(5))
+    assert mean_ci95([7.0]) == {"mean": 7.0, "ci95": 0.0, "n": 1}
+    assert mean_ci95([None, float("nan")])["mean"] is None
+
+
+def test_better_only_without_overlap():
+    hi, lo = {"mean": 0.9, "ci95": 0.05}, {"mean": 0.7, "ci95": 0.1}
+    assert better(hi, lo, "tbt_attainment") and not better(lo, hi, "tbt_attainment")
+    assert not better({"mean": 0.9, "ci95": 0.15}, lo, "tbt_attainment")  # 0.75 < 0.8: overlap
+    assert better(lo, hi, "p95_tbt_s") and not better(hi, lo, "p95_tbt_s")  # lower is better for latency
+
+
+def test_summary_groups_seeds_per_point():
+    runs = [{"label": "x", "policy": "x", "slo_scale": 1.0, "rate_scale": 1.0, "token_deposit": True, "seed": s,
+             "tbt_attainment": v} for s, v in enumerate([0.5, 0.7])]
+    (row,) = summarize(runs, metrics=("tbt_attainment",))
+    assert row["seeds"] == [0, 1] and row["tbt_attainment"]["mean"] == pytest.approx(0.6)
+
+
+def test_paper_setup_and_point_overrides():
+    prof = load_preset("a5000-llama3-8b")
+    assert PAPER_SETUP.device_kv_fraction == 0.5 and PAPER_SETUP.seeds >= 5 and PAPER_SETUP.num_requests >= 64
+    assert PAPER_SETUP.noise_cv > 0 and PAPER_SETUP.solver_time == "measured"
+    largest = largest_batch_blocks(prof, 32768)
+    assert largest == 32768 // 16 * 32
+    assert point_device_blocks(prof, PAPER_SETUP, Point("orbitflow", 1, 1)) == largest // 2
+    assert point_device_blocks(prof, PAPER_SETUP, Point("orbitflow", 1, 1, device_kv_fraction=0.23)) == \
+        round(0.23 * largest)
+    assert point_profile(prof, PAPER_SETUP, Point("orbitflow", 1, 1, link_gbps=12.0)).link_bytes_per_s == 12e9
+    cfg = config_record(prof, PAPER_SETUP, [Point("orbitflow", 1, 1), Point("deepspeed", 1, 1, prefetch_slots=2)])
+    assert cfg["device_kv_blocks"] == largest // 2 and cfg["seeds"] == [0, 1, 2, 3, 4]
+    assert cfg["link_gbps"] == pytest.approx(prof.link_bytes_per_s / 1e9)
+
+
+@pytest.mark.parametrize("kwargs, flag", [({"seeds": 0}, "--seeds"), ({"noise_cv": -1}, "--noise-cv"),
+                                          ({"device_kv_fraction": 0}, "--device-kv-fraction"),
+                                          ({"solver_time": "soon"}, "--solver-time")])
+def test_setup_names_the_bad_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        SimSetup(**kwargs)
