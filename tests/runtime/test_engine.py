@@ -175,3 +175,23 @@ def test_new_request_waits_while_both_pools_are_full_and_runs_when_one_finishes(
         assert llm.kv.usage() == (0, 0)
     finally:
         llm.close()
+
+
+def test_a_request_whose_sampling_fails_ends_alone(tiny_llama):
+    # Issue 13's D1: one request's sampling failure used to fail the whole step, so every request in it ended
+    # with an error. Now it ends alone, and the others produce exactly what they produce without it.
+    ps = prompts(3, 12)
+    good = SamplingParams(max_tokens=12, ignore_eos=True)
+    bad = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, logit_bias=((10**6, 1.0),))
+    llm = make_llm(tiny_llama, profile=tiny_profile(), max_num_seqs=4)
+    try:
+        solo = [r.output_ids for r in llm.generate([ps[0], ps[2]], good)]
+        e = llm.engine
+        reqs = [e.add_request("a", ps[0], good), e.add_request("bad", ps[1], bad), e.add_request("c", ps[2], good)]
+        e.run_until_done()
+        assert reqs[1].finish_reason == "error" and "sampling failed" in reqs[1].error
+        assert [reqs[0].output_ids, reqs[2].output_ids] == solo
+        assert [reqs[0].finish_reason, reqs[2].finish_reason] == ["length", "length"]
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()

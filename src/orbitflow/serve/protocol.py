@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -33,7 +34,17 @@ MAX_N = 16
 _INT64 = (-(2**63), 2**63 - 1)
 
 Number = StrictInt | StrictFloat  # JSON numbers; strings and booleans are rejected
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+
+
+def _json_integer(value: Any) -> Any:
+    """JSON Schema's integer: 7 and 7.0, never "7" or true (pydantic's lax int would take both)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("Input should be a valid integer")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_json_integer)]
+TokenId = Annotated[Int, Field(ge=0, le=2**31 - 1)]
 
 
 def _range(lo: float, hi: float, default: float, doc: str, *, gt: bool = False) -> Any:
@@ -51,12 +62,12 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = Field(None, description="must be the served model's name when given")
-    max_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1,
+    max_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
                                          description="tokens to generate at most (prompt + max_tokens <= context)")
     temperature: Number = _range(0.0, 2.0, 1.0, "0 (or below 1e-5) samples greedily")
     top_p: Number = _range(0.0, 1.0, 1.0, "nucleus sampling mass, in (0, 1]", gt=True)
-    top_k: StrictInt = Field(0, ge=-1, le=2**31 - 1, description="keep the k most likely tokens; 0 or -1: off")
-    seed: StrictInt | None = Field(None, ge=_INT64[0], le=_INT64[1], description="reproducible sampling (int64)")
+    top_k: Int = Field(0, ge=-1, le=2**31 - 1, description="keep the k most likely tokens; 0 or -1: off")
+    seed: Int | None = Field(None, ge=_INT64[0], le=_INT64[1], description="reproducible sampling (int64)")
     presence_penalty: Number = _range(-2.0, 2.0, 0.0, "subtracted once from each token already generated")
     frequency_penalty: Number = _range(-2.0, 2.0, 0.0, "subtracted per occurrence of a generated token")
     repetition_penalty: Number = _range(0.0, 2.0, 1.0, "divides positive (multiplies negative) logits of "
@@ -70,8 +81,8 @@ class SamplingFields(BaseModel):
                           "the output ends before the first one")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                                  description="token ids that end the output (kept in it)")
-    n: StrictInt = Field(1, ge=1, le=MAX_N, description="choices to generate for the prompt")
-    best_of: StrictInt | None = Field(None, description="only best_of = n is supported")
+    n: Int = Field(1, ge=1, le=MAX_N, description="choices to generate for the prompt")
+    best_of: Int | None = Field(None, description="only best_of = n is supported")
     stream: StrictBool = Field(False, description="stream chunks as server-sent events")
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="keep generating past the end-of-sequence token")
@@ -121,15 +132,17 @@ def _unsupported(param: str, message: str) -> UnsupportedParameter:
     return UnsupportedParameter(param, f"{param}: {message}")
 
 
-Prompt = StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
+Prompt = (Annotated[StrictStr, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+          | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(description="text or token ids (one prompt per request)")
-    max_tokens: StrictInt | None = Field(16, ge=1, le=2**31 - 1,
+    max_tokens: Int | None = Field(16, ge=1, le=2**31 - 1,
                                          description="tokens to generate at most (OpenAI's default: 16)")
     echo: StrictBool = Field(False, description="prepend the prompt to the text (not with logprobs)")
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                        description="return each token's logprob and this many alternatives")
     suffix: StrictStr | None = Field(None, description="not supported (400 when given)")
 
@@ -193,10 +206,10 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1,
+    max_completion_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
                                                     description="tokens to generate at most (wins over max_tokens)")
     logprobs: StrictBool = Field(False, description="return each generated token's logprob")
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                            description="alternatives per token (needs logprobs: true)")
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'}")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported (400 when non-empty)")
