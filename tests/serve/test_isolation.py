@@ -76,7 +76,7 @@ def test_hostile_requests_leave_normal_streams_untouched(server):
         normal = [pool.submit(stream, server.url, body) for body in NORMAL]
         statuses = list(pool.map(hostile, [server.url] * 50, range(50)))
         assert [f.result() for f in normal] == solo
-    assert all(s is None or s in (200, 400, 413) for s in statuses), list(enumerate(statuses))
+    assert all(s is None or s in (200, 400, 413, 503) for s in statuses), list(enumerate(statuses))  # 503: load
     assert {400, 413, 200} <= set(statuses)
     wait_until_idle(server.llm)
     assert kv_empty(server.llm)
