@@ -3,12 +3,14 @@
 One iteration (`step`):
 1. take in new requests and aborts (thread-safe inbox);
 2. resume paused requests, then admit waiting ones, while the policy finds a plan for the bigger batch
-   (OrbitFlow pauses the policy's victim when none is feasible);
+   (OrbitFlow pauses the policy's victim when none is feasible); a request whose KV the pools cannot
+   hold beside the admitted ones waits (in order) until one finishes;
 3. re-plan when the controller says so, pausing victims until the plan is feasible;
 4. install the plan: the KV manager moves only layers whose tier changed;
 5. run one step: a prefill of newly admitted prompts (decoding waits, as in the paper) or, with
    chunked prefill, one chunk beside the decode batch; otherwise one decode step;
 6. stamp each new token's delivery time with its Token-Deposit, finish requests, free their blocks.
+   What fails for one request there (its sampling, its stop check, a listener) ends that request alone.
 """
 
 from __future__ import annotations
