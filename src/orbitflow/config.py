@@ -35,6 +35,7 @@ class EngineConfig:
     scheduling: str = "fcfs"
     chunked_prefill: int | None = None  # prefill long prompts in chunks of this many tokens
     max_model_len: int | None = None  # defaults to the model's context length
+    max_queue_len: int | None = None  # requests allowed to wait for admission (None: unbounded); more get 503
     # SLO and control.
     policy: str = "orbitflow"
     slo_ms: float | None = None  # per-token (TBT) SLO; None: derived from slo_scale x base SLO
@@ -80,6 +81,7 @@ class EngineConfig:
         positive("max_num_batched_tokens", "--max-num-batched-tokens")
         positive("chunked_prefill", "--chunked-prefill", allow_none=True)
         positive("max_model_len", "--max-model-len", allow_none=True)
+        positive("max_queue_len", "--max-queue-len", allow_none=True)
         positive("plan_node_limit", "--plan-node-limit", allow_none=True)
         positive("plan_time_limit_ms", "--plan-time-limit-ms", allow_none=True)
         positive("slo_ms", "--slo-ms", allow_none=True)

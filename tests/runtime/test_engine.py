@@ -157,19 +157,41 @@ def test_rejects_what_can_never_fit(tiny_llama):
         llm.close()
 
 
-def test_new_request_is_rejected_when_both_pools_are_full_and_running_ones_finish(tiny_llama):
+def test_new_request_waits_while_both_pools_are_full_and_runs_when_one_finishes(tiny_llama):
     # 6 layers; each request needs ceil((40 + 60) / 16) = 7 blocks per layer = 42 blocks to finish, plus up
-    # to 7 blocks of prefetch buffer: two fit in 30 + 70 blocks (2 x 49 = 98), a third does not.
-    llm = make_llm(tiny_llama, profile=tiny_profile(), device_kv_blocks=30, host_kv_blocks=70, max_num_seqs=4)
+    # to 7 blocks of prefetch buffer: one fits in 30 + 60 blocks (49), a second does not, so it waits (it
+    # used to end with "KV memory exhausted", a 500 to the client: issue 13's D3) until the first finishes.
+    llm = make_llm(tiny_llama, profile=tiny_profile(), device_kv_blocks=30, host_kv_blocks=60, max_num_seqs=4)
     try:
         e = llm.engine
         ps = prompts(3, 40)
         reqs = [e.add_request(f"r{i}", p, SamplingParams(max_tokens=60, ignore_eos=True)) for i, p in enumerate(ps)]
+        e.step()
+        assert [r.request_id for r in e.running] == ["r0"] and [r.request_id for r in e.waiting] == ["r1", "r2"]
         e.run_until_done()
-        done = {r.request_id: r for r in reqs}
-        assert done["r0"].finish_reason == "length" and done["r1"].finish_reason == "length"
-        assert done["r2"].finish_reason == "error" and "KV memory exhausted" in done["r2"].error
-        assert len(done["r0"].output_ids) == len(done["r1"].output_ids) == 60
+        assert [r.finish_reason for r in reqs] == ["length"] * 3
+        assert all(len(r.output_ids) == 60 for r in reqs)
+        assert reqs[1].generated_s[0] >= reqs[0].finished_s and reqs[2].generated_s[0] >= reqs[1].finished_s
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
+
+
+def test_a_request_whose_sampling_fails_ends_alone(tiny_llama):
+    # Issue 13's D1: one request's sampling failure used to fail the whole step, so every request in it ended
+    # with an error. Now it ends alone, and the others produce exactly what they produce without it.
+    ps = prompts(3, 12)
+    good = SamplingParams(max_tokens=12, ignore_eos=True)
+    bad = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, logit_bias=((10**6, 1.0),))
+    llm = make_llm(tiny_llama, profile=tiny_profile(), max_num_seqs=4)
+    try:
+        solo = [r.output_ids for r in llm.generate([ps[0], ps[2]], good)]
+        e = llm.engine
+        reqs = [e.add_request("a", ps[0], good), e.add_request("bad", ps[1], bad), e.add_request("c", ps[2], good)]
+        e.run_until_done()
+        assert reqs[1].finish_reason == "error" and "sampling failed" in reqs[1].error
+        assert [reqs[0].output_ids, reqs[2].output_ids] == solo
+        assert [reqs[0].finish_reason, reqs[2].finish_reason] == ["length", "length"]
         assert llm.kv.usage() == (0, 0)
     finally:
         llm.close()

@@ -38,11 +38,11 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(llm, api_key: str | None = None) -> Iterator[LiveServer]:
+def live_server(llm, api_key: str | None = None, **app_options) -> Iterator[LiveServer]:
     """Uvicorn on a pre-bound loopback socket (no port race), in a background thread."""
     from orbitflow.serve.api import build_app
 
-    app = build_app(llm, MODEL_NAME, api_key=api_key)
+    app = build_app(llm, MODEL_NAME, api_key=api_key, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -62,6 +62,10 @@ def live_server(llm, api_key: str | None = None) -> Iterator[LiveServer]:
         thread.join(30)
         sock.close()
         llm.close()
+
+
+def kv_empty(llm) -> bool:
+    return llm.engine.kv.usage() == (0, 0)
 
 
 def wait_until_idle(llm, timeout_s: float = 60.0) -> None:

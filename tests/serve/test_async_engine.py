@@ -123,3 +123,23 @@ def test_stop_string_filter_holds_back_and_truncates():
     assert "".join(out) == "hello " and f.stopped
     g = StopStringFilter(["STOP"])
     assert "".join([g.push("ST"), g.push("ay"), g.flush()]) == "STay" and not g.stopped
+
+
+class BrokenTokenizer(LetterTokenizer):
+    def decode(self, ids, skip_special_tokens=True):
+        if 13 in ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return super().decode(ids)
+
+
+def test_a_detokenizer_failure_ends_that_request_alone():
+    fake = ScriptedEngine([(0.0, token(0, 0.0)), (0.01, token(13, 0.0)), (5.0, finish())])
+    engine = AsyncEngine(fake, BrokenTokenizer())
+    engine.start()
+    try:
+        with pytest.raises(EngineError, match="detokenizing failed"):
+            asyncio.run(consume(engine))
+        assert fake.aborted == ["r1"]  # the engine is told at once, so its blocks go back
+        assert engine.running  # and the loop goes on for everyone else
+    finally:
+        engine.shutdown()

@@ -81,3 +81,36 @@ def test_models_health_metrics(server, client):
         "orbitflow:pauses_total",
     ):
         assert name in text
+
+
+def test_logprobs_n_and_penalties_through_the_openai_client(client, server):
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Name a planet."}], max_tokens=5, temperature=0.8,
+        seed=3, n=3, logprobs=True, top_logprobs=3, presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.2})
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    for choice in chat.choices:
+        content = choice.logprobs.content
+        assert len(content) == 5 and all(t.logprob <= 0 and len(t.top_logprobs) == 3 for t in content)
+        assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+    assert chat.usage.completion_tokens == 15
+    again = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Name a planet."}], max_tokens=5, temperature=0.8,
+        seed=3, n=3, presence_penalty=0.5, frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in chat.choices]  # seeded
+
+    greedy = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    lp = greedy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 8
+    # Greedy picks the most likely token: its logprob is the best of the alternatives.
+    assert all(abs(max(top.values()) - chosen) < 1e-4 for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    first_id = server.llm.engine.finished[-1].output_ids[0]
+    banned = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       logit_bias={str(first_id): -100})
+    assert server.llm.engine.finished[-1].output_ids[0] != first_id
+    assert banned.choices[0].text != greedy.choices[0].text
+
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts[0] == texts[1] and chunks[-1].usage.completion_tokens == 8

@@ -127,11 +127,12 @@ class IncrementalDecoder:
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
-        """Text still held back at the end of the stream (e.g. an incomplete character)."""
+        """Text still held back at the end of the stream. A character left incomplete (the stream ended
+        between its bytes) is dropped rather than emitted as U+FFFD: no partial character ever goes out."""
         prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self.ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.ids)
-        return new_text[len(prefix_text) :]
+        return new_text[len(prefix_text) :].rstrip("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""

@@ -3,12 +3,14 @@
 One iteration (`step`):
 1. take in new requests and aborts (thread-safe inbox);
 2. resume paused requests, then admit waiting ones, while the policy finds a plan for the bigger batch
-   (OrbitFlow pauses the policy's victim when none is feasible);
+   (OrbitFlow pauses the policy's victim when none is feasible); a request whose KV the pools cannot
+   hold beside the admitted ones waits (in order) until one finishes;
 3. re-plan when the controller says so, pausing victims until the plan is feasible;
 4. install the plan: the KV manager moves only layers whose tier changed;
 5. run one step: a prefill of newly admitted prompts (decoding waits, as in the paper) or, with
    chunked prefill, one chunk beside the decode batch; otherwise one decode step;
 6. stamp each new token's delivery time with its Token-Deposit, finish requests, free their blocks.
+   What fails for one request there (its sampling, its stop check, a listener) ends that request alone.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ class RequestRejected(ValueError):
     """The request can never be served (too long for the model or for KV memory)."""
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue is at `max_queue_len`: the request may be retried later."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class TokenEvent:
     request_id: str
@@ -48,6 +58,8 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprob: float | None = None  # of `token`, when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
 @dataclass
@@ -107,6 +119,7 @@ class Engine:
         self.listeners: list[Callable[[TokenEvent], None]] = []
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._add_lock = threading.Lock()  # makes the queue-length check and the enqueue one step
         self._wakeup = threading.Event()
         self._last_prediction: float | None = None
         self._installed: tuple[Plan, list] | None = None  # the plan now in place, and its request ids
@@ -142,16 +155,37 @@ class Engine:
                 f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
                 f"exceeds the model's context length of {self.max_model_len} tokens"
             )
-        blocks = self._final_blocks(req) * self.num_layers
+        # What admission asks of an empty engine (`_memory_for`): every layer plus one prefetch buffer. A
+        # request that passes waits until memory frees up; one that does not could never be admitted.
+        final = self._final_blocks(req)
+        blocks = final * self.num_layers + final
         capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
         if blocks > capacity:
             raise RequestRejected(
                 f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
                 "raise --host-kv-blocks or lower max_tokens"
             )
-        self._inbox.put(("add", req))
+        with self._add_lock:
+            limit = self.config.max_queue_len
+            if limit is not None and self.num_queued() >= limit:
+                raise QueueFull(f"the server is busy: {limit} requests are already waiting (--max-queue-len); "
+                                "retry later", self.retry_after_s())
+            self._inbox.put(("add", req))
         self._wakeup.set()
         return req
+
+    def num_queued(self) -> int:
+        """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe,
+        approximate: aborts still in the inbox count too)."""
+        return len(self.waiting) + self._inbox.qsize()
+
+    def retry_after_s(self) -> int:
+        """A rough wait before a retry may be admitted: until the running request closest to its end
+        finishes, at the recent mean step time (1 to 60 s)."""
+        recent = list(self.stats.step_s)[-50:]
+        step_s = sum(recent) / len(recent) if recent else 0.05
+        remaining = min((r.remaining_tokens for r in list(self.running)), default=0)
+        return int(min(60, max(1, math.ceil(remaining * step_s))))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -186,10 +220,18 @@ class Engine:
         self.clock.advance(result.replacement_s + result.step_s)  # a wall clock has moved by itself
         now = self.clock.now()
         self._account(result, is_decode)
-        for seq, req, token in zip(seqs, reqs, result.tokens):
-            req.num_cached = seq.start_pos + len(seq.token_ids)
-            if token is not None:
-                self._emit_token(req, token, now)
+        samples = result.samples or [None] * len(seqs)
+        for seq, req, token, drawn in zip(seqs, reqs, result.tokens, samples):
+            try:
+                req.num_cached = seq.start_pos + len(seq.token_ids)
+                if drawn is not None and drawn.error is not None:
+                    self._finish(req, "error", error=f"sampling failed: {drawn.error}")
+                elif token is not None:
+                    self._emit_token(req, token, now, drawn)
+            except Exception as exc:  # this request's output processing failed: end it alone
+                log.exception("processing the output of request %s failed", req.request_id)
+                if not req.finished:
+                    self._finish(req, "error", error=f"output processing failed: {type(exc).__name__}: {exc}")
         if is_decode and self._last_prediction is not None:
             total = sum(r.num_tokens for r in self.running)
             self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total,
@@ -255,9 +297,10 @@ class Engine:
                 self._admission_blocked_at = self._batch_version
                 return
             if not resuming and not self._memory_for(cand):
-                self._finish(cand, "error", error="KV memory exhausted: the device and host pools cannot hold this "
-                             "request next to the running ones; retry later or raise --host-kv-blocks")
-                continue
+                # Not now: it waits (FCFS order holds) until a request finishes and frees memory. add_request
+                # guaranteed that it fits an empty engine, so it cannot wait forever.
+                self._admission_blocked_at = self._batch_version
+                return
             while True:
                 trial = self.running + [cand]
                 plan = self.controller.solve(self._plan_requests(trial), self.stats.steps, "batch")
@@ -378,7 +421,8 @@ class Engine:
                 else:
                     self.controller.forget()
                 continue
-            seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids)))
+            seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids),
+                                 req.prompt_ids, req.output_ids))
             reqs.append(req)
         if seqs and all(s.is_decode for s in seqs) and self.controller.plan is not None:
             # what the cost model (the simulator's) predicts for this step's batch and placement
@@ -389,7 +433,7 @@ class Engine:
             self._last_prediction = None
         return seqs, reqs
 
-    def _emit_token(self, req: Request, token: int, now: float) -> None:
+    def _emit_token(self, req: Request, token: int, now: float, drawn=None) -> None:
         prev_gen = req.generated_s[-1] if req.generated_s else None
         prev_due = req.delivered_s[-1] if req.delivered_s else None
         req.output_ids.append(token)
@@ -400,7 +444,10 @@ class Engine:
             self.stats.generated_violations += 1
         if prev_due is not None and due - prev_due > req.slo_s + SLO_TOLERANCE_S:
             self.stats.delivered_violations += 1
-        self._notify(TokenEvent(req.request_id, token, now, due))
+        event = TokenEvent(req.request_id, token, now, due)
+        if drawn is not None and drawn.logprob is not None:
+            event.logprob, event.top_logprobs = drawn.logprob, drawn.top_logprobs
+        self._notify(event)
         reason = req.check_stop(token)
         if reason is not None:
             self._finish(req, reason)
@@ -425,7 +472,10 @@ class Engine:
 
     def _notify(self, event: TokenEvent) -> None:
         for listener in self.listeners:
-            listener(event)
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not fail the step (or the other listeners)
+                log.exception("token listener failed on an event of request %s", event.request_id)
 
     def _account(self, result: StepResult, is_decode: bool) -> None:
         s = self.stats

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from orbitflow.kv.manager import KVManager
-from orbitflow.runtime.sampling import SamplingParams, sample_next
+from orbitflow.runtime.sampling import Sample, SamplingParams, sample
 
 
 @dataclass
@@ -27,6 +28,8 @@ class SeqInput:
     sample: bool = True  # produce a next token (False for a non-final prefill chunk)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generated: int = 0  # tokens generated so far (seeds per-request sampling)
+    prompt_ids: Sequence[int] = ()  # the request's prompt and output so far (penalties read them)
+    output_ids: Sequence[int] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -47,6 +50,7 @@ class StepResult:
     prefill_tokens: int = 0
     link_blocks_per_s: float | None = None  # measured effective link rate of this step's prefetches
     replacement_s: float = 0.0  # simulated time of the placement changes installed before the step
+    samples: list[Sample | None] = field(default_factory=list)  # per sequence (empty: tokens only)
 
     @property
     def compute_s(self) -> float:
@@ -190,13 +194,14 @@ class ModelExecutor:
             with torch.inference_mode():
                 hidden = self.model(input_ids, positions, attention)
                 last = torch.tensor([bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample], dtype=torch.long)
-                tokens: list[int | None] = [None] * len(seqs)
+                samples: list[Sample | None] = [None] * len(seqs)
                 if len(last):
                     logits = self.model.compute_logits(hidden[last.to(hidden.device)])
                     sampled = iter(range(len(last)))
                     for b, s in enumerate(seqs):
-                        if s.sample:
-                            tokens[b] = sample_next(logits[next(sampled)], s.sampling, s.generated)
+                        if s.sample:  # never raises: a request whose sampling fails gets Sample.error
+                            samples[b] = sample(logits[next(sampled)], s.sampling, s.prompt_ids, s.output_ids)
+                tokens = [None if x is None else x.token for x in samples]
         finally:
             transfer.end_step()
             if gc_was_enabled:
@@ -218,4 +223,5 @@ class ModelExecutor:
             host_blocks_used=host_used,
             prefill_tokens=sum(len(s.token_ids) for s in seqs if not s.is_decode),
             link_blocks_per_s=moved / busy / kv.host_pool.bytes_per_block if moved and busy > 0 else None,
+            samples=samples,
         )

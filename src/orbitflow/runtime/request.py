@@ -78,8 +78,8 @@ class Request:
     def check_stop(self, token: int) -> str | None:
         if self.target_output_tokens is not None:
             return "length" if len(self.output_ids) >= self.target_output_tokens else None
-        if not self.sampling.ignore_eos and (token in self.eos_token_ids or token in self.sampling.stop_token_ids):
-            return "stop"
+        if token in self.sampling.stop_token_ids or (not self.sampling.ignore_eos and token in self.eos_token_ids):
+            return "stop"  # ignore_eos ignores the model's end-of-sequence token only, not the caller's stop ids
         if len(self.output_ids) >= self.sampling.max_tokens:
             return "length"
         return None

@@ -1,4 +1,10 @@
-"""OpenAI-compatible HTTP API over an LLM: completions, chat completions, models, health, metrics."""
+"""OpenAI-compatible HTTP API over an LLM: completions, chat completions, models, tokenize, health, metrics.
+
+Every request is checked at the edge (protocol.py: a 400 naming the field); anything that still fails for
+one request ends that request alone (an error event in its stream, or a 500 for it alone). A client that
+disconnects aborts its request, streaming or not, so its KV blocks go back at the engine's next step.
+Requests that do not fit now wait in the engine's queue; past `--max-queue-len` they get 503 + Retry-After.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +12,63 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager, suppress
+from dataclasses import dataclass, field
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from orbitflow.runtime.engine import RequestRejected
+from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
-from orbitflow.serve.async_engine import AsyncEngine, EngineError
-from orbitflow.serve.auth import APIKeyMiddleware
-from orbitflow.serve.errors import APIError, bad_request, install_error_handlers
+from orbitflow.serve import protocol as p
+from orbitflow.serve.async_engine import AsyncEngine, EngineError, EngineUnavailable
+from orbitflow.serve.auth import APIKeyMiddleware, BodySizeLimitMiddleware
+from orbitflow.serve.errors import APIError, bad_request, install_error_handlers, unavailable
 from orbitflow.serve.metrics import ServerMetrics
-from orbitflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from orbitflow.serve.stop import StopStringFilter
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_WATCHDOG_S = 60.0
+
+
+@dataclass
+class TokenInfo:
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
 class Delta:
+    """Text released for one choice, the tokens consumed since the previous delta, and the finish."""
+
+    index: int
     text: str
     finish_reason: str | None
     completion_tokens: int
+    tokens: list[TokenInfo] = field(default_factory=list)
 
 
 class OpenAIServer:
     """What the routes share: the engine bridge, the tokenizer, the limits and the metrics."""
 
-    def __init__(self, llm, model_name: str) -> None:
+    def __init__(self, llm, model_name: str, watchdog_s: float = DEFAULT_WATCHDOG_S) -> None:
         self.llm = llm
         self.model_name = model_name
         self.tokenizer = llm.tokenizer
         self.engine = AsyncEngine(llm.engine, llm.tokenizer)
         self.metrics = ServerMetrics(llm.engine)
         self.created = int(time.time())
+        self.watchdog_s = watchdog_s
         engine = llm.engine
         kv = engine.kv
-        # The longest sequence (prompt + output) the engine accepts: the context, and the KV both tiers hold.
+        # The longest sequence (prompt + output) the engine accepts: the context, and the KV both tiers hold
+        # (every layer plus one layer of prefetch buffer, as admission counts it).
         kv_blocks = kv.device_pool.num_blocks + kv.host_pool.num_blocks
-        kv_tokens = kv_blocks // engine.num_layers * engine.block_size
+        kv_tokens = kv_blocks // (engine.num_layers + 1) * engine.block_size
         self.max_len = min(engine.max_model_len or kv_tokens, kv_tokens)
         self.vocab_size = llm.loaded.config.vocab_size
 
@@ -55,27 +78,30 @@ class OpenAIServer:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"{param}: token id {bad[0]} is not in the vocabulary (size {self.vocab_size})", param)
+
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise bad_request(
-                    f"prompt: token id {bad[0]} is not in the vocabulary (size {self.vocab_size})", "prompt")
+            self.check_token_ids(prompt, "prompt")
             ids = list(prompt)
         if not ids:
             raise bad_request("prompt: the prompt encodes to no tokens", "prompt")
         return ids
 
-    def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+    def chat_prompt_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        turns = [{"role": m.role, "content": m.text} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # no template, or the template refuses these messages
             raise bad_request(f"messages: cannot apply the chat template: {exc}", "messages") from exc
 
-    def sampling(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def sampling(self, req: p.SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+                 logprobs: int | None) -> SamplingParams:
         room = self.max_len - len(prompt_ids)
         if room < 1:
             raise bad_request(f"prompt: {len(prompt_ids)} tokens leave no room for output in this server's "
@@ -83,36 +109,48 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
-            raise bad_request(f"max_tokens: prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) "
-                              f"exceeds this server's context of {self.max_len} tokens", "max_tokens")
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos)
+            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise bad_request(f"{param}: prompt ({len(prompt_ids)} tokens) plus {param} ({max_tokens}) "
+                              f"exceeds this server's context of {self.max_len} tokens", param)
+        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+        self.check_token_ids(list(bias), "logit_bias")
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+            top_k=max(0, req.top_k), seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos, presence_penalty=float(req.presence_penalty),
+            frequency_penalty=float(req.frequency_penalty), repetition_penalty=float(req.repetition_penalty),
+            logit_bias=tuple(sorted(bias.items())), logprobs=logprobs,
+        )
 
     # ---- generation ------------------------------------------------------------------------------------
-    async def deltas(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+    async def deltas(self, index: int, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      stop: list[str]) -> AsyncIterator[Delta]:
-        """Non-empty text deltas, the last one with the finish reason; stop strings applied."""
+        """One choice's text deltas, the last one with the finish reason; stop strings applied."""
         clock = self.llm.clock
         tracker = self.metrics.tracker(clock.now(), len(prompt_ids))
         stops = StopStringFilter(stop)
         reason: str | None = "abort"
+        tokens: list[TokenInfo] = []
         try:
             async with aclosing(self.engine.generate(request_id, prompt_ids, sampling)) as outputs:
                 async for out in outputs:
                     if out.token_id is not None:
                         tracker.on_token(clock.now())
-                    text = stops.push(out.text_delta)
+                        tokens.append(TokenInfo(out.token_id, out.logprob, out.top_logprobs))
+                    text = _checked(stops.push, out.text_delta)
                     if stops.stopped:
                         reason = "stop"
-                        yield Delta(text, reason, tracker.num_tokens)
+                        yield Delta(index, text, reason, tracker.num_tokens, tokens)
                         return
                     if out.finish_reason is not None:
                         reason = out.finish_reason
-                        yield Delta(text + stops.flush(), reason, tracker.num_tokens)
+                        yield Delta(index, text + _checked(stops.flush), reason, tracker.num_tokens, tokens)
                         return
                     if text:
-                        yield Delta(text, None, tracker.num_tokens)
-        except RequestRejected:
+                        yield Delta(index, text, None, tracker.num_tokens, tokens)
+                        tokens = []
+        except (RequestRejected, QueueFull, EngineUnavailable):
             reason = None
             raise
         except EngineError:
@@ -122,56 +160,142 @@ class OpenAIServer:
             if reason is not None:
                 tracker.on_finish(reason)
 
+    def choices(self, prefix: str, prompt_ids: list[int], sampling: SamplingParams, n: int,
+                stop: list[str]) -> tuple[str, AsyncIterator[Delta]]:
+        """The request id and the merged deltas of its n choices (choice i has seed + i when seeded)."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams = []
+        for i in range(n):
+            params = sampling
+            if n > 1 and sampling.seed is not None:
+                params = _with_seed(sampling, (sampling.seed + i) % (1 << 63))
+            sub_id = request_id if n == 1 else f"{request_id}-{i}"
+            streams.append(self.deltas(i, sub_id, prompt_ids, params, stop))
+        return request_id, _merge(streams)
+
     async def first_delta(self, deltas: AsyncIterator[Delta]) -> Delta:
         """Awaits the first delta, so that a request failing before any token gets a proper status."""
         try:
             return await anext(deltas)
-        except RequestRejected as exc:
+        except BaseException as exc:
             await deltas.aclose()
-            raise bad_request(str(exc), "max_tokens") from exc
-        except EngineError as exc:
-            await deltas.aclose()
-            raise APIError(500, str(exc), "server_error") from exc
+            raise _status(exc) from exc
 
-    async def collect(self, deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    async def collect(self, deltas: AsyncIterator[Delta], n: int) -> list[list[Delta]]:
+        """Every choice's deltas, in order, up to its finish."""
+        per_choice: list[list[Delta]] = [[] for _ in range(n)]
         first = await self.first_delta(deltas)
-        parts, last = [first.text], first
+        per_choice[first.index].append(first)
         try:
-            async with aclosing(deltas):
-                while last.finish_reason is None:
-                    last = await anext(deltas)
-                    parts.append(last.text)
+            async for delta in deltas:
+                per_choice[delta.index].append(delta)
         except EngineError as exc:
             raise APIError(500, str(exc), "server_error") from exc
-        return "".join(parts), last
+        return per_choice
 
-    async def sse(
-        self,
-        first: Delta,
-        deltas: AsyncIterator[Delta],
-        chunk: Callable[[Delta], dict],
-        usage_chunk: Callable[[Delta], dict] | None,
-        preamble: dict | None = None,
-    ) -> AsyncIterator[str]:
+    async def sse(self, first: Delta, deltas: AsyncIterator[Delta], chunks: Callable[[Delta], list[dict]],
+                  usage_chunk: Callable[[int], dict] | None, preamble: list[dict]) -> AsyncIterator[str]:
+        completion_tokens: dict[int, int] = {}
         try:
-            async with aclosing(deltas):
-                if preamble is not None:
-                    yield _sse(preamble)
-                delta = first
-                while True:
-                    yield _sse(chunk(delta))
-                    if delta.finish_reason is not None:
-                        break
-                    delta = await anext(deltas)
+            for payload in preamble:
+                yield _sse(payload)
+            delta: Delta | None = first
+            while delta is not None:
+                completion_tokens[delta.index] = delta.completion_tokens
+                for payload in chunks(delta):
+                    yield _sse(payload)
+                delta = await anext(deltas, None)
             if usage_chunk is not None:
-                yield _sse(usage_chunk(delta))
-        except EngineError as exc:
+                yield _sse(usage_chunk(sum(completion_tokens.values())))
+        except EngineError as exc:  # this request failed after its stream began: an error event ends it
             yield _sse(APIError(500, str(exc), "server_error").body())
+        finally:
+            await deltas.aclose()
         yield "data: [DONE]\n\n"
 
-    def usage(self, num_prompt: int, delta: Delta) -> dict:
-        return {"prompt_tokens": num_prompt, "completion_tokens": delta.completion_tokens,
-                "total_tokens": num_prompt + delta.completion_tokens}
+    def usage(self, num_prompt: int, completion_tokens: int) -> p.Usage:
+        return p.Usage(prompt_tokens=num_prompt, completion_tokens=completion_tokens,
+                       total_tokens=num_prompt + completion_tokens)
+
+    # ---- token strings for logprobs ----------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def completion_logprobs(self, tokens: list[TokenInfo], offset: int) -> p.CompletionLogprobs:
+        out = p.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for info in tokens:
+            text = self.token_text(info.token)
+            out.tokens.append(text)
+            out.token_logprobs.append(info.logprob)
+            out.top_logprobs.append({self.token_text(t): lp for t, lp in info.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def chat_logprobs(self, tokens: list[TokenInfo]) -> p.ChatLogprobs:
+        def entry(token: int, logprob: float) -> p.TopLogprob:
+            text = self.token_text(token)
+            return p.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        content = [
+            p.ChatTokenLogprob(**entry(i.token, i.logprob or 0.0).model_dump(),
+                               top_logprobs=[entry(t, lp) for t, lp in i.top])
+            for i in tokens
+        ]
+        return p.ChatLogprobs(content=content)
+
+
+async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Deltas of several choices as they come; closing it closes (and so aborts) every choice."""
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield delta
+                if delta.finish_reason is None:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with suppress(BaseException):
+                await task
+        for stream in streams:
+            with suppress(BaseException):
+                await stream.aclose()
+
+
+def _checked(fn: Callable[..., str], *args) -> str:
+    """A stop-string failure ends this request alone."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise EngineError(f"applying stop strings failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sampling, seed=seed)
+
+
+def _status(exc: BaseException) -> BaseException:
+    """The HTTP error for a request that failed before its first token."""
+    if isinstance(exc, RequestRejected):
+        return bad_request(str(exc), "max_tokens")
+    if isinstance(exc, QueueFull):
+        return unavailable(str(exc), exc.retry_after_s)
+    if isinstance(exc, EngineUnavailable):
+        return unavailable(str(exc))
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), "server_error")
+    return exc
 
 
 def _sse(payload: dict) -> str:
@@ -179,11 +303,72 @@ def _sse(payload: dict) -> str:
 
 
 def _finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    return None if reason is None else (reason if reason in ("length", "abort") else "stop")
 
 
-def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
-    server = OpenAIServer(llm, model_name)
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """Runs `work` until done, or cancels it when the client hangs up first (its requests are aborted)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with suppress(BaseException):
+            await task
+        return None
+    finally:
+        watch.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- OpenAPI ---------------------------------------------------------------------------------------------
+def _errors(*codes: int) -> dict:
+    text = {400: "invalid request (the error's param names the field)", 401: "missing or invalid API key",
+            404: "unknown model", 413: "request body too large", 500: "this request failed inside the engine",
+            503: "busy (queue full) or shutting down: retry after Retry-After seconds"}
+    out: dict = {}
+    for code in codes:
+        out[code] = {"model": p.ErrorResponse, "description": text[code]}
+        if code == 503:
+            out[code]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                                    "schema": {"type": "integer"}}}
+    return out
+
+
+def _streamed(model: type, chunk: type) -> dict:
+    return {200: {"model": model, "description": f"a {model.__name__}, or with stream=true server-sent events: "
+                                                 f"`data: <{chunk.__name__}>` lines, an error event on failure, "
+                                                 "then `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict]:
+    """FastAPI documents 422 for validation errors; this server sends them as 400 (documented per route)."""
+
+    def build() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                 description=app.description)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return build
+
+
+def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              watchdog_s: float = DEFAULT_WATCHDOG_S) -> FastAPI:
+    server = OpenAIServer(llm, model_name, watchdog_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -191,87 +376,156 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
         yield
         await asyncio.to_thread(server.engine.shutdown)
 
-    app = FastAPI(title="orbitflow", lifespan=lifespan)
+    app = FastAPI(title="orbitflow", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of orbitflow, an SLO-aware long-context LLM server.")
+    app.openapi = _openapi(app)
     app.state.server = server
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    auth = (401,) if api_key else ()
 
-    @app.get("/health")
+    @app.get("/health", response_model=p.HealthResponse,
+             responses={503: {"model": p.HealthResponse,
+                              "description": "the engine is not running, or its loop is stuck with work pending"}})
     async def health() -> Response:
         if not server.engine.running:
             return JSONResponse({"status": "engine not running"}, status_code=503)
+        if server.engine.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        stuck = server.engine.stalled(server.watchdog_s)
+        if stuck is not None:
+            return JSONResponse({"status": f"engine stalled: its loop has not advanced for {stuck:.0f} s "
+                                           "while requests are pending"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    exposition = {"description": "Prometheus text exposition",
+                  "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+
+    @app.get("/metrics", response_class=Response, responses={**_errors(*auth), 200: exposition})
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": server.created, "owned_by": "orbitflow",
-            "max_model_len": server.max_len,
-        }]}
+    @app.get("/v1/models", response_model=p.ModelList, responses=_errors(*auth))
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=model_name, created=server.created, owned_by="orbitflow",
+                                             max_model_len=server.max_len)])
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_errors(400, *auth, 404, 413))
+    async def tokenize(req: p.TokenizeRequest) -> p.TokenizeResponse:
+        server.check_model(req.model)
+        if req.messages is not None:
+            ids = server.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return p.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=server.max_len)
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_errors(400, *auth, 404, 413))
+    async def detokenize(req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        server.check_model(req.model)
+        server.check_token_ids(req.tokens, "tokens")
+        return p.DetokenizeResponse(prompt=server.tokenizer.decode(req.tokens))
+
+    generation_errors = _errors(400, *auth, 404, 413, 500, 503)
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse,
+              responses={**generation_errors, **_streamed(p.CompletionResponse, p.CompletionResponse)})
+    async def completions(req: p.CompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
         prompt_ids = server.prompt_ids(req.prompt)
-        sampling = server.sampling(req, prompt_ids, req.max_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        sampling = server.sampling(req, prompt_ids, req.max_tokens, req.logprobs)
+        request_id, deltas = server.choices("cmpl", prompt_ids, sampling, req.n, req.stop_strings)
         created = int(time.time())
-        deltas = server.deltas(request_id, prompt_ids, sampling, req.stop_strings)
+        echo = (req.prompt if isinstance(req.prompt, str) else server.tokenizer.decode(prompt_ids)) if req.echo else ""
 
-        def body(choices: list[dict], usage: dict | None) -> dict:
-            return {"id": request_id, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": choices, "usage": usage}
-
-        def choice(text: str, reason: str | None) -> dict:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(reason)}
+        def body(choices: list[p.CompletionChoice], usage: p.Usage | None) -> p.CompletionResponse:
+            return p.CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                        usage=usage)
 
         if not req.stream:
-            text, last = await server.collect(deltas)
-            return JSONResponse(body([choice(text, last.finish_reason)], server.usage(len(prompt_ids), last)))
-        first = await server.first_delta(deltas)
-        usage_chunk = (lambda d: body([], server.usage(len(prompt_ids), d))) if req.include_usage else None
-        return _stream(server.sse(first, deltas, lambda d: body([choice(d.text, d.finish_reason)], None),
-                                  usage_chunk))
+            per_choice = await _unless_disconnected(request, server.collect(deltas, req.n))
+            if per_choice is None:
+                return Response(status_code=499)  # the client is gone; nobody reads this
+            choices = []
+            for i, ds in enumerate(per_choice):
+                text = "".join(d.text for d in ds)
+                logprobs = (server.completion_logprobs([t for d in ds for t in d.tokens], len(echo))
+                            if req.logprobs is not None else None)
+                choices.append(p.CompletionChoice(index=i, text=echo + text, logprobs=logprobs,
+                                                  finish_reason=_finish_reason(ds[-1].finish_reason)))
+            used = sum(ds[-1].completion_tokens for ds in per_choice)
+            return JSONResponse(body(choices, server.usage(len(prompt_ids), used)).model_dump(mode="json"))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
-        server.check_model(req.model)
-        prompt_ids = server.chat_prompt_ids(req)
-        sampling = server.sampling(req, prompt_ids, req.token_limit)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        deltas = server.deltas(request_id, prompt_ids, sampling, req.stop_strings)
+        offsets = [len(echo)] * req.n
 
-        def body(obj: str, choices: list[dict], usage: dict | None) -> dict:
-            return {"id": request_id, "object": obj, "created": created, "model": model_name,
-                    "choices": choices, "usage": usage}
+        def chunks(d: Delta) -> list[dict]:
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = server.completion_logprobs(d.tokens, offsets[d.index])
+                offsets[d.index] += len(d.text)
+            choice = p.CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
+                                        finish_reason=_finish_reason(d.finish_reason))
+            return [body([choice], None).model_dump(mode="json")]
 
-        if not req.stream:
-            text, last = await server.collect(deltas)
-            message = {"role": "assistant", "content": text}
-            choices = [{"index": 0, "message": message, "logprobs": None,
-                        "finish_reason": _finish_reason(last.finish_reason)}]
-            return JSONResponse(body("chat.completion", choices, server.usage(len(prompt_ids), last)))
-
-        def chunk(d: Delta) -> dict:
-            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": _finish_reason(d.finish_reason)}
-            return body("chat.completion.chunk", [choice], None)
-
-        first = await server.first_delta(deltas)
-        preamble = body("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}], None)
-        usage_chunk = ((lambda d: body("chat.completion.chunk", [], server.usage(len(prompt_ids), d)))
+        first = await _first_or_disconnect(server, request, deltas)
+        preamble = ([body([p.CompletionChoice(index=i, text=echo)], None).model_dump(mode="json")
+                     for i in range(req.n)] if echo else [])
+        usage_chunk = ((lambda used: body([], server.usage(len(prompt_ids), used)).model_dump(mode="json"))
                        if req.include_usage else None)
-        return _stream(server.sse(first, deltas, chunk, usage_chunk, preamble))
+        return _stream(server.sse(first, deltas, chunks, usage_chunk, preamble))
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse,
+              responses={**generation_errors, **_streamed(p.ChatCompletionResponse, p.ChatCompletionChunk)})
+    async def chat_completions(req: p.ChatCompletionRequest, request: Request) -> Response:
+        server.check_model(req.model)
+        prompt_ids = server.chat_prompt_ids(req.messages)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        sampling = server.sampling(req, prompt_ids, req.token_limit, logprobs)
+        request_id, deltas = server.choices("chatcmpl", prompt_ids, sampling, req.n, req.stop_strings)
+        created = int(time.time())
+
+        if not req.stream:
+            per_choice = await _unless_disconnected(request, server.collect(deltas, req.n))
+            if per_choice is None:
+                return Response(status_code=499)
+            choices = [
+                p.ChatChoice(index=i, message=p.AssistantMessage(content="".join(d.text for d in ds)),
+                             logprobs=server.chat_logprobs([t for d in ds for t in d.tokens]) if req.logprobs else None,
+                             finish_reason=_finish_reason(ds[-1].finish_reason))
+                for i, ds in enumerate(per_choice)
+            ]
+            used = sum(ds[-1].completion_tokens for ds in per_choice)
+            response = p.ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                                usage=server.usage(len(prompt_ids), used))
+            return JSONResponse(response.model_dump(mode="json"))
+
+        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> dict:
+            return p.ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
+                                         usage=usage).model_dump(mode="json")
+
+        def chunks(d: Delta) -> list[dict]:
+            delta = p.ChatDelta(content=d.text) if d.text or d.finish_reason is None else p.ChatDelta()
+            logprobs = server.chat_logprobs(d.tokens) if req.logprobs else None
+            return [chunk([p.ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs,
+                                             finish_reason=_finish_reason(d.finish_reason))])]
+
+        first = await _first_or_disconnect(server, request, deltas)
+        preamble = [chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))])
+                    for i in range(req.n)]
+        usage_chunk = ((lambda used: chunk([], server.usage(len(prompt_ids), used))) if req.include_usage else None)
+        return _stream(server.sse(first, deltas, chunks, usage_chunk, preamble))
 
     return app
+
+
+async def _first_or_disconnect(server: OpenAIServer, request: Request, deltas: AsyncIterator[Delta]) -> Delta:
+    """The first delta of a streamed request (its errors become statuses); a hang-up before it aborts."""
+    first = await _unless_disconnected(request, server.first_delta(deltas))
+    if first is None:
+        await deltas.aclose()
+        raise APIError(499, "client disconnected")
+    return first
 
 
 class _EventStream(StreamingResponse):

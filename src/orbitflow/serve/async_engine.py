@@ -3,6 +3,10 @@
 The engine steps on a thread of its own; its TokenEvents are handed to the event loop and queued per
 request. `generate` releases each token to its consumer no earlier than the token's Token-Deposit due
 time, except that a finish event releases everything still held at once.
+
+The engine thread beats a heartbeat every loop iteration; `stalled` says when it has not beaten for a while
+although work is pending (the /health watchdog). `drain` stops taking requests and aborts what is still in
+flight when its grace period ends (graceful shutdown).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,11 +32,17 @@ class EngineError(RuntimeError):
     """The engine ended a request with an error (a failed step, out of memory, ...)."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine is not taking requests (not running, or shutting down): retry elsewhere or later."""
+
+
 @dataclass
 class GenerationOutput:
     token_id: int | None  # None on the final item, which only carries the finish reason and held-back text
     text_delta: str
-    finish_reason: str | None  # "stop" | "length" on the final item
+    finish_reason: str | None  # "stop" | "length" | "abort" on the final item
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -54,6 +65,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._heartbeat = time.monotonic()  # last time the engine loop went round
+        self.draining = False
         engine.listeners.append(self._on_event)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -78,9 +91,30 @@ class AsyncEngine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def stalled(self, after_s: float) -> float | None:
+        """Seconds since the engine loop last advanced, when that is over `after_s` with work pending."""
+        idle = time.monotonic() - self._heartbeat
+        return idle if idle > after_s and self.engine.has_work() else None
+
+    def drain(self, grace_s: float) -> None:
+        """Stop taking requests; abort the ones still in flight once `grace_s` has passed."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(grace_s, self.abort_all)
+        timer.daemon = True
+        timer.start()
+
+    def abort_all(self) -> None:
+        with self._lock:
+            in_flight = list(self._streams)
+        for request_id in in_flight:
+            self.engine.abort(request_id)
+
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
+            self._heartbeat = time.monotonic()
             if not engine.has_work():
                 engine.wait_for_work(_IDLE_WAIT_S)
                 continue
@@ -129,8 +163,10 @@ class AsyncEngine:
         EngineError when the engine ends it with an error. Closing or cancelling the iterator early aborts
         the request in the engine.
         """
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
         if not self.running:
-            raise EngineError("the engine is not running")
+            raise EngineUnavailable("the engine is not running")
         stream = _Stream()
         with self._lock:
             if request_id in self._streams:
@@ -153,14 +189,13 @@ class AsyncEngine:
                 if final is not None:
                     finished = True
                     for event in held:  # finish flushes the deposit: everything left goes now
-                        yield GenerationOutput(event.token, decoder.push(event.token), None)
+                        yield _output(decoder, event)
                     if final.finish_reason == "error":
                         raise EngineError(final.error or "the engine failed this request")
-                    yield GenerationOutput(None, decoder.flush(), final.finish_reason)
+                    yield GenerationOutput(None, _detokenize(decoder.flush), final.finish_reason)
                     return
                 if held and held[0].due_s <= clock.now():
-                    event = held.popleft()
-                    yield GenerationOutput(event.token, decoder.push(event.token), None)
+                    yield _output(decoder, held.popleft())
                     continue
                 stream.wakeup.clear()
                 delay = held[0].due_s - clock.now() if held else None
@@ -173,3 +208,16 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.engine.abort(request_id)  # disconnect, cancellation or rejection: free its blocks
+
+
+def _output(decoder: IncrementalDecoder, event: TokenEvent) -> GenerationOutput:
+    text = _detokenize(decoder.push, event.token)
+    return GenerationOutput(event.token, text, None, event.logprob, event.top_logprobs)
+
+
+def _detokenize(fn, *args) -> str:
+    """A detokenizer failure ends this request alone (the caller's `finally` aborts it in the engine)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise EngineError(f"detokenizing failed: {type(exc).__name__}: {exc}") from exc

@@ -10,28 +10,36 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orbitflow.serve.protocol import UnsupportedParameter
+
 log = logging.getLogger("orbitflow.serve")
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def unavailable(message: str, retry_after_s: int = 1) -> APIError:
+    """503 with Retry-After: load or shutdown, never a fault of the request."""
+    return APIError(503, message, "server_busy", code="server_busy", headers={"Retry-After": str(retry_after_s)})
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -40,6 +48,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return bad_request("invalid request body")
     err = errors[0]
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, UnsupportedParameter):
+        return bad_request(str(cause), param=cause.param)
     loc = [str(part) for part in err.get("loc", ()) if not _is_union_tag(part)]
     if loc[:1] == ["body"]:
         loc = loc[1:]
@@ -73,7 +84,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(exc.status_code, message, type_).response()
+        return APIError(exc.status_code, message, type_, headers=exc.headers).response()  # 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,43 +1,115 @@
-"""OpenAI request bodies (the subset orbitflow serves) as pydantic models.
+"""OpenAI request and response bodies (what orbitflow serves) as pydantic models; the OpenAPI document is
+generated from them.
 
-Unknown fields are ignored, as OpenAI clients send many optional ones; fields we accept are checked
-strictly enough that a wrong type or value is a 400 naming the field.
+Every parameter has a documented range and a value outside it is a 400 naming the field. Unknown fields are
+ignored, as OpenAI clients send many optional ones; known ones that orbitflow does not implement (tools,
+response_format other than text, suffix, best_of other than n, ...) are a 400 naming the parameter rather
+than silently ignored. Checks that need the model (context length, vocabulary) are made by the routes.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
-_MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+_INT64 = (-(2**63), 2**63 - 1)
+
+Number = StrictInt | StrictFloat  # JSON numbers; strings and booleans are rejected
+
+
+def _json_integer(value: Any) -> Any:
+    """JSON Schema's integer: 7 and 7.0, never "7" or true (pydantic's lax int would take both)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("Input should be a valid integer")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_json_integer)]
+TokenId = Annotated[Int, Field(ge=0, le=2**31 - 1)]
+
+
+def _range(lo: float, hi: float, default: float, doc: str, *, gt: bool = False) -> Any:
+    bounds = {"gt": lo} if gt else {"ge": lo}
+    return Field(default=default, le=hi, description=doc, **bounds)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = Field(default=False, strict=True)
+    include_usage: StrictBool = Field(False, description="send a last chunk with the usage of the request")
 
 
 class SamplingFields(BaseModel):
+    """Parameters shared by completions and chat completions."""
+
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, strict=True)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
-    top_k: StrictInt = Field(default=0, ge=0)
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    n: Literal[1] = 1
-    stream: bool = Field(default=False, strict=True)
+    model: StrictStr | None = Field(None, description="must be the served model's name when given")
+    max_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
+                                         description="tokens to generate at most (prompt + max_tokens <= context)")
+    temperature: Number = _range(0.0, 2.0, 1.0, "0 (or below 1e-5) samples greedily")
+    top_p: Number = _range(0.0, 1.0, 1.0, "nucleus sampling mass, in (0, 1]", gt=True)
+    top_k: Int = Field(0, ge=-1, le=2**31 - 1, description="keep the k most likely tokens; 0 or -1: off")
+    seed: Int | None = Field(None, ge=_INT64[0], le=_INT64[1], description="reproducible sampling (int64)")
+    presence_penalty: Number = _range(-2.0, 2.0, 0.0, "subtracted once from each token already generated")
+    frequency_penalty: Number = _range(-2.0, 2.0, 0.0, "subtracted per occurrence of a generated token")
+    repetition_penalty: Number = _range(0.0, 2.0, 1.0, "divides positive (multiplies negative) logits of "
+                                        "prompt and generated tokens; 1: off", gt=True)
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")],
+                     Annotated[Number, Field(ge=-100, le=100)]] | None = Field(
+        None, description=f"token id (as a string) -> bias added to its logit, in [-100, 100]; "
+                          f"at most {MAX_LOGIT_BIAS} entries")
+    stop: StrictStr | list[StrictStr] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters; "
+                          "the output ends before the first one")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
+                                                 description="token ids that end the output (kept in it)")
+    n: Int = Field(1, ge=1, le=MAX_N, description="choices to generate for the prompt")
+    best_of: Int | None = Field(None, description="only best_of = n is supported")
+    stream: StrictBool = Field(False, description="stream chunks as server-sent events")
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(default=False, strict=True)
+    ignore_eos: StrictBool = Field(False, description="keep generating past the end-of-sequence token")
+    user: StrictStr | None = Field(None, description="accepted and ignored")
 
     @field_validator("stop")
     @classmethod
-    def _few_stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > _MAX_STOP_STRINGS:
-            raise ValueError(f"at most {_MAX_STOP_STRINGS} stop strings are supported")
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        if any(len(s) > MAX_STOP_CHARS for s in strings):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict | None) -> dict | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are supported")
+        return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> SamplingFields:
+        if self.best_of is not None and self.best_of != self.n:
+            raise _unsupported("best_of", "best_of other than n is not supported")
+        return self
 
     @property
     def stop_strings(self) -> list[str]:
@@ -50,12 +122,29 @@ class SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-Prompt = StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+class UnsupportedParameter(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _unsupported(param: str, message: str) -> UnsupportedParameter:
+    return UnsupportedParameter(param, f"{param}: {message}")
+
+
+Prompt = (Annotated[StrictStr, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+          | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt
-    max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    prompt: Prompt = Field(description="text or token ids (one prompt per request)")
+    max_tokens: Int | None = Field(16, ge=1, le=2**31 - 1,
+                                         description="tokens to generate at most (OpenAI's default: 16)")
+    echo: StrictBool = Field(False, description="prepend the prompt to the text (not with logprobs)")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                       description="return each token's logprob and this many alternatives")
+    suffix: StrictStr | None = Field(None, description="not supported (400 when given)")
 
     @field_validator("prompt")
     @classmethod
@@ -67,6 +156,19 @@ class CompletionRequest(SamplingFields):
         if len(value) == 0:
             raise ValueError("prompt must not be empty")
         return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return None
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise _unsupported("echo", "echo with logprobs (prompt logprobs) is not supported")
+        return self
 
 
 class TextPart(BaseModel):
@@ -89,10 +191,202 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"response_format {value!r} is not supported (only 'text')")
+        return value
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
+                                                    description="tokens to generate at most (wins over max_tokens)")
+    logprobs: StrictBool = Field(False, description="return each generated token's logprob")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                           description="alternatives per token (needs logprobs: true)")
+    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'}")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported (400 when non-empty)")
+    tool_choice: StrictStr | dict[str, Any] | None = Field(None, description="only 'none'")
+    functions: list[dict[str, Any]] | None = Field(None, description="not supported (400 when non-empty)")
+    function_call: StrictStr | dict[str, Any] | None = Field(None, description="only 'none'")
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list | None) -> None:
+        if value:
+            raise ValueError("tool calling is not supported")
+        return None
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict | None) -> None:
+        if value is not None and value != "none":
+            raise ValueError("tool calling is not supported (only 'none')")
+        return None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise _unsupported("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = Field(None, description="text to tokenize (or messages)")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat to render and tokenize")
+    add_special_tokens: StrictBool = Field(True, description="for prompt: add the tokenizer's special tokens")
+    add_generation_prompt: StrictBool = Field(True, description="for messages: end with the assistant prefix")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise _unsupported("prompt", "give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[TokenId] = Field(max_length=1_000_000)
+
+
+# ---- responses ---------------------------------------------------------------------------------------------
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: str

@@ -1,0 +1,42 @@
+"""A burst of three times more long requests than the KV pools hold: each ends 200 or 503 with Retry-After,
+none 500, and both pools return to empty (issue 13's D3 and "Done means")."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from serve.live import MODEL_NAME, kv_empty, live_server, make_server_llm, wait_until_idle
+
+# 4 layers; a long request (61 prompt + 30 output tokens) grows to 6 blocks per layer, so it needs
+# 4 x 6 + 6 (prefetch buffer) = 30 blocks: the 24 + 40 blocks of both pools hold two at once, not three.
+LONG = {"model": MODEL_NAME, "prompt": "orbit " * 60, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+HELD_AT_ONCE = 2
+
+
+def burst(url: str, count: int) -> list[httpx.Response]:
+    def one(_):
+        with httpx.Client(timeout=180) as http:
+            return http.post(url + "/v1/completions", json=LONG)
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+@pytest.mark.parametrize("max_queue_len", [None, 2])
+def test_burst_beyond_the_kv_budget_waits_or_gets_503(tiny_chat_dir, max_queue_len):
+    llm = make_server_llm(tiny_chat_dir, device_kv_blocks=24, host_kv_blocks=40, max_num_seqs=8,
+                          max_queue_len=max_queue_len, token_deposit=False)
+    with live_server(llm) as live:
+        replies = burst(live.url, 3 * HELD_AT_ONCE)
+        statuses = [r.status_code for r in replies]
+        assert set(statuses) <= {200, 503}, [r.text for r in replies]
+        for reply in replies:
+            if reply.status_code == 503:
+                assert int(reply.headers["retry-after"]) >= 1
+            else:
+                assert reply.json()["usage"]["completion_tokens"] == 30
+        if max_queue_len is None:
+            assert statuses == [200] * len(statuses)  # nobody is turned away: they wait their turn
+        assert len({r.json()["choices"][0]["text"] for r in replies if r.status_code == 200}) == 1
+        wait_until_idle(llm)
+        assert kv_empty(llm)

@@ -1,0 +1,194 @@
+"""Regression tests of issue 13's defects D1-D6 against a live server (each failed on the code before it)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from serve.live import MODEL_NAME, kv_empty, live_server, make_server_llm, wait_until_idle
+
+GOOD = {"model": MODEL_NAME, "prompt": "The orbit of a planet", "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_dir):
+    llm = make_server_llm(tiny_chat_dir, max_num_seqs=4, max_queue_len=8)
+    with live_server(llm, watchdog_s=0.5) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def stream_text(http: httpx.Client, body: dict) -> str:
+    import json
+
+    text = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line.removeprefix("data: "))
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"] if chunk["choices"] else "")
+    return "".join(text)
+
+
+def test_d1_parameters_that_failed_inside_the_step_touch_nobody_else(http, server):
+    solo = http.post("/v1/completions", json=GOOD).json()["choices"][0]["text"]
+    hostile = [{"seed": 10**30, "temperature": 1.0}, {"temperature": 1e-300}, {"top_p": 5e-324, "temperature": 1.0},
+               {"logit_bias": {"1": 100, "2": -100}, "temperature": 2.0, "presence_penalty": 2.0}]
+    with ThreadPoolExecutor(8) as pool:
+        normal = [pool.submit(stream_text, http, GOOD) for _ in range(2)]
+        replies = list(pool.map(lambda extra: http.post("/v1/completions", json={**GOOD, **extra}), hostile * 2))
+        assert [f.result() for f in normal] == [solo, solo]
+    statuses = [r.status_code for r in replies]
+    assert statuses[0] == statuses[4] == 400 and replies[0].json()["error"]["param"] == "seed"
+    assert all(s == 200 for i, s in enumerate(statuses) if i % 4), [r.text for r in replies]
+    assert replies[1].json()["choices"][0]["text"] == solo  # a vanishing temperature is greedy
+    wait_until_idle(server.llm)
+    assert kv_empty(server.llm)
+
+
+def test_d2_a_non_streaming_request_is_aborted_when_its_client_disconnects(server):
+    engine = server.llm.engine
+    body = {**GOOD, "max_tokens": 400}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as c:
+        c.post("/v1/completions", json=body)
+    deadline = time.monotonic() + 10
+    while engine.has_work() or engine.running:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.02)
+    last = engine.finished[-1]
+    assert last.finish_reason == "abort" and len(last.output_ids) < 400
+    assert kv_empty(server.llm)
+
+
+def test_d3_overflow_of_the_queue_gets_503_with_retry_after(http, server):
+    """With the engine stuck in a step, requests queue up to --max-queue-len (8); the next gets 503 at once
+    with Retry-After. /health turns 503 too (D6's watchdog), and both recover when the engine moves again."""
+    executor = server.llm.executor
+    real_step, release = executor.step, threading.Event()
+
+    def stuck_step(seqs):
+        release.wait(30)
+        return real_step(seqs)
+
+    executor.step = stuck_step
+    try:
+        with ThreadPoolExecutor(9) as pool:
+            running = pool.submit(http.post, "/v1/completions", json=GOOD)
+            while not server.llm.engine.running:
+                time.sleep(0.01)
+            queued = [pool.submit(http.post, "/v1/completions", json=GOOD) for _ in range(8)]
+            while server.llm.engine.num_queued() < 8:
+                time.sleep(0.01)
+            over = http.post("/v1/completions", json=GOOD)
+            assert over.status_code == 503 and int(over.headers["retry-after"]) >= 1
+            assert over.json()["error"]["code"] == "server_busy"
+            time.sleep(0.6)
+            health = http.get("/health")
+            assert health.status_code == 503 and "stalled" in health.json()["status"]
+            release.set()
+            assert all(f.result().status_code == 200 for f in [running, *queued])
+    finally:
+        executor.step = real_step
+        release.set()
+    assert http.get("/health").json() == {"status": "ok"}
+    wait_until_idle(server.llm)
+    assert kv_empty(server.llm)
+
+
+def test_d4_openai_parameters_are_served(http, server):
+    reply = http.post("/v1/completions", json={**GOOD, "n": 3, "logprobs": 2, "temperature": 1.0, "seed": 5,
+                                              "frequency_penalty": 1.0, "max_tokens": 6})
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for c in choices:
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+        assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert reply.json()["usage"]["completion_tokens"] == 18
+    echo = http.post("/v1/completions", json={**GOOD, "echo": True, "max_tokens": 3}).json()
+    assert echo["choices"][0]["text"].startswith(GOOD["prompt"])
+    ids = http.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
+    assert ids["count"] == len(ids["tokens"]) >= 2
+    assert http.post("/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": "hello world"}
+    http.post("/v1/completions", json={**GOOD, "max_tokens": 8})
+    third = server.llm.engine.finished[-1].output_ids[2]
+    cut = http.post("/v1/completions", json={**GOOD, "max_tokens": 8, "stop_token_ids": [third]}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] <= 3
+
+
+def test_d5_body_size_limit_and_405_allow(tiny_chat_dir):
+    with live_server(make_server_llm(tiny_chat_dir), max_body_bytes=1000) as live, \
+            httpx.Client(base_url=live.url, timeout=30) as http:
+        big = http.post("/v1/completions", json={**GOOD, "prompt": "x" * 2000})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            yield b'{"prompt": "'
+            for _ in range(20):
+                yield b"y" * 100
+            yield b'"}'
+
+        chunked = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert chunked.status_code == 413
+        assert http.post("/v1/completions", json=GOOD).status_code == 200
+        wrong = http.get("/v1/chat/completions")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_d6_sigterm_drains_and_exits_0_without_traceback(tiny_chat_dir):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "orbitflow.cli", "serve", "--model", str(tiny_chat_dir), "--port", str(port),
+           "--served-model-name", MODEL_NAME, "--device-kv-blocks", "256", "--host-kv-blocks", "1024",
+           "--shutdown-timeout", "1", "--slo-ms", "20"]  # Token-Deposit paces the stream: 450 tokens take 9 s
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        lines = []
+        with httpx.Client(timeout=60) as http, http.stream(
+                "POST", f"{url}/v1/completions", json={**GOOD, "max_tokens": 450, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 2:
+                    start = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        assert "Traceback" not in stderr, stderr
+        assert time.monotonic() - start < 15
+        assert lines[-1] == "data: [DONE]" and '"finish_reason": "abort"' in "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
