@@ -58,7 +58,9 @@ class SimExecutor:
         self.noise_cv = noise_cv
         self._ln_sigma = float(np.sqrt(np.log1p(noise_cv**2)))  # lognormal with mean 1 and CV noise_cv
         self.contention = contention or []  # (start_s, end_s, link slowdown factor)
-        self.rng = np.random.default_rng(seed)
+        # A stream of its own: the trace generator is seeded with the same number, and the noise must not be
+        # correlated with the arrivals and lengths it perturbs.
+        self.rng = np.random.default_rng((seed, 1))
         self._moved_bytes = 0
         self._moves = 0
 
