@@ -43,7 +43,8 @@ class PlanContext:
             num_layers=profile.num_layers,
             block_size=config.block_size,
             capacity_blocks=config.device_kv_blocks,
-            cost_model=profile.cost_model(prefetch_slots=prefetch_slots_for(config, policy)),  # the one model the simulator also runs on
+            # the one cost model the simulator also runs on, at this policy's prefetch depth
+            cost_model=profile.cost_model(prefetch_slots=prefetch_slots_for(config, policy)),
             alpha=config.alpha,
             window=(config.window_min, config.window_max),
             victim=config.victim,
