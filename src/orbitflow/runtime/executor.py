@@ -120,12 +120,9 @@ class ModelExecutor:
         bytes_h2d, bytes_d2h, busy = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
 
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
-        # A pure decode step writes the device-resident rows of a layer in one op; every row's K/V of a
-        # device-resident layer is a view, taken once per step (the writes land inside it).
+        # A pure decode step writes the device-resident rows of a layer in one op.
         decode_writes = self._decode_writes(seqs, tables) if all(s.is_decode for s in seqs) else None
         pool = kv.device_pool
-        views = [[pool.kv_view(t.blocks[layer], total) if t.on_device[layer] and s.start_pos > 0 else None
-                  for s, t, total in zip(seqs, tables, totals)] for layer in range(self.num_layers)]
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             entered[layer] = time.perf_counter()
@@ -151,8 +148,8 @@ class ModelExecutor:
                     kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
                 if s.start_pos == 0:
                     keys, values = k_new, v_new
-                elif t.on_device[layer]:
-                    keys, values = views[layer][b]
+                elif t.on_device[layer]:  # a view of the request's run (a gather only if it is fragmented)
+                    keys, values = pool.kv_view(t.blocks[layer], totals[b])
                 else:  # READ the staged copy (the cached tokens) and append the new ones to it
                     keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k_new, v_new)
                     consumed.append((b, layer))
