@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orbitflow.kv.pool import BlockPool, OutOfBlocks
+from orbitflow.kv.pool import BlockPool, OutOfBlocks, is_run
 
 
 @dataclass
@@ -82,15 +82,25 @@ class TransferEngine:
             return nbytes
         with self._link:
             start = time.perf_counter()
-            src_index = torch.tensor(src_ids, dtype=torch.long, device=src.storage.device)
-            dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.storage.device)
-            if self.is_cuda:
-                with torch.cuda.stream(self.stream):
-                    data = src.storage.index_select(1, src_index).to(dst.storage.device, non_blocking=True)
-                    dst.storage.index_copy_(1, dst_index, data)
-                self.stream.synchronize()
+            if is_run(src_ids) and is_run(dst_ids):  # the usual case: one slice copy, no temporary
+                n, s0, d0 = len(src_ids), src_ids[0], dst_ids[0]
+                src_view, dst_view = src.storage[:, s0:s0 + n], dst.storage[:, d0:d0 + n]
+                if self.is_cuda:
+                    with torch.cuda.stream(self.stream):
+                        dst_view.copy_(src_view, non_blocking=True)
+                    self.stream.synchronize()
+                else:
+                    dst_view.copy_(src_view)
             else:
-                dst.storage.index_copy_(1, dst_index, src.storage.index_select(1, src_index))
+                src_index = torch.tensor(src_ids, dtype=torch.long, device=src.storage.device)
+                dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.storage.device)
+                if self.is_cuda:
+                    with torch.cuda.stream(self.stream):
+                        data = src.storage.index_select(1, src_index).to(dst.storage.device, non_blocking=True)
+                        dst.storage.index_copy_(1, dst_index, data)
+                    self.stream.synchronize()
+                else:
+                    dst.storage.index_copy_(1, dst_index, src.storage.index_select(1, src_index))
             self._throttle(nbytes, start)
             self.busy_s += time.perf_counter() - start
         return nbytes
