@@ -246,11 +246,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--offload", type=context_batch, default=(2048, 4),
                         help="CONTEXT:BATCH of the half-layers-on-host vs none comparison, or none (default 2048:4)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both sides (default: torch's own choice)")
     parser.add_argument("--md", default=None, help="write the results as a Markdown fragment to this path "
                                                    "(docs/results/engine_vs_hf.md)")
     args = parser.parse_args()
     if args.tokens < 2 or args.repeats < 1:
         parser.error("--tokens must be at least 2 and --repeats at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
 
     began = time.perf_counter()
     loaded = load_model(MODEL)
