@@ -199,6 +199,7 @@ def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threa
         f"process's high-water mark during one run (both models stay loaded); ours includes its freshly built "
         f"block pool.",
         "",
+        *([args.note, ""] if args.note else []),
         markdown_table(rows, COLUMNS),
         "",
     ]
@@ -248,6 +249,8 @@ def main() -> None:
                         help="CONTEXT:BATCH of the half-layers-on-host vs none comparison, or none (default 2048:4)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both sides (default: torch's own choice)")
+    parser.add_argument("--note", default="", help="a sentence added to the --md fragment (e.g. how busy the "
+                                                        "machine was)")
     parser.add_argument("--md", default=None, help="write the results as a Markdown fragment to this path "
                                                    "(docs/results/engine_vs_hf.md)")
     args = parser.parse_args()
