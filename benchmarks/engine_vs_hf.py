@@ -1,23 +1,35 @@
-"""Decode throughput of the orbitflow engine vs transformers `generate`, SmolLM2-135M, greedy, same run.
+"""Long-context throughput of the orbitflow engine vs transformers `generate`, SmolLM2-135M, greedy, same run.
 
-Ours is what `orbitflow generate --placement none` runs: `orbitflow.llm.LLM` with every layer's KV on
-the device (`FixedPlacementPolicy("none")`, profile "rough"), i.e. the whole engine loop, not just the
-model. Theirs is `LlamaForCausalLM.from_pretrained(...).generate` (sdpa attention, left padding).
+Ours is what `orbitflow generate --placement none` runs: `orbitflow.llm.LLM` with every layer's KV on the
+device (`FixedPlacementPolicy("none")`, profile "rough"), i.e. the whole engine loop, not just the model,
+built afresh for every run so its block pool's pages are counted in that run's memory. Theirs is
+`LlamaForCausalLM.from_pretrained(...).generate` with SDPA attention (its best CPU setting; every prompt of
+a batch has the same length, so no padding mask). Prompts are seeded random token ids of exactly `context`
+tokens; both sides get the same ones.
 
-Decode tokens/s = batch * (N - 1) / (time of the last new token - time of the first): the first token
-comes out of the prefill, so the span is the decode of the other N - 1 tokens, for both sides alike.
-Ours stamps each token in the engine loop (`Request.generated_s`); theirs through a `streamer` that
-`generate` calls once per new token. Runs are interleaved (ours, theirs, ours, ...) and each figure is
-the median of the repeats; the time to the first token (prefill) is printed beside it.
-Also prints the load time of SmolLM2 in a fresh process once the files are in the page cache.
+Per (context, batch), runs alternate ours, theirs, ours, ... `--repeats` times; each figure is the median,
+the ratio range is over the paired repeats:
+- decode tok/s = batch * (N - 1) / (time of the last new token - time of the first): the first token comes
+  out of the prefill, so the span is the decode of the other N - 1 tokens, for both sides alike. Ours stamps
+  each token in the engine loop (`Request.generated_s`); theirs through a `streamer` that `generate` calls
+  once per new token;
+- prefill tok/s = batch * context / time to the first token;
+- peak RSS = the process's high-water mark during the run (reset before it through /proc/self/clear_refs)
+  minus its RSS just before; both models stay loaded, so this is what the run itself needed.
+`--offload C:B` also compares ours with half the layers on the host (`distance:2`, link unthrottled) against
+placement none at context C, batch B, interleaved the same way.
 
-Run: ``python benchmarks/engine_vs_hf.py [--quick]`` (prints tables only; no timed assertions).
+Run: ``python benchmarks/engine_vs_hf.py --contexts 512,2048,8192 --batches 1,4,8 [--md PATH]``
+(prints tables only; no timed assertions).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -27,6 +39,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
@@ -38,13 +51,6 @@ from orbitflow.policies import FixedPlacementPolicy  # noqa: E402
 from orbitflow.runtime.sampling import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m"
-PROMPTS = [
-    "The history of the Roman empire",
-    "Write a short poem about the sea and the wind that blows over it",
-    "def fibonacci(n):",
-    "Explain why the sky is blue in simple words, for a child of five years old.",
-]
-
 _LOAD_SNIPPET = """
 import time
 t0 = time.perf_counter()
@@ -54,6 +60,7 @@ load_model({model!r})
 t2 = time.perf_counter()
 print(t1 - t0, t2 - t1)
 """
+Run = Callable[[], tuple[float, float, float]]  # -> (time to first token, decode span, peak RSS delta bytes)
 
 
 class _TokenStamps(BaseStreamer):
@@ -69,37 +76,92 @@ class _TokenStamps(BaseStreamer):
         pass
 
 
-Runner = Callable[[int], tuple[float, float]]  # new tokens -> (time to first token, decode span of the rest)
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def ours_runner(llm: LLM, prompts: list[list[int]]) -> Runner:
-    def run(new_tokens: int) -> tuple[float, float]:
-        start = llm.clock.now()
-        reqs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+def measured(fn: Callable[[], tuple[float, float]]) -> tuple[float, float, float]:
+    """Run fn with the RSS high-water mark reset first; adds the peak RSS growth (bytes) to its result."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _rss_kib("VmRSS")
+    ttft, span = fn()
+    return ttft, span, 1024.0 * (_rss_kib("VmHWM") - before)
+
+
+def ours_runner(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, spec: str) -> Run:
+    blocks = len(prompts) * loaded.config.num_layers * -(-(len(prompts[0]) + new_tokens) // 16)
+    config = EngineConfig(model=MODEL, max_num_seqs=len(prompts), device_kv_blocks=blocks + 64,
+                          host_kv_blocks=blocks + 64, max_model_len=len(prompts[0]) + new_tokens)
+
+    def run() -> tuple[float, float]:
+        llm = LLM(config, policy=FixedPlacementPolicy(spec), profile="rough", loaded=loaded)
+        try:
+            start = llm.clock.now()
+            reqs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        finally:
+            llm.close()
         assert all(len(r.output_ids) == new_tokens for r in reqs)
         first = min(r.generated_s[0] for r in reqs)
         last = max(r.generated_s[-1] for r in reqs)
         return first - start, last - first
 
-    return run
+    return lambda: measured(run)
 
 
-def hf_runner(hf: LlamaForCausalLM, loaded: LoadedModel, prompts: list[list[int]]) -> Runner:
-    width = max(len(p) for p in prompts)
-    pad = loaded.tokenizer.eos_token_ids[0]
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+def hf_runner(hf: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, pad: int) -> Run:
+    input_ids = torch.tensor(prompts)
+    mask = torch.ones_like(input_ids)
 
-    def run(new_tokens: int) -> tuple[float, float]:
+    def run() -> tuple[float, float]:
         stamps = _TokenStamps()
         start = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               do_sample=False, pad_token_id=pad, streamer=stamps)
-        assert out.shape[1] == width + new_tokens and len(stamps.times) == new_tokens + 1
+        assert out.shape[1] == input_ids.shape[1] + new_tokens and len(stamps.times) == new_tokens + 1
         return stamps.times[1] - start, stamps.times[-1] - stamps.times[1]
 
-    return run
+    return lambda: measured(run)
+
+
+def interleave(runs: dict[str, Run], repeats: int, bar: tqdm) -> dict[str, list[tuple[float, float, float]]]:
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            samples[name].append(run())
+            bar.update()
+    return samples
+
+
+def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str) -> dict:
+    decode = {k: [batch * (new_tokens - 1) / span for _, span, _ in v] for k, v in samples.items()}
+    prefill = {k: [batch * context / ttft for ttft, _, _ in v] for k, v in samples.items()}
+    rss = {k: statistics.median(m for _, _, m in v) / 2**20 for k, v in samples.items()}
+    ratios = [x / y for x, y in zip(decode[a], decode[b])]
+    pratios = [x / y for x, y in zip(prefill[a], prefill[b])]
+    return {
+        "context": context, "batch": batch,
+        "decode_a": statistics.median(decode[a]), "decode_b": statistics.median(decode[b]),
+        "ratio": statistics.median(ratios), "range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+        "prefill_a": statistics.median(prefill[a]), "prefill_b": statistics.median(prefill[b]),
+        "pratio": statistics.median(pratios), "prange": f"{min(pratios):.2f}-{max(pratios):.2f}",
+        "rss_a": rss[a], "rss_b": rss[b],
+    }
+
+
+COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "orbitflow decode tok/s"),
+           ("decode_b", "HF decode tok/s"), ("ratio", "Decode ratio"), ("range", "Decode ratio range"),
+           ("prefill_a", "orbitflow prefill tok/s"), ("prefill_b", "HF prefill tok/s"),
+           ("pratio", "Prefill ratio"), ("prange", "Prefill ratio range"),
+           ("rss_a", "orbitflow peak RSS MiB"), ("rss_b", "HF peak RSS MiB")]
+OFFLOAD_COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "half on host decode tok/s"),
+                   ("decode_b", "none decode tok/s"), ("ratio", "Ratio (host/none)"),
+                   ("range", "Ratio range")]
 
 
 def second_load_s() -> tuple[float, float]:
@@ -114,51 +176,131 @@ def second_load_s() -> tuple[float, float]:
     return imp, load
 
 
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    def cell(value) -> str:
+        return f"{value:.2f}" if isinstance(value, float) and abs(value) < 10 else (
+            f"{value:.0f}" if isinstance(value, float) else str(value))
+
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[k]) for k, _ in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threads: int, elapsed_s: float) -> None:
+    command = "python benchmarks/engine_vs_hf.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    load = os.getloadavg()
+    text = [
+        "## Engine vs transformers: long-context throughput",
+        "",
+        f"SmolLM2-135M, float32, greedy, {args.tokens} new tokens per prompt, seeded random prompts (seed "
+        f"{args.seed}) of exactly `context` tokens, placement none, median of {args.repeats} interleaved "
+        f"repeats (ours, transformers, ours, ...); ranges are over the paired repeats. Transformers is "
+        f"`LlamaForCausalLM.generate` with SDPA attention in the same process. Peak RSS is the growth of the "
+        f"process's high-water mark during one run (both models stay loaded); ours includes its freshly built "
+        f"block pool.",
+        "",
+        *([args.note, ""] if args.note else []),
+        markdown_table(rows, COLUMNS),
+        "",
+    ]
+    if offload:
+        text += ["Half of the layers on the host (`distance:2`, link unthrottled) against placement none, both "
+                 "orbitflow, interleaved:", "", markdown_table(offload, OFFLOAD_COLUMNS), ""]
+    text += [
+        f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} with {threads} threads, "
+        f"load average at the end {load[0]:.1f}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
+        f"took {elapsed_s / 60:.1f} min.",
+        "",
+    ]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(text))
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def context_batch(text: str) -> tuple[int, int] | None:
+    if text.lower() == "none":
+        return None
+    try:
+        context, batch = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CONTEXT:BATCH (e.g. 2048:4) or none, got {text!r}") from None
+    return context, batch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (~1 minute)")
-    parser.add_argument("--tokens", type=int, default=None, help="new tokens per prompt (default 64, quick 24)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, quick 3)")
+    parser.add_argument("--contexts", type=int_list, default=[512, 2048, 8192], help="prompt lengths (tokens)")
+    parser.add_argument("--batches", type=int_list, default=[1, 4, 8], help="batch sizes")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt (default 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per point (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--offload", type=context_batch, default=(2048, 4),
+                        help="CONTEXT:BATCH of the half-layers-on-host vs none comparison, or none (default 2048:4)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both sides (default: torch's own choice)")
+    parser.add_argument("--note", default="", help="a sentence added to the --md fragment (e.g. how busy the "
+                                                        "machine was)")
+    parser.add_argument("--md", default=None, help="write the results as a Markdown fragment to this path "
+                                                   "(docs/results/engine_vs_hf.md)")
     args = parser.parse_args()
-    new_tokens = args.tokens or (24 if args.quick else 64)
-    repeats = args.repeats or (3 if args.quick else 5)
+    if args.tokens < 2 or args.repeats < 1:
+        parser.error("--tokens must be at least 2 and --repeats at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
 
+    began = time.perf_counter()
     loaded = load_model(MODEL)
     hf = LlamaForCausalLM.from_pretrained(loaded.path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    llm = LLM(EngineConfig(model=MODEL, max_num_seqs=len(PROMPTS)), policy=FixedPlacementPolicy("none"),
-              profile="rough", loaded=loaded)
-    encoded = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    pad = loaded.tokenizer.eos_token_ids[0]
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = loaded.config.vocab_size
     threads = torch.get_num_threads()
-    print(f"{MODEL}, greedy, {new_tokens} new tokens per prompt, median of {repeats} interleaved repeats, "
-          f"torch threads {threads} (cores available {len(os.sched_getaffinity(0))})", flush=True)
+    print(f"{MODEL}, greedy, {args.tokens} new tokens, median of {args.repeats} interleaved repeats, torch threads "
+          f"{threads} (cores available {len(os.sched_getaffinity(0))})", flush=True)
 
-    rows = []
-    for batch in (1, 4):
-        prompts = encoded[:batch]
-        ours, theirs = ours_runner(llm, prompts), hf_runner(hf, loaded, prompts)
-        ours(4), theirs(4)  # warm-up
-        samples: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
-        for _ in range(repeats):
-            samples["ours"].append(ours(new_tokens))
-            samples["hf"].append(theirs(new_tokens))
-        tps = {k: [batch * (new_tokens - 1) / span for _, span in v] for k, v in samples.items()}
-        ttft = {k: statistics.median(t for t, _ in v) for k, v in samples.items()}
-        o, h = statistics.median(tps["ours"]), statistics.median(tps["hf"])
-        ratios = [a / b for a, b in zip(tps["ours"], tps["hf"])]
-        rows.append({"batch": batch, "ours": o, "hf": h, "ratio": o / h,
-                     "spread": f"{min(ratios):.2f}-{max(ratios):.2f}",
-                     "ttft_ours": 1000 * ttft["ours"], "ttft_hf": 1000 * ttft["hf"]})
-        print(f"batch {batch}: orbitflow {o:.1f} tok/s, transformers {h:.1f} tok/s, ratio {o / h:.2f}", flush=True)
-    llm.close()
-    print(format_table(rows, [("batch", "Batch"), ("ours", "orbitflow decode tok/s"),
-                              ("hf", "transformers decode tok/s"), ("ratio", "Ratio (ours/HF)"),
-                              ("spread", "Ratio range"),
-                              ("ttft_ours", "orbitflow prefill ms"), ("ttft_hf", "HF prefill ms")],
-                       title=f"Decode throughput, {MODEL}, {threads} threads"))
-
+    points = [(c, b) for c in args.contexts for b in args.batches]
+    total = 2 * args.repeats * (len(points) + (args.offload is not None)) + 2
+    rows, offload = [], []
+    with tqdm(total=total, desc="runs", unit="run") as bar:
+        warm = [[int(x) for x in torch.randint(3, vocab, (64,), generator=gen)]]
+        ours_runner(loaded, warm, 4, "none")(), hf_runner(hf, warm, 4, pad)()  # warm-up
+        bar.update(2)
+        for context, batch in points:
+            prompts = [[int(x) for x in torch.randint(3, vocab, (context,), generator=gen)] for _ in range(batch)]
+            runs = {"ours": ours_runner(loaded, prompts, args.tokens, "none"),
+                    "hf": hf_runner(hf, prompts, args.tokens, pad)}
+            row = summarize(interleave(runs, args.repeats, bar), batch, context, args.tokens, "ours", "hf")
+            rows.append(row)
+            bar.write(f"context {context} batch {batch}: decode {row['decode_a']:.1f} vs {row['decode_b']:.1f} tok/s "
+                      f"(ratio {row['ratio']:.2f}, {row['range']}), prefill ratio {row['pratio']:.2f}")
+        if args.offload is not None:
+            context, batch = args.offload
+            prompts = [[int(x) for x in torch.randint(3, vocab, (context,), generator=gen)] for _ in range(batch)]
+            runs = {"host": ours_runner(loaded, prompts, args.tokens, "distance:2"),
+                    "none": ours_runner(loaded, prompts, args.tokens, "none")}
+            offload.append(summarize(interleave(runs, args.repeats, bar), batch, context, args.tokens, "host", "none"))
+    print(format_table(rows, COLUMNS, title=f"orbitflow vs transformers, {MODEL}, {threads} threads"))
+    if offload:
+        print(format_table(offload, OFFLOAD_COLUMNS, title="half of the layers on the host vs none (orbitflow)"))
     imp, load = second_load_s()
     print(f"second load of {MODEL} in a fresh process: import {imp:.2f} s + load_model {load:.2f} s "
           f"= {imp + load:.2f} s")
+    if args.md:
+        write_markdown(args.md, rows, offload, args, threads, time.perf_counter() - began)
+        print(f"wrote {args.md}")
 
 
 if __name__ == "__main__":

@@ -101,3 +101,53 @@ def test_failed_allocation_leaves_nothing_behind():
         kv.allocate("big", 100, [True, False, True, False])
     assert kv.usage() == (0, 0) and "big" not in kv.tables
     kv.close()
+
+
+def test_pool_hands_out_runs_that_grow_in_place_and_stop_at_a_neighbour():
+    pool = BlockPool("device", 16, BS, H, D, address_blocks=32)
+    a = pool.allocate(4)
+    assert a == list(range(a[0], a[0] + 4))
+    assert pool.extend(a[-1], 2) == [a[-1] + 1, a[-1] + 2]
+    b = pool.allocate(3)  # lands in the middle of the largest gap, not right after `a`
+    assert b[0] > a[-1] + 3
+    blocker = pool.extend(b[-1], 1)
+    assert pool.extend(b[-1], 1) is None  # the next address is taken: the run cannot grow there
+    assert pool.num_used == 10
+    with pytest.raises(OutOfBlocks, match="wanted 7 blocks, 6 free of 16"):
+        pool.allocate(7)  # the budget binds, not the address space
+    pool.free(a + [a[-1] + 1, a[-1] + 2] + b + blocker)
+    assert pool.num_used == 0 and pool.allocate(2, placement="first") == [0, 1]
+
+
+def test_kv_of_a_run_is_a_view_and_a_fragmented_list_reads_the_same_values():
+    pool = BlockPool("device", 16, BS, H, D, address_blocks=32)
+    run = pool.allocate(3)
+    scattered = [9, 3, 20]
+    k, v = torch.randn(40, H, D), torch.randn(40, H, D)
+    for ids in (run, scattered):
+        pool.write(ids, 0, k[:30], v[:30])
+        pool.write(ids, 30, k[30:31], v[30:31])  # one decode token
+        pool.write(ids, 31, k[31:], v[31:])
+        k2, v2 = pool.kv_view(ids, 40)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+    k_run, _ = pool.kv_view(run, 40)
+    assert k_run.data_ptr() == pool.storage[0, run[0]].data_ptr()  # no copy: attention reads the pool
+
+
+def test_a_run_that_cannot_grow_in_place_moves_with_its_data():
+    kv = make_kv()
+    kv.allocate("a", 32, [True] * L)  # 2 blocks per layer, each layer one run
+    written = _fill(kv, "a", 32)
+    table = kv.tables["a"]
+    neighbour = kv.device_pool.extend(table.blocks[0][-1], 1)  # someone owns the block after layer 0's run
+    assert neighbour is not None
+    kv.ensure_capacity("a", 33)
+    assert table.blocks[0] == list(range(table.blocks[0][0], table.blocks[0][0] + 3))  # moved, still a run
+    assert neighbour[0] not in table.blocks[0]
+    for layer, (k, v) in enumerate(written):
+        k2, v2 = kv.layer_kv("a", layer, 32)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+    kv.device_pool.free(neighbour)
+    kv.free("a")
+    assert kv.usage() == (0, 0)
+    kv.close()

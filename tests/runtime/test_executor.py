@@ -88,3 +88,47 @@ def test_stall_grows_with_offloaded_layers_on_a_slow_link(tiny_llama):
         stalls[spec] = stats.stall_s
     assert stalls["none"] == 0.0
     assert 0 < stalls["distance:3"] < stalls["all"]
+
+
+@pytest.fixture
+def scattering_pools(monkeypatch):
+    """Every allocation takes free blocks in a random order and no run grows in place: each request's KV
+    (and each staging slot) is scattered over the pool, so attention must find it block by block."""
+    import random
+
+    import numpy as np
+
+    from orbitflow.kv.pool import BlockPool
+
+    rng = random.Random(0)
+
+    def scattered(self, n, placement):
+        return rng.sample(np.flatnonzero(~self._used).tolist(), n)
+
+    monkeypatch.setattr(BlockPool, "_find_run", scattered)
+    monkeypatch.setattr(BlockPool, "extend", lambda self, last, n: None)
+
+
+@pytest.mark.parametrize("spec", ["none", "distance:2", "random:7"])
+def test_scattered_blocks_and_very_different_lengths_match_hf(tiny_llama, scattering_pools, spec):
+    long_prompt = [int(x) for x in torch.randint(3, 250, (150,), generator=torch.Generator().manual_seed(4))]
+    prompts = [PROMPTS[0], long_prompt, PROMPTS[2]]  # 5, 150 and 33 tokens in one batch
+    reference = [hf_greedy(tiny_llama.hf, p, MAX_TOKENS) for p in prompts]
+    outputs, _ = run(tiny_llama, spec, prompts)
+    assert outputs == reference
+
+
+def test_device_layers_are_read_in_place(tiny_llama):
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("none"), max_num_seqs=1)
+    try:
+        llm.engine.add_request("a", PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.engine.step()  # prefill
+        storage = llm.kv.device_pool.storage
+        for layer in range(llm.executor.num_layers):
+            k, v = llm.kv.layer_kv("a", layer, len(PROMPTS[3]))
+            assert k.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+            assert v.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+        llm.engine.run_until_done()
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()

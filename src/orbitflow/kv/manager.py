@@ -16,7 +16,7 @@ import math
 import torch
 
 from orbitflow.kv.block_table import RequestBlocks
-from orbitflow.kv.pool import BlockPool, OutOfBlocks
+from orbitflow.kv.pool import BlockPool, OutOfBlocks, is_run
 from orbitflow.kv.transfer import TransferEngine
 
 
@@ -37,8 +37,13 @@ class KVManager:
         device = torch.device(device)
         self.num_layers = num_layers
         self.block_size = block_size
+        # On the CPU the device tier gets twice its budget in block addresses (untouched pages cost nothing),
+        # so a request's layer can grow as one run and attention reads it as a view. On CUDA, memory is
+        # real: addresses = budget, and runs that cannot grow in place are relocated or gathered.
+        spare = 2 * device_blocks if materialize and device.type == "cpu" else device_blocks
         self.device_pool = BlockPool(
-            "device", device_blocks, block_size, num_kv_heads, head_dim, dtype, device, materialize=materialize
+            "device", device_blocks, block_size, num_kv_heads, head_dim, dtype, device, materialize=materialize,
+            address_blocks=spare,
         )
         self.host_pool = BlockPool(
             "host", host_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu",
@@ -72,23 +77,42 @@ class KVManager:
         return table
 
     def ensure_capacity(self, req_id: object, num_tokens: int) -> None:
-        """Make every layer of the request hold at least `num_tokens` tokens' worth of blocks."""
+        """Make every layer of the request hold at least `num_tokens` tokens' worth of blocks.
+
+        A layer's blocks grow in place when the ids after its run are free; a device layer that cannot is
+        moved to a fresh run (one local copy) when the budget allows, else it takes any free blocks (read
+        by a gather). Either way the request's tokens stay readable and the budget is checked up front,
+        so a failure leaves the table as it was."""
         table = self.tables[req_id]
         need = self.blocks_for(num_tokens) - table.blocks_per_layer
         if need <= 0:
             return
         device_layers = sum(table.on_device)
         self.make_room(need * device_layers, exclude=req_id)
-        new_device = self.device_pool.allocate(need * device_layers)
-        try:
-            new_host = self.host_pool.allocate(need * (self.num_layers - device_layers))
-        except OutOfBlocks:
-            self.device_pool.free(new_device)
-            raise
+        for pool, layers in ((self.device_pool, device_layers), (self.host_pool, self.num_layers - device_layers)):
+            if need * layers > pool.num_free:
+                raise OutOfBlocks(pool.tier, need * layers, pool.num_free, pool.num_blocks)
         for layer, dev in enumerate(table.on_device):
-            source = new_device if dev else new_host
-            table.blocks[layer].extend(source[:need])
-            del source[:need]
+            self._grow_layer(table, layer, dev, need)
+
+    def _grow_layer(self, table: RequestBlocks, layer: int, on_device: bool, need: int) -> None:
+        pool, old = self.pool(on_device), table.blocks[layer]
+        if not old:
+            table.blocks[layer] = pool.allocate(need)
+            return
+        grown = pool.extend(old[-1], need)
+        if grown is not None:
+            old.extend(grown)
+            return
+        if on_device and pool.storage is not None and pool.num_free >= len(old) + need and is_run(old):
+            run = pool.allocate(len(old) + need)
+            if is_run(run):  # relocate: one copy inside the device tier, then the run grows again
+                pool.storage[:, run[0]:run[0] + len(old)] = pool.storage[:, old[0]:old[0] + len(old)]
+                pool.free(old)
+                table.blocks[layer] = run
+                return
+            pool.free(run)
+        old.extend(pool.allocate(need))
 
     def free(self, req_id: object) -> None:
         table = self.tables.pop(req_id, None)
@@ -168,19 +192,27 @@ class KVManager:
     def write(self, req_id: object, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of tokens start..start+n-1 of one layer into that layer's tier."""
         table = self.tables[req_id]
-        pool = self.pool(table.on_device[layer]).storage
-        k, v = k.to(pool.device, pool.dtype), v.to(pool.device, pool.dtype)
-        if k.shape[0] == 1:  # decode: one slot, no index tensors to build
-            block, offset = divmod(start, self.block_size)
-            pool[table.blocks[layer][block], 0, offset] = k[0]
-            pool[table.blocks[layer][block], 1, offset] = v[0]
-            return
-        positions = torch.arange(start, start + k.shape[0])
-        block_ids = torch.tensor(table.blocks[layer], dtype=torch.long)[positions // self.block_size]
-        offsets = positions % self.block_size
-        block_ids, offsets = block_ids.to(pool.device), offsets.to(pool.device)
-        pool[block_ids, 0, offsets] = k
-        pool[block_ids, 1, offsets] = v
+        pool = self.pool(table.on_device[layer])
+        k, v = k.to(pool.storage.device, pool.storage.dtype), v.to(pool.storage.device, pool.storage.dtype)
+        pool.write(table.blocks[layer], start, k, v)
+
+    def layer_kv(self, req_id: object, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [num_tokens, kv_heads, head_dim] of a device-resident layer, read where they live (views)."""
+        return self.device_pool.kv_view(self.tables[req_id].blocks[layer], num_tokens)
+
+    def append_staged(
+        self, staged: list[int] | torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new tokens' K/V to a staged copy of a host-resident layer (its slot was sized for them) and
+        return K, V of all start + n tokens as views of that copy: the staged copy is the only copy."""
+        total = start + k.shape[0]
+        if isinstance(staged, torch.Tensor):  # an overflowed slot: scratch [2, blocks, block_size, heads, dim]
+            heads = staged.shape[3:]
+            keys, values = staged[0].view(-1, *heads), staged[1].view(-1, *heads)
+            keys[start:total], values[start:total] = k, v
+            return keys[:total], values[:total]
+        self.device_pool.write(staged, start, k, v)
+        return self.device_pool.kv_view(staged, total)
 
     def block_index(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """Index tensor of the device-pool blocks that hold `num_tokens` tokens."""
@@ -188,17 +220,13 @@ class KVManager:
                             device=self.device_pool.storage.device)
 
     def read(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [num_tokens, kv_heads, head_dim] from a device-pool block index (`block_index`; resident or
-        staged blocks) or from a scratch tensor of blocks [n, 2, block_size, kv_heads, head_dim] (an
-        overflowed prefetch)."""
+        """Copies of K, V [num_tokens, kv_heads, head_dim] from a device-pool block index (`block_index`) or
+        from a scratch tensor of blocks [2, n, block_size, kv_heads, head_dim]. For inspection and tests:
+        the executor reads views (`layer_kv`, `append_staged`)."""
         storage = self.device_pool.storage
         heads = storage.shape[3:]
-        if blocks.dtype == torch.long:  # gather K and V separately: each lands contiguous, no extra copy
-            k = storage[:, 0].index_select(0, blocks).view(-1, *heads)
-            v = storage[:, 1].index_select(0, blocks).view(-1, *heads)
-        else:
-            k, v = blocks[:, 0].reshape(-1, *heads), blocks[:, 1].reshape(-1, *heads)
-        return k[:num_tokens], v[:num_tokens]
+        kv = storage.index_select(1, blocks) if blocks.dtype == torch.long else blocks
+        return kv[0].reshape(-1, *heads)[:num_tokens], kv[1].reshape(-1, *heads)[:num_tokens]
 
     def close(self) -> None:
         self.transfer.close()

@@ -1,14 +1,23 @@
 """A fixed-size pool of KV blocks on one memory tier.
 
-One block holds K and V of `block_size` tokens for ONE layer: shape [2, block_size, kv_heads, head_dim].
-Blocks of every layer and every request share the pool (the paper's flattened 1D layout, section 6);
-the layer-aware block table says which block belongs to which (request, layer).
+One block holds K and V of `block_size` tokens for ONE layer. Blocks of every layer and every request share
+the pool (the paper's flattened 1D layout, section 6); the layer-aware block table says which block belongs
+to which (request, layer).
+
+Storage is laid out as two planes, `[2 (K, V), address_blocks, block_size, kv_heads, head_dim]`, so the K (or
+V) of a run of consecutive block ids is one contiguous `[tokens, kv_heads, head_dim]` view: attention reads a
+request's KV where it lives, without gathering it. To keep runs consecutive while requests grow, the pool
+may own more block addresses than its budget (`address_blocks`): `num_blocks` is what may be in use at once
+(the budget the planner sees), the extra addresses only give runs room to grow in place. `torch.empty` does
+not touch pages, so an address that is never written costs no memory.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Literal
 
+import numpy as np
 import torch
 
 
@@ -18,6 +27,11 @@ class OutOfBlocks(RuntimeError):
     def __init__(self, tier: str, wanted: int, free: int, total: int):
         super().__init__(f"{tier} KV pool exhausted: wanted {wanted} blocks, {free} free of {total}")
         self.tier, self.wanted, self.free, self.total = tier, wanted, free, total
+
+
+def is_run(ids: list[int]) -> bool:
+    """True when `ids` are consecutive block ids in increasing order (their K and V are views)."""
+    return not ids or ids == list(range(ids[0], ids[0] + len(ids)))
 
 
 class BlockPool:
@@ -32,40 +46,120 @@ class BlockPool:
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
         materialize: bool = True,
+        address_blocks: int | None = None,
     ):
         self.tier = tier
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
-        # torch.empty does not touch the pages, so a large host pool costs nothing until used.
+        self.address_blocks = max(num_blocks, address_blocks or num_blocks)
+        shape = (2, self.address_blocks, block_size, num_kv_heads, head_dim)
+        # torch.empty does not touch the pages, so a large pool costs nothing until used.
         # An unmaterialized pool only counts blocks (the simulator's executor).
         self.storage = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory) if materialize else None
         self.bytes_per_block = 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
+        self._used = np.zeros(self.address_blocks, dtype=bool)
+        self._num_used = 0
         self._lock = threading.Lock()
         self.peak_used = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._num_used
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._num_used
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, placement: Literal["grow", "first"] = "grow") -> list[int]:
+        """`n` blocks, consecutive ids when the address space has such a run free.
+
+        placement "grow" (a run that will grow: a request's layer) starts the run in the middle of the
+        largest free gap, leaving room after both it and its left neighbour; "first" (a run that will not
+        grow: a staging slot) takes the lowest free run, so its pages are reused step after step.
+        """
         with self._lock:
-            if n > len(self._free):
-                raise OutOfBlocks(self.tier, n, len(self._free), self.num_blocks)
-            ids = [self._free.pop() for _ in range(n)]
-            self.peak_used = max(self.peak_used, self.num_used)
+            if n > self.num_free:
+                raise OutOfBlocks(self.tier, n, self.num_free, self.num_blocks)
+            ids = self._find_run(n, placement) if n else []
+            if ids is None:  # fragmented: any free addresses, lowest first
+                ids = np.flatnonzero(~self._used)[:n].tolist()
+            self._used[ids] = True
+            self._num_used += n
+            self.peak_used = max(self.peak_used, self._num_used)
             return ids
+
+    def extend(self, last: int, n: int) -> list[int] | None:
+        """The `n` ids right after block `last` if they are free (a run grows in place), else None."""
+        with self._lock:
+            if n > self.num_free:
+                raise OutOfBlocks(self.tier, n, self.num_free, self.num_blocks)
+            lo, hi = last + 1, last + 1 + n
+            if hi > self.address_blocks or self._used[lo:hi].any():
+                return None
+            self._used[lo:hi] = True
+            self._num_used += n
+            self.peak_used = max(self.peak_used, self._num_used)
+            return list(range(lo, hi))
+
+    def _find_run(self, n: int, placement: str) -> list[int] | None:
+        free = np.concatenate(([False], ~self._used, [False])).view(np.int8)
+        edges = np.diff(free)
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        lengths = ends - starts
+        if placement == "first":
+            fits = np.flatnonzero(lengths >= n)
+            if not len(fits):
+                return None
+            start = int(starts[fits[0]])
+        else:
+            best = int(lengths.argmax()) if len(lengths) else -1
+            if best < 0 or lengths[best] < n:
+                return None
+            start = int(starts[best])
+            if start > 0:  # a run ends where this gap starts: leave it half the room to grow into
+                start += int(lengths[best] - n) // 2
+        return list(range(start, start + n))
 
     def free(self, ids: list[int]) -> None:
         if not ids:
             return
         with self._lock:
-            self._free.extend(reversed(ids))
+            self._used[ids] = False
+            self._num_used -= len(ids)
 
     def reset_peak(self) -> None:
         self.peak_used = self.num_used
+
+    # ---- data -----------------------------------------------------------------------------------
+    def kv_view(self, ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [num_tokens, kv_heads, head_dim] of the first tokens of a block list: views of the pool when
+        the ids form a run, else gathered copies (a fragmented allocation)."""
+        heads = self.storage.shape[3:]
+        nblocks = -(-num_tokens // self.block_size)
+        ids = ids[:nblocks]
+        if is_run(ids):
+            first = ids[0] if ids else 0
+            kv = self.storage[:, first:first + nblocks]
+            return kv[0].view(-1, *heads)[:num_tokens], kv[1].view(-1, *heads)[:num_tokens]
+        index = torch.tensor(ids, dtype=torch.long, device=self.storage.device)
+        kv = self.storage.index_select(1, index)
+        return kv[0].view(-1, *heads)[:num_tokens], kv[1].view(-1, *heads)[:num_tokens]
+
+    def write(self, ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V [n, kv_heads, head_dim] of tokens start..start+n-1 of a block list: one slice copy when
+        the blocks they fall in form a run (always for a single token), else one indexed write."""
+        n, bs = k.shape[0], self.block_size
+        first, last = start // bs, (start + n - 1) // bs
+        span = ids[first:last + 1]
+        if is_run(span):
+            heads = self.storage.shape[3:]
+            offset = start - first * bs
+            kv = self.storage[:, span[0]:span[0] + len(span)]
+            kv[0].view(-1, *heads)[offset:offset + n] = k
+            kv[1].view(-1, *heads)[offset:offset + n] = v
+            return
+        positions = torch.arange(start, start + n)
+        block_ids = torch.tensor(ids, dtype=torch.long)[positions // bs].to(self.storage.device)
+        offsets = (positions % bs).to(self.storage.device)
+        self.storage[0, block_ids, offsets] = k
+        self.storage[1, block_ids, offsets] = v

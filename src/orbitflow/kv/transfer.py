@@ -8,7 +8,11 @@ Within a decode step the schedule is the one the planner's `edf` cost model assu
   (ties: lower batch index);
 - a layer waits until all of its host-resident KV has arrived (`wait_layer`); that wait is its stall.
 
-Staging slots are carved from the device pool, so fetched KV counts against the device budget. The
+Staging slots are carved from the device pool, so fetched KV counts against the device budget. A slot is
+one run of blocks sized for the cached tokens plus the step's new ones: the executor appends the new K/V to
+it and attention reads it as a view, so the staged copy is the only copy. A slot's life has three marked
+points: ACQUIRE (`_stage`, copy thread: allocate and fill), READ (`staged`, compute thread, after
+`wait_layer`) and RELEASE (`release` once the layer has run, or `end_step`). The
 capacity equation reserves one layer's worth of host KV for them (the paper's prefetch buffer); when
 prefetching ahead needs more than the pool has free at that moment, the slot overflows into a scratch
 tensor rather than waiting (waiting could deadlock against a slot that is only consumed later). The
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orbitflow.kv.pool import BlockPool, OutOfBlocks
+from orbitflow.kv.pool import BlockPool, OutOfBlocks, is_run
 
 
 @dataclass
@@ -35,6 +39,7 @@ class _Fetch:
     batch_index: int
     layer: int
     host_blocks: list[int]
+    capacity: int  # blocks the slot holds: the cached ones plus room for this step's new tokens
     staging: list[int] | None = None  # device-pool block ids, or None when `scratch` holds the data
     scratch: torch.Tensor | None = None
     event: object | None = None  # torch.cuda.Event on CUDA
@@ -80,15 +85,25 @@ class TransferEngine:
             return nbytes
         with self._link:
             start = time.perf_counter()
-            src_index = torch.tensor(src_ids, dtype=torch.long, device=src.storage.device)
-            dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.storage.device)
-            if self.is_cuda:
-                with torch.cuda.stream(self.stream):
-                    data = src.storage.index_select(0, src_index).to(dst.storage.device, non_blocking=True)
-                    dst.storage.index_copy_(0, dst_index, data)
-                self.stream.synchronize()
+            if is_run(src_ids) and is_run(dst_ids):  # the usual case: one slice copy, no temporary
+                n, s0, d0 = len(src_ids), src_ids[0], dst_ids[0]
+                src_view, dst_view = src.storage[:, s0:s0 + n], dst.storage[:, d0:d0 + n]
+                if self.is_cuda:
+                    with torch.cuda.stream(self.stream):
+                        dst_view.copy_(src_view, non_blocking=True)
+                    self.stream.synchronize()
+                else:
+                    dst_view.copy_(src_view)
             else:
-                dst.storage.index_copy_(0, dst_index, src.storage.index_select(0, src_index))
+                src_index = torch.tensor(src_ids, dtype=torch.long, device=src.storage.device)
+                dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.storage.device)
+                if self.is_cuda:
+                    with torch.cuda.stream(self.stream):
+                        data = src.storage.index_select(1, src_index).to(dst.storage.device, non_blocking=True)
+                        dst.storage.index_copy_(1, dst_index, data)
+                    self.stream.synchronize()
+                else:
+                    dst.storage.index_copy_(1, dst_index, src.storage.index_select(1, src_index))
             self._throttle(nbytes, start)
             self.busy_s += time.perf_counter() - start
         return nbytes
@@ -103,12 +118,14 @@ class TransferEngine:
 
     # ---- per-step prefetch schedule --------------------------------------------------------------
     def start_step(self, fetches: dict[int, list[tuple[int, list[int]]]]) -> None:
-        """fetches[batch_index] = [(layer, host_block_ids), ...] in layer order."""
+        """fetches[batch_index] = [(layer, host_block_ids) or (layer, host_block_ids, capacity_blocks), ...] in
+        layer order; a slot holds `capacity_blocks` (default: as many as it fetches)."""
         with self._cond:
             assert not self._pending and not self._fetches, "previous step was not finished"
             self._error = None
             for b, items in fetches.items():
-                queue = [_Fetch(b, layer, ids) for layer, ids in items if ids]
+                queue = [_Fetch(b, item[0], item[1], max(len(item[1]), item[2] if len(item) > 2 else 0))
+                         for item in items if item[1]]
                 if not queue:
                     continue
                 self._pending[b] = queue
@@ -138,12 +155,14 @@ class TransferEngine:
         return time.perf_counter() - start
 
     def staged(self, batch_index: int, layer: int) -> list[int] | torch.Tensor:
-        """Where a landed fetch lives: device-pool block ids, or a scratch tensor of blocks."""
+        """READ point: where a landed fetch lives (valid until its `release`): device-pool block ids (a run,
+        read as a view), or a scratch tensor of blocks [2, capacity, block_size, heads, dim]."""
         fetch = self._fetches[(batch_index, layer)]
         return fetch.scratch if fetch.scratch is not None else fetch.staging
 
     def release(self, batch_index: int, layer: int) -> None:
-        """The fetched layer has been consumed: free its slot and let the request's next fetch start."""
+        """RELEASE point: the fetched layer has been consumed: free its slot and let the request's next fetch
+        start."""
         with self._cond:
             fetch = self._fetches.pop((batch_index, layer), None)
             if fetch is None:
@@ -174,26 +193,30 @@ class TransferEngine:
         self.device_pool.free(fetch.staging or [])
         fetch.staging = None
         if fetch.scratch is not None:
-            self.overflow_blocks -= len(fetch.host_blocks)
+            self.overflow_blocks -= fetch.capacity
             fetch.scratch = None
 
     def _stage(self, fetch: _Fetch) -> None:
+        """ACQUIRE point: allocate the request's slot (the lowest free run, so its pages stay warm) and fill
+        its first blocks from the host."""
         n = len(fetch.host_blocks)
         try:
-            fetch.staging = self.device_pool.allocate(n)
-            self.bytes_h2d += self._copy(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging)
+            fetch.staging = self.device_pool.allocate(fetch.capacity, placement="first")
+            self.bytes_h2d += self._copy(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging[:n])
             return
         except OutOfBlocks:
             pass
         index = torch.tensor(fetch.host_blocks, dtype=torch.long)
         with self._link:
             start = time.perf_counter()
-            fetch.scratch = self.host_pool.storage.index_select(0, index).to(self.device_pool.storage.device)
+            src = self.host_pool.storage
+            fetch.scratch = src.new_empty((2, fetch.capacity, *src.shape[2:]), device=self.device_pool.storage.device)
+            fetch.scratch[:, :n] = src.index_select(1, index)
             self._throttle(n * self.host_pool.bytes_per_block, start)
             self.busy_s += time.perf_counter() - start
         self.bytes_h2d += n * self.host_pool.bytes_per_block
         with self._cond:
-            self.overflow_blocks += n
+            self.overflow_blocks += fetch.capacity
             self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
 
     def _throttle(self, nbytes: int, start: float) -> None:

@@ -82,102 +82,86 @@ class ModelExecutor:
         # cannot know about (refcounting still frees nearly everything; cycles wait for the next step).
         self.hold_gc = True
 
-    def _decode_groups(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
-        """Per layer, for a decode step: the requests whose KV of that layer is on the device, the slots
-        their new tokens go to, and one gather index over all their blocks with each request's span
-        (start, length) in the gathered tokens. Each request attends over exactly the values of the
-        per-request path, in the same layout, so outputs stay bit-identical."""
-        kv, bs = self.kv, self.block_size
-        device = kv.device_pool.storage.device
-        lengths = [s.start_pos + 1 for s in seqs]
-        nblocks = [kv.blocks_for(n) for n in lengths]
-        groups: list[tuple | None] = []
+    def _decode_writes(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
+        """Per layer, for a decode step: the rows whose KV of that layer is on the device and the (block,
+        offset) slots their new tokens go to, so each layer writes them in one indexed op."""
+        bs, device = self.block_size, self.device
+        writes: list[tuple | None] = []
         for layer in range(self.num_layers):
             rows = [b for b, t in enumerate(tables) if t.on_device[layer]]
             if not rows:
-                groups.append(None)
+                writes.append(None)
                 continue
-            gather, spans = [], []
-            for b in rows:
-                spans.append((len(gather) * bs, lengths[b]))
-                gather.extend(tables[b].blocks[layer][: nblocks[b]])
-            groups.append((
-                rows,
+            writes.append((
                 None if len(rows) == len(seqs) else torch.tensor(rows, device=device),
-                torch.tensor(gather, dtype=torch.long, device=device),
                 torch.tensor([tables[b].blocks[layer][seqs[b].start_pos // bs] for b in rows], device=device),
                 torch.tensor([seqs[b].start_pos % bs for b in rows], device=device),
-                spans,
             ))
-        return groups
+        return writes
 
     def step(self, seqs: list[SeqInput]) -> StepResult:
+        """One engine step. Attention reads every request's KV where it lives: a device-resident layer is a
+        view of its run of blocks in the device pool, a host-resident one a view of its staging slot, to
+        which the new tokens are appended (no gather, no concatenation). On CUDA the same contract would be
+        served by a paged decode kernel over the block table (FlashInfer's batch decode or vLLM's
+        paged_attention) for the runs that are not contiguous; here a fragmented run is gathered."""
         from orbitflow.model.attention import causal_attention
 
         kv, transfer = self.kv, self.kv.transfer
         for s in seqs:
             kv.ensure_capacity(s.req_id, s.start_pos + len(s.token_ids))
         tables = [kv.tables[s.req_id] for s in seqs]
-        # Prefetch list: every host-resident layer's already-cached blocks, per request, in layer order.
+        # Prefetch list: every host-resident layer's already-cached blocks, per request, in layer order, into
+        # a slot with room for the step's new tokens.
         fetches = {
-            b: [(layer, t.blocks[layer][: kv.blocks_for(s.start_pos)]) for layer in range(self.num_layers)
-                if not t.on_device[layer]]
+            b: [(layer, t.blocks[layer][: kv.blocks_for(s.start_pos)], kv.blocks_for(s.start_pos + len(s.token_ids)))
+                for layer in range(self.num_layers) if not t.on_device[layer]]
             for b, (s, t) in enumerate(zip(seqs, tables)) if s.start_pos > 0
         }
         host_users = [[b for b in fetches if not tables[b].on_device[layer]] for layer in range(self.num_layers)]
         bounds = [0]
         for s in seqs:
             bounds.append(bounds[-1] + len(s.token_ids))
+        totals = [s.start_pos + len(s.token_ids) for s in seqs]
         entered = [0.0] * self.num_layers
         stalls = [0.0] * self.num_layers
         bytes_h2d, bytes_d2h, busy = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
 
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
-        # A pure decode step writes and gathers the device-resident requests of a layer in one op each.
-        decode_groups = self._decode_groups(seqs, tables) if all(s.is_decode for s in seqs) else None
-        storage = kv.device_pool.storage
+        # A pure decode step writes the device-resident rows of a layer in one op.
+        decode_writes = self._decode_writes(seqs, tables) if all(s.is_decode for s in seqs) else None
+        pool = kv.device_pool
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             entered[layer] = time.perf_counter()
-            # The previous layer has run: its prefetch slots free up and those requests' next fetches may
-            # start. (Releasing right after attention would overlap more, but the planner's `edf` model,
-            # and the paper's example, free a slot when its layer has finished.)
+            # The previous layer has run: its prefetch slots free up (RELEASE) and those requests' next
+            # fetches may start. (Releasing right after attention would overlap more, but the planner's
+            # `edf` model, and the paper's example, free a slot when its layer has finished.)
             for b, fetched_layer in consumed:
                 transfer.release(b, fetched_layer)
             consumed.clear()
             stalls[layer] = transfer.wait_layer(layer, host_users[layer])
-            outputs: list[torch.Tensor | None] = [None] * len(seqs)
-            group = decode_groups[layer] if decode_groups is not None else None
-            if group is not None:
-                rows, row_index, gather_index, slot_blocks, slot_offsets, spans = group
+            written = decode_writes[layer] if decode_writes is not None else None
+            if written is not None:
+                row_index, slot_blocks, slot_offsets = written
                 k_dev = k if row_index is None else k.index_select(0, row_index)
                 v_dev = v if row_index is None else v.index_select(0, row_index)
-                storage[slot_blocks, 0, slot_offsets] = k_dev
-                storage[slot_blocks, 1, slot_offsets] = v_dev
-                keys_all, values_all = kv.read(gather_index, len(gather_index) * self.block_size)
-                for b, (first, length) in zip(rows, spans):
-                    keys, values = keys_all[first:first + length], values_all[first:first + length]
-                    outputs[b] = causal_attention(q[b:b + 1], keys, values, self.scale)
+                pool.storage[0, slot_blocks, slot_offsets] = k_dev
+                pool.storage[1, slot_blocks, slot_offsets] = v_dev
+            outputs: list[torch.Tensor] = []
             for b, (s, t) in enumerate(zip(seqs, tables)):
-                if outputs[b] is not None:
-                    continue
                 lo, hi = bounds[b], bounds[b + 1]
                 k_new, v_new = k[lo:hi], v[lo:hi]
-                kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
+                if not (written is not None and t.on_device[layer]):
+                    kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
                 if s.start_pos == 0:
                     keys, values = k_new, v_new
-                elif t.on_device[layer]:  # the new tokens are in the pool now: one gather, no concatenation
-                    total = s.start_pos + hi - lo
-                    keys, values = kv.read(kv.block_index(t.blocks[layer], total), total)
-                else:  # the staged copy holds the cached tokens; the new ones went straight to the host
-                    staged = transfer.staged(b, layer)
-                    if isinstance(staged, list):
-                        staged = kv.block_index(staged, s.start_pos)
-                    k_old, v_old = kv.read(staged, s.start_pos)
-                    keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
-                outputs[b] = causal_attention(q[lo:hi], keys, values, self.scale)
-                if not t.on_device[layer] and s.start_pos > 0:
+                elif t.on_device[layer]:  # a view of the request's run (a gather only if it is fragmented)
+                    keys, values = pool.kv_view(t.blocks[layer], totals[b])
+                else:  # READ the staged copy (the cached tokens) and append the new ones to it
+                    keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k_new, v_new)
                     consumed.append((b, layer))
+                outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
             return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
