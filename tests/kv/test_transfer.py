@@ -71,15 +71,15 @@ def test_depth_two_lets_the_next_layer_land_before_this_one_is_consumed():
     engine.prefetch_slots = 2
     ids = {layer: host.allocate(2) for layer in (0, 1, 2)}
     for layer, blocks in ids.items():
-        host.storage[blocks] = float(layer + 1)
+        host.storage[:, blocks] = float(layer + 1)  # both planes (K, V) of these blocks
     engine.start_step({0: [(layer, ids[layer]) for layer in (0, 1, 2)]})
     engine.wait_layer(0, [0])
     engine.wait_layer(1, [0])  # at depth 1 this would wait forever: layer 0 is not released yet
     assert (0, 2) not in engine._done  # the third fetch waits for a free slot
-    assert float(device.storage[engine.staged(0, 1)].mean()) == 2.0
+    assert float(device.storage[:, engine.staged(0, 1)].mean()) == 2.0
     engine.release(0, 0)
     engine.wait_layer(2, [0])
-    assert float(device.storage[engine.staged(0, 2)].mean()) == 3.0
+    assert float(device.storage[:, engine.staged(0, 2)].mean()) == 3.0
     engine.release(0, 1)
     engine.release(0, 2)
     engine.end_step()
