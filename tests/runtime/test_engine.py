@@ -195,3 +195,25 @@ def test_a_request_whose_sampling_fails_ends_alone(tiny_llama):
         assert llm.kv.usage() == (0, 0)
     finally:
         llm.close()
+
+
+def test_admission_limit_charges_the_policys_prefetch_depth(tiny_llama):
+    """DeepSpeed prefetches two layers per request: a request that fits the pools with one layer of buffer but
+    not with two must be refused at once (it used to be accepted and then wait forever at the head of the
+    queue, holding up everyone behind it)."""
+    from orbitflow.policies import DeepSpeedPolicy
+    from orbitflow.runtime.engine import RequestRejected
+
+    # 6 layers; 40 + 24 tokens = 4 blocks per layer: 4 * (6 + 1) = 28 blocks fit in 29, 4 * (6 + 2) = 32 do not
+    llm = make_llm(tiny_llama, policy=DeepSpeedPolicy(), profile=tiny_profile(device_kv_blocks=9),
+                   device_kv_blocks=9, host_kv_blocks=20)
+    try:
+        assert llm.engine.prefetch_slots == 2
+        with pytest.raises(RequestRejected, match="32 KV blocks"):
+            llm.engine.add_request("x", list(range(3, 43)), SamplingParams(max_tokens=24))
+        ok = llm.engine.add_request("y", list(range(3, 43)), SamplingParams(max_tokens=8))  # 3 * 8 = 24 blocks
+        while llm.engine.has_work():
+            llm.engine.step()
+        assert ok.finish_reason == "length" and llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()

@@ -121,7 +121,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._add_lock = threading.Lock()  # makes the queue-length check and the enqueue one step
         self._wakeup = threading.Event()
-        self._last_prediction: float | None = None
+        self._last_prediction: tuple[float, int, int] | None = None  # (step seconds, tokens, requests)
         self._installed: tuple[Plan, list] | None = None  # the plan now in place, and its request ids
         self._batch_version = 0  # bumps on arrival, finish and pause
         self._completions = 0  # requests finished so far (the resume gate)
@@ -155,10 +155,10 @@ class Engine:
                 f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
                 f"exceeds the model's context length of {self.max_model_len} tokens"
             )
-        # What admission asks of an empty engine (`_memory_for`): every layer plus one prefetch buffer. A
+        # What admission asks of an empty engine (`_memory_for`): every layer plus the prefetch buffer. A
         # request that passes waits until memory frees up; one that does not could never be admitted.
         final = self._final_blocks(req)
-        blocks = final * self.num_layers + final
+        blocks = final * (self.num_layers + self.prefetch_slots)
         capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
         if blocks > capacity:
             raise RequestRejected(
@@ -233,9 +233,10 @@ class Engine:
                 if not req.finished:
                     self._finish(req, "error", error=f"output processing failed: {type(exc).__name__}: {exc}")
         if is_decode and self._last_prediction is not None:
-            total = sum(r.num_tokens for r in self.running)
-            self.controller.observe(self._last_prediction, result.step_s, result.layer_compute_s, total,
-                                    result.link_blocks_per_s, num_requests=len(seqs))
+            # the batch the prediction was made for (requests that finished this step have left `running`)
+            predicted, total, num_requests = self._last_prediction
+            self.controller.observe(predicted, result.step_s, result.layer_compute_s, total,
+                                    result.link_blocks_per_s, num_requests=num_requests)
         self.stats.steps += 1
         if self.running and self.controller.expires_at(self.stats.steps + 1):
             self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.stats.steps + 1)
@@ -327,6 +328,11 @@ class Engine:
             cand.status = Status.RUNNING
             self.running.append(cand)
 
+    @property
+    def prefetch_slots(self) -> int:
+        """Layers of prefetch buffer each request may hold (the policy's prefetch depth)."""
+        return self.controller.ctx.cost_model.prefetch_slots
+
     def _final_blocks(self, req: Request) -> int:
         return math.ceil(req.max_total_tokens / self.block_size)
 
@@ -338,8 +344,7 @@ class Engine:
         final = sum(self._final_blocks(r) for r in admitted)
         free = self.kv.device_pool.num_free + self.kv.host_pool.num_free
         held = sum(self.kv.tables[r.request_id].blocks_per_layer for r in admitted if r.request_id in self.kv.tables)
-        slots = self.controller.ctx.cost_model.prefetch_slots  # a prefetch buffer of `slots` layers each
-        return final * (self.num_layers + slots) <= free + held * self.num_layers
+        return final * (self.num_layers + self.prefetch_slots) <= free + held * self.num_layers
 
     def _victim(self, plan: Plan, batch: list[Request]) -> Request:
         """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a
@@ -426,9 +431,11 @@ class Engine:
             reqs.append(req)
         if seqs and all(s.is_decode for s in seqs) and self.controller.plan is not None:
             # what the cost model (the simulator's) predicts for this step's batch and placement
-            self._last_prediction = self.controller.predict(
+            total = sum(s.start_pos + 1 for s in seqs)
+            predicted = self.controller.predict(
                 [self.kv.tables[s.req_id].on_device for s in seqs], [self.kv.blocks_for(s.start_pos) for s in seqs],
-                sum(s.start_pos + 1 for s in seqs))
+                total)
+            self._last_prediction = (predicted, total, len(seqs))
         else:
             self._last_prediction = None
         return seqs, reqs

@@ -66,9 +66,9 @@ class OpenAIServer:
         engine = llm.engine
         kv = engine.kv
         # The longest sequence (prompt + output) the engine accepts: the context, and the KV both tiers hold
-        # (every layer plus one layer of prefetch buffer, as admission counts it).
+        # (every layer plus the policy's prefetch buffer, as admission counts it).
         kv_blocks = kv.device_pool.num_blocks + kv.host_pool.num_blocks
-        kv_tokens = kv_blocks // (engine.num_layers + 1) * engine.block_size
+        kv_tokens = kv_blocks // (engine.num_layers + engine.prefetch_slots) * engine.block_size
         self.max_len = min(engine.max_model_len or kv_tokens, kv_tokens)
         self.vocab_size = llm.loaded.config.vocab_size
 
