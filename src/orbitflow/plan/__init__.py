@@ -7,7 +7,7 @@ Pure Python + NumPy (no torch). Public API::
 
 from orbitflow.plan.cost_model import CostModel, StepEstimate
 from orbitflow.plan.placement import Placement, pruned_distances, widest_distance
-from orbitflow.plan.planner import VICTIM_ORDERS, Plan, Planner, PlanRequest, resolve_victim_order
+from orbitflow.plan.planner import VICTIM_ORDERS, Plan, Planner, PlanRequest, resolve_victim_order, warm_up
 
 __all__ = [
     "CostModel",
@@ -19,5 +19,6 @@ __all__ = [
     "VICTIM_ORDERS",
     "pruned_distances",
     "resolve_victim_order",
+    "warm_up",
     "widest_distance",
 ]

@@ -577,3 +577,19 @@ class Planner:
             seen.add(q.request_id)
 
 
+
+
+_warm = False
+
+
+def warm_up() -> None:
+    """Load (or compile) the compiled planner's kernels in this process now, with a tiny solve, so that the first
+    real solve does not pay for it. The simulator charges solve time on its virtual clock; without this the first
+    solve of each process would be charged for numba's cache load."""
+    global _warm
+    if _warm or not cc.enabled(None):
+        return
+    model = CostModel([1e-3] * 4, link_blocks_per_s=1e3)
+    requests = [PlanRequest("a", 8, 120, 40, 0.0, 6e-3), PlanRequest("b", 4, 60, 40, 0.0, 6e-3)]
+    Planner(model, capacity_blocks=30, window=(1, 4)).plan(requests)
+    _warm = True

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from orbitflow.plan import Placement, Plan, PlanRequest
+from orbitflow.plan import Placement, Plan, PlanRequest, warm_up
 from orbitflow.policies.base import PlanContext, Policy
 
 
@@ -74,6 +74,7 @@ class Controller:
         """Put every solve on ``clock``: ``solve_time(measured wall seconds)`` is what it costs there."""
         self._clock = clock
         self._solve_time = solve_time
+        warm_up()  # the first solve must not be charged for loading the compiled planner
 
     # ---- when -------------------------------------------------------------------------------------
     def trigger(self, step: int, batch_ids: list) -> str | None:
@@ -83,8 +84,7 @@ class Controller:
                 self._pending = None  # the batch changed under the solve: its plan is stale
             elif self._clock.now() + 1e-12 >= ready:
                 self._pending = None
-                self.plan, self.plan_ids, self.plan_step = plan, list(ids), plan_step
-                self.mismatch = False
+                self._adopt(plan, ids, plan_step)
                 self.adopted_late += 1
             else:
                 return None  # still solving: the old plan keeps running
@@ -157,10 +157,14 @@ class Controller:
                 return plan
             self._clock.advance(cost)  # nothing valid to run meanwhile: the batch waits for the plan
         if plan.feasible:
-            self.plan, self.plan_ids, self.plan_step = plan, list(ids), step
-            self.ctx.previous = dict(zip(ids, plan.distances)) if plan.distances is not None else None
-            self.mismatch = False
+            self._adopt(plan, ids, step)
         return plan
+
+    def _adopt(self, plan: Plan, ids: list, step: int) -> None:
+        """Put a feasible plan in place; it is also the next search's first try."""
+        self.plan, self.plan_ids, self.plan_step = plan, list(ids), step
+        self.ctx.previous = dict(zip(ids, plan.distances)) if plan.distances is not None else None
+        self.mismatch = False
 
     def forget(self) -> None:
         self.plan, self.plan_ids = None, []
