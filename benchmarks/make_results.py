@@ -120,19 +120,17 @@ class Results:
 
     def cell(self, metric, policy, slo, rates=None, **kw) -> dict:
         """Mean and 95% CI over seeds of ``metric`` averaged per seed over ``rates`` (default: all)."""
+        return mean_ci95(self.per_seed(metric, policy, slo, rates, **kw).values())
+
+    def per_seed(self, metric, policy, slo, rates=None, **kw) -> dict[int, float]:
+        """Per seed, ``metric`` averaged over ``rates`` (default: all); runs that lack it (None, NaN) are skipped,
+        never counted as 0."""
         by_seed: dict[int, list[float]] = {}
         for r in self.select(policy, slo=slo, **kw):
             if rates is None or r["rate_scale"] in rates:
                 v = r.get(metric)
                 if v is not None and not (isinstance(v, float) and np.isnan(v)):
                     by_seed.setdefault(r["seed"], []).append(float(v))
-        return mean_ci95(float(np.mean(v)) for v in by_seed.values())
-
-    def per_seed(self, metric, policy, slo, rates=None, **kw) -> dict[int, float]:
-        by_seed: dict[int, list[float]] = {}
-        for r in self.select(policy, slo=slo, **kw):
-            if rates is None or r["rate_scale"] in rates:
-                by_seed.setdefault(r["seed"], []).append(float(r.get(metric) or 0.0))
         return {s: float(np.mean(v)) for s, v in by_seed.items()}
 
 
