@@ -151,3 +151,18 @@ def test_a_run_that_cannot_grow_in_place_moves_with_its_data():
     kv.free("a")
     assert kv.usage() == (0, 0)
     kv.close()
+
+
+def test_pool_refuses_a_double_free():
+    from orbitflow.kv.pool import BlockPool
+
+    pool = BlockPool("device", 8, 16, 2, 8)
+    ids = pool.allocate(3)
+    pool.free(ids[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(ids[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([ids[1], ids[1]])
+    assert pool.num_used == 2  # neither bad call changed the count
+    pool.free(ids[1:])
+    assert pool.num_used == 0

@@ -124,7 +124,10 @@ class BlockPool:
         if not ids:
             return
         with self._lock:
-            self._used[ids] = False
+            idx = np.asarray(ids)
+            if not self._used[idx].all() or np.unique(idx).size != idx.size:  # a bug, never an expected shortage
+                raise ValueError(f"{self.tier} pool: freeing blocks that are not allocated (or twice): {ids}")
+            self._used[idx] = False
             self._num_used -= len(ids)
 
     def reset_peak(self) -> None:

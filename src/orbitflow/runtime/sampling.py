@@ -68,11 +68,6 @@ def sample(
     return Sample(token, float(logprobs[token]), top)
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """The next token without history (no penalties); raises when sampling fails."""
-    return _draw(_processed(logits.float(), params, (), ()), params, step)
-
-
 def _processed(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> torch.Tensor:
     """Logits after the repetition, presence and frequency penalties and the logit bias."""
