@@ -16,6 +16,16 @@ def paper_requests(offset=0, slo=math.inf):
             PlanRequest("r2", 6, 81 + offset, None, 0.0, slo)]
 
 
+
+def plan_matches_brute_force(pl, reqs, n_layers):
+    """Plan ``reqs`` and check feasibility and step latency against brute force; returns (plan, best latency)."""
+    got = pl.plan(reqs)
+    best = brute_force(pl, reqs, n_layers)
+    assert got.feasible == (best is not None)
+    if best is not None:
+        assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
+    return got, best
+
 def test_paper_example_plans():
     pl = Planner(CM, 70, alpha=1, window=(1, 16))
     b_ok = pl.evaluate(Placement.from_distances(9, [None, 3]), paper_requests())
@@ -99,11 +109,8 @@ def test_pruned_search_is_exact_vs_brute_force(seed, impl):
         n_layers = int(rng.integers(2, 17)) if n_req <= 3 else int(rng.integers(2, 9))
         cm, cap, reqs = random_case(rng, n_req, n_layers)
         pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False)
-        got = pl.plan(reqs)
-        best = brute_force(pl, reqs, n_layers)
-        assert got.feasible == (best is not None)
+        got, best = plan_matches_brute_force(pl, reqs, n_layers)
         if best is not None:
-            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
             again = pl.evaluate(got.placement, reqs)
             assert again.feasible and again.predicted_step_s == pytest.approx(got.predicted_step_s)
         else:
@@ -123,11 +130,8 @@ def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed):
         cm = CostModel(comp, base.link_blocks_per_s, request_overhead_s=float(rng.uniform(0, 2) * comp.mean()),
                        transfer_latency_s=float(rng.uniform(0, 1.5) * comp.mean()))
         pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False)
-        got = pl.plan(reqs)
-        best = brute_force(pl, reqs, n_layers)
-        assert got.feasible == (best is not None)
+        got, best = plan_matches_brute_force(pl, reqs, n_layers)
         if best is not None:
-            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
             est = cm.step(got.placement, [r.blocks_per_layer for r in reqs], total_tokens=sum(r.tokens for r in reqs))
             assert got.predicted_step_s == pytest.approx(est.total_s, rel=1e-9)
 
@@ -490,11 +494,8 @@ def test_search_is_exact_vs_brute_force_at_prefetch_depth_two(seed):
         cm1, cap, reqs = random_case(rng, n_req, n_layers)
         cm = CostModel(cm1.compute(), cm1.link_blocks_per_s, prefetch_slots=2)
         pl = Planner(cm, cap, alpha=float(rng.choice([0.5, 1.0])), window=(2, 10), check_better=False)
-        got = pl.plan(reqs)
-        best = brute_force(pl, reqs, n_layers)
-        assert got.feasible == (best is not None)
+        got, best = plan_matches_brute_force(pl, reqs, n_layers)
         if best is not None:
-            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
             b = [r.blocks_per_layer for r in reqs]
             assert got.memory_blocks == pytest.approx(got.placement.memory_blocks(b, slots=2))
             assert got.memory_blocks <= cap + 1e-6
