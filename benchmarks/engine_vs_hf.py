@@ -95,7 +95,7 @@ def measured(fn: Callable[[], tuple[float, float]]) -> tuple[float, float, float
 
 def ours_runner(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, spec: str) -> Run:
     blocks = len(prompts) * loaded.config.num_layers * -(-(len(prompts[0]) + new_tokens) // 16)
-    config = EngineConfig(model=MODEL, max_num_seqs=len(prompts), device_kv_blocks=blocks + 64,
+    config = EngineConfig.build(model=MODEL, max_num_seqs=len(prompts), device_kv_blocks=blocks + 64,
                           host_kv_blocks=blocks + 64, max_model_len=len(prompts[0]) + new_tokens)
 
     def run() -> tuple[float, float]:

@@ -252,7 +252,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     from orbitflow.runtime.sampling import SamplingParams
 
     torch.set_num_threads(torch_threads)
-    llm = LLM(EngineConfig(model="smollm2-135m", max_num_seqs=4, device_kv_blocks=16384),
+    llm = LLM(EngineConfig.build(model="smollm2-135m", max_num_seqs=4, device_kv_blocks=16384),
               policy=FixedPlacementPolicy("none"), profile="rough")
     engine = llm.engine
     rng = np.random.default_rng(seed)

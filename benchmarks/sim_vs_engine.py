@@ -123,7 +123,7 @@ def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfi
         while pending or engine.has_work():
             now = clock.now() - start
             if now > deadline_s:
-                print(f"  {config.policy}: stopped at the {deadline_s:.0f} s deadline", flush=True)
+                print(f"  {config.planner.policy}: stopped at the {deadline_s:.0f} s deadline", flush=True)
                 break
             while pending and pending[0].arrival_s <= now:
                 r = pending.pop(0)
@@ -379,15 +379,16 @@ def main() -> None:
     layers, block = loaded.config.num_layers, 16
     per_request = [math.ceil((r.input_tokens + r.output_tokens) / block) * layers for r in trace]
     batch_kv = statistics.mean(per_request) * max_num_seqs
-    config = EngineConfig(model=MODEL, block_size=block, device_kv_blocks=max(int(args.budget * batch_kv),
+    config = EngineConfig.build(model=MODEL, block_size=block, device_kv_blocks=max(int(args.budget * batch_kv),
                                                                                  max(per_request) // 2),
                           host_kv_blocks=sum(per_request) + 1024, link_gbps=args.link_gbps,
                           max_num_seqs=max_num_seqs, slo_scale=args.slo_scale, seed=args.seed)
     description = (f"{MODEL} on the CPU, {len(trace)} requests over {trace.duration_s:.1f} s (inputs "
                    f"{min(r.input_tokens for r in trace)}-{max(r.input_tokens for r in trace)}, outputs "
                    f"{min(r.output_tokens for r in trace)}-{max(r.output_tokens for r in trace)} tokens), device "
-                   f"budget {config.device_kv_blocks} blocks (~{args.budget:.0%} of a batch of {max_num_seqs}), link "
-                   f"{args.link_gbps} GB/s, SLO scale {config.slo_scale}, policies {', '.join(policies)}")
+                   f"budget {config.cache.device_kv_blocks} blocks (~{args.budget:.0%} of a batch of "
+                   f"{max_num_seqs}), link "
+                   f"{args.link_gbps} GB/s, SLO scale {config.planner.slo_scale}, policies {', '.join(policies)}")
     print(description + f"; load average {load_before}", flush=True)
 
     runs = []

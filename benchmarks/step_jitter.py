@@ -25,7 +25,7 @@ def measure(steps: int, batch: int, prompt_words: int) -> np.ndarray:
     from orbitflow.policies import FixedPlacementPolicy
     from orbitflow.runtime.sampling import SamplingParams
 
-    config = EngineConfig(max_num_seqs=batch, device_kv_blocks=8192, host_kv_blocks=8192)
+    config = EngineConfig.build(max_num_seqs=batch, device_kv_blocks=8192, host_kv_blocks=8192)
     llm = LLM(config, policy=FixedPlacementPolicy("none"), profile="rough")
     prompts = [" ".join(["word"] * (prompt_words + 7 * i)) for i in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))

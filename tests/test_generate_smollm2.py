@@ -45,7 +45,7 @@ def reference(loaded):
 
 def generate(loaded, spec, prompts=PROMPTS, **config):
     config.setdefault("device_kv_blocks", 4096)
-    llm = LLM(EngineConfig(max_num_seqs=len(prompts), **config), policy=FixedPlacementPolicy(spec),
+    llm = LLM(EngineConfig.build(max_num_seqs=len(prompts), **config), policy=FixedPlacementPolicy(spec),
               profile="rough", loaded=loaded)
     try:
         reqs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))

@@ -64,7 +64,7 @@ def make_llm(tiny, policy=None, profile="rough", **config):
     loaded = LoadedModel(model=tiny.model, config=tiny.config, tokenizer=IdTokenizer(), name="tiny", path=tiny.path)
     config.setdefault("device_kv_blocks", 512)
     config.setdefault("host_kv_blocks", 1024)
-    return LLM(EngineConfig(model="tiny", **config), policy=policy, profile=profile, loaded=loaded)
+    return LLM(EngineConfig.build(model="tiny", **config), policy=policy, profile=profile, loaded=loaded)
 
 
 @pytest.fixture(scope="session")

@@ -6,84 +6,21 @@ import argparse
 import json
 import sys
 
-from orbitflow.config import DEFAULT_MODEL, SCHEDULING_CHOICES, VICTIM_CHOICES, ConfigError, EngineConfig
+from orbitflow.config import (
+    VICTIM_CHOICES,
+    CacheConfig,
+    ConfigError,
+    ModelRunConfig,
+    PlannerConfig,
+    SchedulerConfig,
+    add_config_args,
+    add_engine_args,
+    engine_config,
+)
 
 
 class CLIError(Exception):
     """A usage problem reported as one line, without a traceback."""
-
-
-def add_engine_args(p: argparse.ArgumentParser, max_num_seqs_default: int | None = 4) -> None:
-    d = EngineConfig()
-    g = p.add_argument_group("model and KV cache")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF model directory or GGUF file")
-    g.add_argument("--device-kv-blocks", type=int, default=d.device_kv_blocks,
-                   help="device KV budget in blocks (one block = K and V of --block-size tokens of one layer)")
-    g.add_argument("--host-kv-blocks", type=int, default=d.host_kv_blocks, help="host KV pool size in blocks")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--link-gbps", type=float, default=None,
-                   help="throttle host<->device KV copies to this many GB/s (stands in for PCIe)")
-    g.add_argument("--compute-threads", type=int, default=None, metavar="N",
-                   help="torch intra-op threads (default: torch's, or all cores but one for the KV copy thread "
-                        "when --link-gbps throttles a CPU-only run)")
-    g = p.add_argument_group("scheduling")
-    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs_default, help="running batch size cap")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="cap on prompt + output tokens of the running batch")
-    g.add_argument("--scheduling", choices=SCHEDULING_CHOICES, default=d.scheduling, help="admission order")
-    g.add_argument("--chunked-prefill", type=int, default=None, metavar="N",
-                   help="prefill long prompts in chunks of N tokens interleaved with decode steps")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
-    g = p.add_argument_group("SLO and placement control")
-    g.add_argument("--policy", default=d.policy, help="placement policy (orbitflow or a baseline)")
-    slo = g.add_mutually_exclusive_group()
-    slo.add_argument("--slo-ms", type=float, default=None, help="per-token (TBT) SLO in milliseconds")
-    slo.add_argument("--slo-scale", type=float, default=d.slo_scale,
-                     help="SLO as a multiple of the no-offload decode step with a full device budget")
-    g.add_argument("--token-deposit", action=argparse.BooleanOptionalAction, default=True,
-                   help="pace delivery with Token-Deposit")
-    g.add_argument("--alpha", type=float, default=d.alpha, help="tolerated SLO violations per step (planner cap)")
-    g.add_argument("--window-min", type=int, default=d.window_min, help="shortest decode window (steps)")
-    g.add_argument("--window-max", type=int, default=d.window_max, help="longest decode window (steps)")
-    g.add_argument("--victim", choices=VICTIM_CHOICES, default=d.victim, help="pause victim rule")
-    g.add_argument("--prefetch-slots", type=int, default=None, metavar="D",
-                   help="prefetch depth: KV layers of one request in flight at once (default: the policy's own, "
-                        "DeepSpeed 2, others 1); the capacity equation charges D layers of buffer per request")
-    add_planner_budget_args(g)
-    g.add_argument("--seed", type=int, default=0)
-
-
-def add_planner_budget_args(g) -> None:
-    d = EngineConfig()
-    g.add_argument("--plan-node-limit", type=_optional_int, default=d.plan_node_limit, metavar="N|none",
-                   help="branch-and-bound nodes per planner solve; past it the best plan found is used")
-    g.add_argument("--plan-time-limit-ms", type=float, default=None, metavar="MS",
-                   help="wall-clock budget per planner solve (default: none; the node limit alone bounds it)")
-
-
-def _optional_int(text: str) -> int | None:
-    if text.lower() in ("none", "0", "inf"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
-
-
-def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    values = dict(
-        model=args.model, block_size=args.block_size, device_kv_blocks=args.device_kv_blocks,
-        host_kv_blocks=args.host_kv_blocks, link_gbps=args.link_gbps, compute_threads=args.compute_threads,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, scheduling=args.scheduling,
-        chunked_prefill=args.chunked_prefill, max_model_len=args.max_model_len, policy=args.policy,
-        slo_ms=args.slo_ms, slo_scale=args.slo_scale, token_deposit=args.token_deposit, alpha=args.alpha,
-        window_min=args.window_min, window_max=args.window_max, victim=args.victim, seed=args.seed,
-        plan_node_limit=args.plan_node_limit, plan_time_limit_ms=args.plan_time_limit_ms,
-        prefetch_slots=args.prefetch_slots,
-    )
-    values.update(overrides)
-    return EngineConfig(**values)
 
 
 # ---- generate ------------------------------------------------------------------------------------------
@@ -308,18 +245,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         profile = resolve_profile(args.profile or args.preset)
     except (ProfileError, FileNotFoundError, KeyError, ValueError) as exc:
         raise CLIError(f"--preset/--profile: {exc}") from None
-    config = EngineConfig(block_size=profile.block_size, device_kv_blocks=args.device_kv_blocks or
-                          profile.device_kv_blocks, alpha=args.alpha, window_min=args.window_min,
-                          window_max=args.window_max, plan_node_limit=args.plan_node_limit,
-                          plan_time_limit_ms=args.plan_time_limit_ms)
-    slo_s = args.slo_ms / 1000 if args.slo_ms else config.slo_scale * profile.base_slo_s()
+    config = engine_config(args, block_size=profile.block_size,
+                           device_kv_blocks=args.device_kv_blocks or profile.device_kv_blocks)
+    slo_s = args.slo_ms / 1000 if args.slo_ms else config.planner.slo_scale * profile.base_slo_s()
     requests = [_plan_request(t, i, profile.block_size, slo_s) for i, t in enumerate(args.request)]
     plan = PlanContext.from_profile(config, profile).planner(space=args.space).plan(requests)
     out = {
         "feasible": plan.feasible, "distances": list(plan.distances) if plan.distances else None,
         "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
-        "memory_blocks": plan.memory_blocks, "capacity_blocks": config.device_kv_blocks,
+        "memory_blocks": plan.memory_blocks, "capacity_blocks": config.cache.device_kv_blocks,
         "victims": list(plan.victims), "solve_s": plan.stats.get("solve_s"), "slo_s": slo_s,
         "search": "local search, no proof" if args.space == "full" else (
             "complete" if plan.stats.get("exact", 1) else "budget reached"),
@@ -350,13 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
-    add_engine_args(p, max_num_seqs_default=None)
+    add_engine_args(p, defaults={"max_num_seqs": None})
     p.set_defaults(func=cmd_generate)
 
     from orbitflow.bench.client import add_bench_parser
     from orbitflow.serve.server import add_serve_parser
 
-    add_serve_parser(sub, add_engine_args, engine_config)
+    add_serve_parser(sub)
     add_bench_parser(sub)
 
     from orbitflow.sim.sweep import (
@@ -384,15 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="requests per run")
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS,
                    help="runs per point, seeds --seed.. (each its own trace and noise); tables show mean ± 95%% CI")
-    p.add_argument("--seed", type=int, default=0, help="first seed")
-    p.add_argument("--max-num-seqs", type=int, default=4, help="batch size cap")
-    p.add_argument("--max-num-batched-tokens", type=int, default=32768, help="tokens per batch cap")
+    add_config_args(p, ModelRunConfig, only=("seed",), helps={"seed": "first seed"})
+    add_config_args(p, SchedulerConfig, only=("max_num_seqs", "max_num_batched_tokens"))
     p.add_argument("--device-kv-fraction", default=None, metavar="F[,F...]",
                    help=f"device KV budget as a fraction of the largest batch's KV (max-num-batched-tokens, every "
                         f"layer); default {DEFAULT_DEVICE_KV_FRACTION}, the paper's setup (about 16K of 32K tokens), "
                         f"or a --trace file's own GPU block budget; a comma list sweeps it")
-    p.add_argument("--device-kv-blocks", type=int, default=None,
-                   help="device KV budget in layer-blocks (overrides --device-kv-fraction and a trace's own)")
+    add_config_args(p, CacheConfig, only=("device_kv_blocks",), defaults={"device_kv_blocks": None},
+                    helps={"device_kv_blocks": "device KV budget in layer-blocks (overrides --device-kv-fraction "
+                                               "and a trace's own)"})
     p.add_argument("--link-gbps", default=None, metavar="X[,X...]",
                    help="host-to-device link rate in GB/s (default: the profile's); a comma list sweeps it")
     p.add_argument("--prefetch-slots", default="policy", metavar="policy|D[,D...]",
@@ -421,13 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one request of the batch (repeat)")
     p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset")
     p.add_argument("--profile", default=None, help="a profile JSON file instead of a preset")
-    p.add_argument("--device-kv-blocks", type=int, default=None, help="override the device KV budget")
-    p.add_argument("--slo-ms", type=float, default=None, help="TBT SLO (default: 1.5 x the base SLO)")
-    p.add_argument("--alpha", type=float, default=EngineConfig().alpha, help="tolerated violations per step")
-    p.add_argument("--window-min", type=int, default=EngineConfig().window_min)
-    p.add_argument("--window-max", type=int, default=EngineConfig().window_max)
+    add_config_args(p, CacheConfig, only=("device_kv_blocks",), defaults={"device_kv_blocks": None},
+                    helps={"device_kv_blocks": "override the device KV budget (default: the profile's)"})
+    add_config_args(p, PlannerConfig, "planner", helps={"slo_ms": "TBT SLO (default: --slo-scale x the base SLO)"},
+                    only=("slo_ms", "slo_scale", "alpha", "window_min", "window_max", "victim", "plan_node_limit",
+                          "plan_time_limit_ms"))
     p.add_argument("--space", choices=("pruned", "uniform", "full"), default="pruned", help="search space")
-    add_planner_budget_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 

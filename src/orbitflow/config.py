@@ -1,13 +1,28 @@
-"""Every knob of the engine in one validated object.
+"""Every knob of the engine, one validated dataclass per concern, each field mirrored as a CLI flag.
 
-`EngineConfig` is what the CLI, the server, the simulator and the tests build; each field's
-error message names the CLI flag that sets it, so a bad value reads like a usage error.
+- `ModelRunConfig`: which model to run and how (torch threads, seed). (Not `orbitflow.model.config.ModelConfig`,
+  which is the architecture read from a checkpoint.)
+- `CacheConfig`: the KV cache (block size, device and host pools, link rate, prefetch depth).
+- `SchedulerConfig`: admission and batching (batch caps, order, chunked prefill, context and queue length).
+- `PlannerConfig`: SLO and placement control (policy, SLO, alpha, windows, re-planning, victims, budgets,
+  Token-Deposit).
+- `ServerConfig`: the HTTP front end of `orbitflow serve`.
+
+`EngineConfig` composes the engine's concerns; `EngineConfig.build(**flat)` and `replace(**flat)` take flat
+flag names (``device_kv_blocks=512``) for tests and scripts. A new concern (tensor parallelism, a cluster) is a
+new dataclass here, a field of `EngineConfig` and an entry of `ENGINE_CONCERNS`; its flags follow from the
+fields. Each field's metadata holds its flag, help and check, so a bad value reads like a usage error naming
+the flag, and `add_config_args` builds the flags from the same place (one definition per flag).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import replace as dc_replace
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"
 SCHEDULING_CHOICES = ("fcfs", "srtf")
@@ -18,110 +33,270 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
 
 
-@dataclass
-class EngineConfig:
-    model: str = DEFAULT_MODEL
-    # KV cache: both pools count blocks of `block_size` tokens of ONE layer (K and V).
-    block_size: int = 16
-    device_kv_blocks: int = 4096
-    host_kv_blocks: int = 65536
-    link_gbps: float | None = None  # throttle host<->device copies to this many GB/s (None: unthrottled)
+def optional_int(text: str) -> int | None:
+    """Flag parser for 'N' or 'none' (also '0' and 'inf': no limit)."""
+    if text.lower() in ("none", "0", "inf"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def option(default: Any, help: str = "", *, type: Callable | None = None, flag: str | None = None,
+           check: str | None = None, choices: tuple | None = None, metavar: str | None = None,
+           group: str | None = None, cli: bool = True) -> Any:
+    """A config field with its CLI flag. ``check``: 'positive', 'positive?' (None allowed), 'count?' (an int
+    >= 1 or None), 'nonneg' or 'unit' (in (0, 1]); ``choices`` are checked too. ``group``: flags of one group
+    are mutually exclusive. ``cli=False``: a knob for the Python API only."""
+    meta = {"help": help, "type": type, "flag": flag, "check": check, "choices": choices, "metavar": metavar,
+            "exclusive": group, "cli": cli}
+    return field(default=default, metadata=meta)
+
+
+def flag_of(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def dest_of(f) -> str:
+    """The argparse dest and the flat keyword of a field (its flag's name)."""
+    return flag_of(f)[2:].replace("-", "_")
+
+
+def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any) -> None:
+    if check in ("positive?", "count?") and value is None:
+        return
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if check in ("positive", "positive?") and (not is_number or value <= 0):
+        raise ConfigError(f"{flag} must be a positive number, got {value!r}")
+    if check == "count?" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+    if check == "nonneg" and value < 0:
+        raise ConfigError(f"{flag} must be >= 0, got {value!r}")
+    if check == "unit" and not 0 < value <= 1:
+        raise ConfigError(f"{flag} must be in (0, 1], got {value!r}")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+class _Validated:
+    """Checks every field by its metadata after construction, then the dataclass's own `_cross_check`."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_field(flag_of(f), f.metadata.get("check"), f.metadata.get("choices"), getattr(self, f.name))
+        self._cross_check()
+
+    def _cross_check(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ModelRunConfig(_Validated):
+    name: str = option(DEFAULT_MODEL, "built-in name, HF model directory or GGUF file", flag="--model")
     # torch intra-op threads for the model's compute. None: torch's default, except on a CPU-only machine with
-    # a throttled link, where one core is left to the KV copy thread (see `resolved_compute_threads`).
-    compute_threads: int | None = None
-    # Scheduling.
-    max_num_seqs: int = 4
-    max_num_batched_tokens: int = 32768
-    scheduling: str = "fcfs"
-    chunked_prefill: int | None = None  # prefill long prompts in chunks of this many tokens
-    max_model_len: int | None = None  # defaults to the model's context length
-    max_queue_len: int | None = None  # requests allowed to wait for admission (None: unbounded); more get 503
-    # SLO and control.
-    policy: str = "orbitflow"
-    slo_ms: float | None = None  # per-token (TBT) SLO; None: derived from slo_scale x base SLO
-    slo_scale: float = 1.5
-    token_deposit: bool = True
-    # Tolerated SLO violations per step, averaged over the decode window. The paper uses 1; that lets one
-    # request miss the SLO on every step indefinitely, while a pause costs a single long gap, so we
-    # default to 0.5 (see docs/results.md for the comparison).
-    alpha: float = 0.5
-    window_min: int = 4
-    window_max: int = 64
-    mismatch_threshold: float = 0.25  # re-plan when measured step latency is off by more than this fraction
-    ewma: float = 0.3  # weight of a new measurement when refreshing the profile
-    victim: str = "largest-kv+deposit"
-    plan_in_background: bool = True  # solve one step ahead on a planner thread
-    # Planner budget per solve (like a MILP solver's): past it the best plan found so far is used.
-    plan_node_limit: int | None = 2000
-    plan_time_limit_ms: float | None = None
+    # a throttled link, where one core is left to the KV copy thread (see `EngineConfig.resolved_compute_threads`).
+    compute_threads: int | None = option(
+        None, "torch intra-op threads (default: torch's, or all cores but one for the KV copy thread when "
+              "--link-gbps throttles a CPU-only run)", type=int, check="positive?", metavar="N")
+    seed: int = option(0, "seed of sampling, the random victim rule and the simulator's noise", type=int)
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Validated):
+    # Both pools count blocks of `block_size` tokens of ONE layer (K and V).
+    block_size: int = option(16, "tokens per KV block", type=int, check="positive")
+    device_kv_blocks: int = option(
+        4096, "device KV budget in blocks (one block = K and V of --block-size tokens of one layer)", type=int,
+        check="positive")
+    host_kv_blocks: int = option(65536, "host KV pool size in blocks", type=int, check="positive")
+    link_gbps: float | None = option(
+        None, "throttle host<->device KV copies to this many GB/s (stands in for PCIe)", type=float,
+        check="positive?")
     # Prefetch depth: KV buffer slots per request, i.e. how many of its host layers may be in flight at once
     # (charged by the capacity equation). None: the policy's own (DeepSpeed 2, as it prefetches layer i+1
     # while layer i runs; every other policy 1).
-    prefetch_slots: int | None = None
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        def positive(name: str, flag: str, allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{flag} must be a positive number, got {value!r}")
-
-        positive("block_size", "--block-size")
-        positive("device_kv_blocks", "--device-kv-blocks")
-        positive("host_kv_blocks", "--host-kv-blocks")
-        positive("link_gbps", "--link-gbps", allow_none=True)
-        positive("compute_threads", "--compute-threads", allow_none=True)
-        positive("max_num_seqs", "--max-num-seqs")
-        positive("max_num_batched_tokens", "--max-num-batched-tokens")
-        positive("chunked_prefill", "--chunked-prefill", allow_none=True)
-        positive("max_model_len", "--max-model-len", allow_none=True)
-        positive("max_queue_len", "--max-queue-len", allow_none=True)
-        positive("plan_node_limit", "--plan-node-limit", allow_none=True)
-        positive("plan_time_limit_ms", "--plan-time-limit-ms", allow_none=True)
-        positive("slo_ms", "--slo-ms", allow_none=True)
-        if self.prefetch_slots is not None and (not isinstance(self.prefetch_slots, int)
-                                                or isinstance(self.prefetch_slots, bool) or self.prefetch_slots < 1):
-            raise ConfigError(f"--prefetch-slots must be an integer >= 1, got {self.prefetch_slots!r}")
-        positive("slo_scale", "--slo-scale")
-        positive("window_min", "--window-min")
-        positive("window_max", "--window-max")
-        positive("mismatch_threshold", "--mismatch-threshold")
-        if self.alpha < 0:
-            raise ConfigError(f"--alpha must be >= 0, got {self.alpha!r}")
-        if self.window_min > self.window_max:
-            raise ConfigError(f"--window-min ({self.window_min}) must not exceed --window-max ({self.window_max})")
-        if not 0 < self.ewma <= 1:
-            raise ConfigError(f"--ewma must be in (0, 1], got {self.ewma!r}")
-        if self.scheduling not in SCHEDULING_CHOICES:
-            raise ConfigError(f"--scheduling must be one of {', '.join(SCHEDULING_CHOICES)}, got {self.scheduling!r}")
-        if self.victim not in VICTIM_CHOICES:
-            raise ConfigError(f"--victim must be one of {', '.join(VICTIM_CHOICES)}, got {self.victim!r}")
-
-    def resolved_compute_threads(self, cuda: bool) -> int | None:
-        """Threads to give torch (None: leave torch's setting alone). On the CPU the copy thread's transfers
-        run on the same cores as the compute: with torch on every core, the copy thread waits for a core on
-        each wake-up and the step time varies with who wins (benchmarks/engine_variance.py)."""
-        if self.compute_threads is not None:
-            return self.compute_threads
-        if cuda or self.link_gbps is None:
-            return None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores - 1)
+    prefetch_slots: int | None = option(
+        None, "prefetch depth: KV layers of one request in flight at once (default: the policy's own, DeepSpeed "
+              "2, others 1); the capacity equation charges D layers of buffer per request", type=int,
+        check="count?", metavar="D")
 
     @property
     def link_bytes_per_s(self) -> float | None:
         return None if self.link_gbps is None else self.link_gbps * 1e9
 
-    def replace(self, **changes) -> EngineConfig:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        unknown = set(changes) - set(values)
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
-        values.update(changes)
-        return EngineConfig(**values)
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Validated):
+    max_num_seqs: int = option(4, "running batch size cap", type=int, check="positive")
+    max_num_batched_tokens: int = option(32768, "cap on prompt + output tokens of the running batch", type=int,
+                                         check="positive")
+    scheduling: str = option("fcfs", "admission order", choices=SCHEDULING_CHOICES)
+    chunked_prefill: int | None = option(
+        None, "prefill long prompts in chunks of N tokens interleaved with decode steps", type=int,
+        check="positive?", metavar="N")
+    max_model_len: int | None = option(None, "context length cap (default: the model's)", type=int,
+                                       check="positive?")
+    # More waiting requests than this get 503 (None: unbounded); `serve` defaults it to 256.
+    max_queue_len: int | None = option(
+        None, "requests that may wait for admission; more get 503 with Retry-After", type=int, check="positive?")
+
+
+@dataclass(frozen=True)
+class PlannerConfig(_Validated):
+    policy: str = option("orbitflow", "placement policy (orbitflow or a baseline)")
+    slo_ms: float | None = option(None, "per-token (TBT) SLO in milliseconds", type=float, check="positive?",
+                                  group="slo")
+    slo_scale: float = option(1.5, "SLO as a multiple of the no-offload decode step with a full device budget",
+                              type=float, check="positive", group="slo")
+    token_deposit: bool = option(True, "pace delivery with Token-Deposit", type=bool)
+    # Tolerated SLO violations per step, averaged over the decode window. The paper uses 1; that lets one
+    # request miss the SLO on every step indefinitely, while a pause costs a single long gap, so we
+    # default to 0.5 (see docs/results.md for the comparison).
+    alpha: float = option(0.5, "tolerated SLO violations per step (planner cap)", type=float, check="nonneg")
+    window_min: int = option(4, "shortest decode window (steps)", type=int, check="positive")
+    window_max: int = option(64, "longest decode window (steps)", type=int, check="positive")
+    victim: str = option("largest-kv+deposit", "pause victim rule", choices=VICTIM_CHOICES)
+    # Planner budget per solve (like a MILP solver's): past it the best plan found so far is used.
+    plan_node_limit: int | None = option(
+        2000, "branch-and-bound nodes per planner solve; past it the best plan found is used", type=optional_int,
+        check="positive?", metavar="N|none")
+    plan_time_limit_ms: float | None = option(
+        None, "wall-clock budget per planner solve (default: none; the node limit alone bounds it)", type=float,
+        check="positive?", metavar="MS")
+    mismatch_threshold: float = option(0.25, "re-plan when the measured step latency is off by more than this "
+                                             "fraction", type=float, check="positive", cli=False)
+    ewma: float = option(0.3, "weight of a new measurement when refreshing the profile", type=float, check="unit",
+                         cli=False)
+    plan_in_background: bool = option(True, "solve one step ahead on a planner thread", type=bool, cli=False)
+
+    def _cross_check(self) -> None:
+        if self.window_min > self.window_max:
+            raise ConfigError(f"--window-min ({self.window_min}) must not exceed --window-max ({self.window_max})")
+
+    @property
+    def plan_time_limit_s(self) -> float | None:
+        return None if self.plan_time_limit_ms is None else self.plan_time_limit_ms / 1000
+
+
+@dataclass(frozen=True)
+class ServerConfig(_Validated):
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on", type=int)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    served_model_name: str | None = option(None, "model name clients send (default: --model)")
+    shutdown_timeout: float = option(10.0, "on SIGTERM, let requests in flight finish for S seconds, then abort "
+                                           "them", type=float, metavar="S")
+    max_body_bytes: int = option(8 * 1024 * 1024, "larger request bodies get 413", type=int)
+    watchdog_s: float = option(60.0, "/health answers 503 when the engine loop has not advanced for S seconds "
+                                     "with work pending", type=float, metavar="S")
+
+    def _cross_check(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        for flag, value in (("--shutdown-timeout", self.shutdown_timeout), ("--max-body-bytes", self.max_body_bytes),
+                            ("--watchdog-s", self.watchdog_s)):
+            if value <= 0:
+                raise ConfigError(f"{flag} must be positive, got {value}")
+
+
+# EngineConfig's fields, in order: (field name, concern class, --help group title).
+ENGINE_CONCERNS = (
+    ("model", ModelRunConfig, "model"),
+    ("cache", CacheConfig, "KV cache"),
+    ("scheduler", SchedulerConfig, "scheduling"),
+    ("planner", PlannerConfig, "SLO and placement control"),
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs: `EngineConfig(model=..., cache=..., scheduler=..., planner=...)`, or
+    `EngineConfig.build(model="tiny", device_kv_blocks=512, alpha=1.0)` by flat flag names."""
+
+    model: ModelRunConfig = field(default_factory=ModelRunConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    @classmethod
+    def build(cls, **flat) -> EngineConfig:
+        return cls().replace(**flat)
+
+    def replace(self, **flat) -> EngineConfig:
+        """A copy with fields changed by flat name (``policy="deepspeed"``, ``model="tiny"``)."""
+        changes: dict[str, dict] = {name: {} for name, _, _ in ENGINE_CONCERNS}
+        for key, value in flat.items():
+            concern, field_name = _FLAT_FIELDS.get(key, (None, None))
+            if concern is None:
+                raise ConfigError(f"unknown config field(s): {key}")
+            changes[concern][field_name] = value
+        return dc_replace(self, **{name: dc_replace(getattr(self, name), **c) for name, c in changes.items() if c})
+
+    def resolved_compute_threads(self, cuda: bool) -> int | None:
+        """Threads to give torch (None: leave torch's setting alone). On the CPU the copy thread's transfers
+        run on the same cores as the compute: with torch on every core, the copy thread waits for a core on
+        each wake-up and the step time varies with who wins (benchmarks/engine_variance.py)."""
+        if self.model.compute_threads is not None:
+            return self.model.compute_threads
+        if cuda or self.cache.link_gbps is None:
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores - 1)
+
+
+# flat name (the flag's dest) -> (EngineConfig field, the concern's field)
+_FLAT_FIELDS = {dest_of(f): (name, f.name) for name, cls, _ in ENGINE_CONCERNS for f in fields(cls)}
+
+
+# ---- CLI flags from the dataclasses ---------------------------------------------------------------------
+def _default(f) -> Any:
+    return f.default if f.default is not MISSING else f.default_factory()
+
+
+def add_config_args(parser, cls, title: str | None = None, only: Iterable[str] | None = None,
+                    defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None):
+    """Add a flag per CLI field of the config dataclass ``cls`` (in an argument group ``title``), with the
+    field's default, type, choices and help. ``only`` picks fields by flat name; ``defaults``/``helps`` override
+    a subcommand's own. Returns the group."""
+    defaults, helps = defaults or {}, helps or {}
+    wanted = None if only is None else set(only)
+    group = parser.add_argument_group(title) if title else parser
+    exclusive: dict[str, Any] = {}
+    for f in fields(cls):
+        dest, meta = dest_of(f), f.metadata
+        if not meta.get("cli", True) or (wanted is not None and dest not in wanted):
+            continue
+        kwargs: dict[str, Any] = {"dest": dest, "default": defaults.get(dest, _default(f)),
+                                  "help": helps.get(dest, meta.get("help", ""))}
+        if meta.get("type") is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.update({k: meta[k] for k in ("type", "choices", "metavar") if meta.get(k) is not None})
+        target = group
+        if meta.get("exclusive"):
+            if meta["exclusive"] not in exclusive:
+                exclusive[meta["exclusive"]] = group.add_mutually_exclusive_group()
+            target = exclusive[meta["exclusive"]]
+        target.add_argument(flag_of(f), **kwargs)
+    return group
+
+
+def add_engine_args(parser, defaults: dict[str, Any] | None = None) -> None:
+    """Every engine flag, grouped by concern."""
+    for _, cls, title in ENGINE_CONCERNS:
+        add_config_args(parser, cls, title, defaults=defaults)
+
+
+def config_from_args(cls, args: argparse.Namespace, **overrides):
+    """An instance of the config dataclass ``cls`` from parsed flags (fields without a flag keep defaults)."""
+    values = {f.name: getattr(args, dest_of(f)) for f in fields(cls) if hasattr(args, dest_of(f))}
+    values.update(overrides)
+    return cls(**values)
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The EngineConfig of parsed engine flags; ``overrides`` by flat name."""
+    flat = {key: getattr(args, key) for key in _FLAT_FIELDS if hasattr(args, key)}
+    flat.update(overrides)
+    return EngineConfig.build(**flat)

@@ -1,6 +1,6 @@
 """Build an engine from one EngineConfig: the entry point of `generate`, `serve` and the Python API.
 
-    llm = LLM(EngineConfig(model="smollm2-135m", device_kv_blocks=2048))
+    llm = LLM(EngineConfig.build(model="smollm2-135m", device_kv_blocks=2048))
     outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
 """
 
@@ -50,28 +50,30 @@ class LLM:
 
         self.config = config or EngineConfig()
         cfg = self.config
-        self.loaded = loaded or load_model(cfg.model)
+        cache = cfg.cache
+        self.loaded = loaded or load_model(cfg.model.name)
         mc = self.loaded.config
         device = "cuda" if torch.cuda.is_available() else "cpu"
         threads = cfg.resolved_compute_threads(cuda=device == "cuda")
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         self.kv = KVManager(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.device_kv_blocks, cfg.host_kv_blocks,
-            block_size=cfg.block_size, device=device, link_bytes_per_s=cfg.link_bytes_per_s,
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.device_kv_blocks, cache.host_kv_blocks,
+            block_size=cache.block_size, device=device, link_bytes_per_s=cache.link_bytes_per_s,
             dtype=next(self.loaded.model.parameters()).dtype,
         )
         self.executor = ModelExecutor(self.loaded.model, mc, self.kv)
         if isinstance(profile, HardwareProfile):
             self.profile = profile
         elif profile == "measure":
-            self.profile = profile_executor(self.executor, name=f"{cfg.model}@this-machine")
+            self.profile = profile_executor(self.executor, name=f"{cfg.model.name}@this-machine")
         else:  # "rough": enough to evaluate a fixed placement, no measurement
             self.profile = HardwareProfile(
                 name="rough", num_layers=mc.num_layers,
-                kv_bytes_per_token_per_layer=self.kv.device_pool.bytes_per_block // cfg.block_size,
-                decode_a=0.0, decode_b=1e-3 * mc.num_layers, link_bytes_per_s=cfg.link_bytes_per_s or 10e9,
-                device_kv_blocks=cfg.device_kv_blocks, host_kv_blocks=cfg.host_kv_blocks, block_size=cfg.block_size,
+                kv_bytes_per_token_per_layer=self.kv.device_pool.bytes_per_block // cache.block_size,
+                decode_a=0.0, decode_b=1e-3 * mc.num_layers, link_bytes_per_s=cache.link_bytes_per_s or 10e9,
+                device_kv_blocks=cache.device_kv_blocks, host_kv_blocks=cache.host_kv_blocks,
+                block_size=cache.block_size,
             )
         for pool in (self.kv.device_pool, self.kv.host_pool):
             pool.reset_peak()
@@ -79,9 +81,9 @@ class LLM:
         # collection (which the executor also keeps out of its steps) never walks the model's objects.
         gc.collect()
         gc.freeze()
-        self.policy = policy or make_policy(cfg.policy)
+        self.policy = policy or make_policy(cfg.planner.policy)
         self.clock = WallClock()
-        max_len = cfg.max_model_len or mc.max_position_embeddings
+        max_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
         ctx = PlanContext.from_profile(cfg, self.profile, self.policy)
         self.kv.transfer.prefetch_slots = ctx.cost_model.prefetch_slots  # the engine runs the depth it plans for
         self.engine = Engine(

@@ -94,7 +94,7 @@ def test_deepspeed_prefetches_one_layer_ahead_at_depth_two():
     ds = make_policy("deepspeed")
     assert prefetch_slots_for(EngineConfig(), ds) == 2
     assert prefetch_slots_for(EngineConfig(), make_policy("orbitflow")) == 1
-    assert prefetch_slots_for(EngineConfig(prefetch_slots=1), ds) == 1  # the config overrides the policy
+    assert prefetch_slots_for(EngineConfig.build(prefetch_slots=1), ds) == 1  # the config overrides the policy
     reqs = [PlanRequest("a", 2, 32, 0)]
     for slots, step_s in ((2, 5.0), (1, 8.0)):
         ctx = PlanContext(num_layers=4, block_size=16, capacity_blocks=100,

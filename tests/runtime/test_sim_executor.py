@@ -46,7 +46,7 @@ def test_planner_and_simulator_predict_the_same_step(seed):
     # tokens = 16k + 5: the planner's ceil(tokens / 16) and the executor's blocks of the cached tokens agree
     tokens = [16 * int(rng.integers(1, 12)) + 5 for _ in range(n_req)]
     mask = rng.random((n_req, LAYERS)) < 0.6
-    config = EngineConfig(model="calibrated", device_kv_blocks=profile.device_kv_blocks, block_size=16)
+    config = EngineConfig.build(model="calibrated", device_kv_blocks=profile.device_kv_blocks, block_size=16)
     planner_model = PlanContext.from_profile(config, profile).cost_model
     blocks = [-(-t // 16) for t in tokens]
     planned = planner_model.step(Placement.from_mask(mask), blocks, total_tokens=sum(tokens))
@@ -62,7 +62,8 @@ def test_planner_and_simulator_predict_the_same_step(seed):
 
 def test_planner_prediction_is_what_the_simulator_charges():
     profile = calibrated()
-    config = EngineConfig(model="calibrated", device_kv_blocks=profile.device_kv_blocks, block_size=16, alpha=10.0)
+    config = EngineConfig.build(model="calibrated", device_kv_blocks=profile.device_kv_blocks, block_size=16,
+                                alpha=10.0)
     ctx = PlanContext.from_profile(config, profile)
     tokens = [16 * 7 + 5, 16 * 5 + 5, 16 * 3 + 5]
     reqs = [PlanRequest(i, -(-t // 16), t, tokens_left=50, slo_s=1.0) for i, t in enumerate(tokens)]
@@ -74,7 +75,7 @@ def test_planner_prediction_is_what_the_simulator_charges():
 
 def test_controller_mismatch_check_uses_the_shared_model_with_its_overheads():
     profile = calibrated()
-    config = EngineConfig(model="calibrated", device_kv_blocks=profile.device_kv_blocks, block_size=16)
+    config = EngineConfig.build(model="calibrated", device_kv_blocks=profile.device_kv_blocks, block_size=16)
     ctx = PlanContext.from_profile(config, profile)
     controller = Controller(make_policy("orbitflow"), ctx, mismatch_threshold=0.01, background=False)
     try:
@@ -127,7 +128,7 @@ def test_on_the_simulator_the_mismatch_check_never_fires():
     profile = calibrated(device_kv_blocks=60)
     trace = Trace([TraceRequest(f"r{i}", 0.05 * i, 40 + 30 * i, 40) for i in range(4)])
     for policy in ("orbitflow", "deepspeed", "dynamic"):
-        config = EngineConfig(model="calibrated", device_kv_blocks=60, host_kv_blocks=4000, block_size=16,
+        config = EngineConfig.build(model="calibrated", device_kv_blocks=60, host_kv_blocks=4000, block_size=16,
                               mismatch_threshold=1e-9, policy=policy, plan_in_background=False)
         result = simulate_trace(profile, trace, config)
         assert result.metrics.num_finished == 4

@@ -21,7 +21,7 @@ def make_server_llm(model_dir, **config):
 
     config.setdefault("device_kv_blocks", 512)
     config.setdefault("host_kv_blocks", 2048)
-    return LLM(EngineConfig(model=MODEL_NAME, **config), profile="rough",
+    return LLM(EngineConfig.build(model=MODEL_NAME, **config), profile="rough",
                loaded=load_model(str(model_dir)))
 
 

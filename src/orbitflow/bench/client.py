@@ -29,6 +29,7 @@ from typing import Any
 
 from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_summary
 from orbitflow.bench.workload import Trace, TraceError, TraceRequest, generate_trace, load_trace_file, scale_trace
+from orbitflow.config import ServerConfig, add_config_args
 
 # Token ids for prompts given as lengths: inside every real vocabulary, clear of the special tokens.
 _PROMPT_ID_RANGE = (100, 1000)
@@ -271,7 +272,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)")
     p.add_argument("--model", default=None, help="model name to request (default: the first the server lists)")
-    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    add_config_args(p, ServerConfig, only=("api_key",), helps={"api_key": "bearer token (default: $OPENAI_API_KEY)"})
     g = p.add_argument_group("workload")
     g.add_argument("--trace", default=None, metavar="FILE",
                    help='trace JSON: {"requests": [{"id", "arrival_s", "input_tokens", "output_tokens", '

@@ -41,18 +41,18 @@ class PlanContext:
         whose own prefetch depth applies when the config leaves it open)."""
         return cls(
             num_layers=profile.num_layers,
-            block_size=config.block_size,
-            capacity_blocks=config.device_kv_blocks,
+            block_size=config.cache.block_size,
+            capacity_blocks=config.cache.device_kv_blocks,
             # the one cost model the simulator also runs on, at this policy's prefetch depth
             cost_model=profile.cost_model(prefetch_slots=prefetch_slots_for(config, policy)),
-            alpha=config.alpha,
-            window=(config.window_min, config.window_max),
-            victim=config.victim,
-            seed=config.seed,
-            max_num_seqs=config.max_num_seqs,
-            max_batch_tokens=config.max_num_batched_tokens,
-            node_limit=config.plan_node_limit,
-            time_limit_s=None if config.plan_time_limit_ms is None else config.plan_time_limit_ms / 1000,
+            alpha=config.planner.alpha,
+            window=(config.planner.window_min, config.planner.window_max),
+            victim=config.planner.victim,
+            seed=config.model.seed,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_batch_tokens=config.scheduler.max_num_batched_tokens,
+            node_limit=config.planner.plan_node_limit,
+            time_limit_s=config.planner.plan_time_limit_s,
         )
 
     def planner(self, space: str = "pruned", alpha: float | None = None) -> Planner:
@@ -76,7 +76,7 @@ class Policy:
     name = "policy"
     replan_on: frozenset[str] = frozenset({"batch"})
     pause_resume = False  # may the engine pause a victim when the plan is infeasible?
-    prefetch_slots = 1  # the prefetch depth the real system uses (EngineConfig.prefetch_slots overrides it)
+    prefetch_slots = 1  # the prefetch depth the real system uses (CacheConfig.prefetch_slots overrides it)
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         raise NotImplementedError
@@ -87,17 +87,18 @@ class Policy:
 
 def prefetch_slots_for(config, policy: Policy | None) -> int:
     """The prefetch depth a run uses: the config's if set, else the policy's own."""
-    if getattr(config, "prefetch_slots", None) is not None:
-        return int(config.prefetch_slots)
+    if config.cache.prefetch_slots is not None:
+        return int(config.cache.prefetch_slots)
     return int(getattr(policy, "prefetch_slots", 1))
 
 
 def default_slo_s(config, profile) -> float:
     """--slo-ms if given, else --slo-scale x the base SLO: a no-offload decode step with the device
     budget full of KV (DESIGN.md, "Metrics")."""
-    if config.slo_ms is not None:
-        return config.slo_ms / 1000.0
-    return config.slo_scale * profile.with_overrides(device_kv_blocks=config.device_kv_blocks).base_slo_s()
+    if config.planner.slo_ms is not None:
+        return config.planner.slo_ms / 1000.0
+    budget = config.cache.device_kv_blocks
+    return config.planner.slo_scale * profile.with_overrides(device_kv_blocks=budget).base_slo_s()
 
 
 def final_blocks(request: PlanRequest, block_size: int) -> int:

@@ -105,11 +105,12 @@ class Engine:
         self.default_slo_s = default_slo_s
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         self.num_layers = executor.num_layers
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling)
+        sched, planner = config.scheduler, config.planner
+        self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, sched.scheduling)
         self.controller = Controller(
-            policy, ctx, config.mismatch_threshold, config.ewma, background=config.plan_in_background
+            policy, ctx, planner.mismatch_threshold, planner.ewma, background=planner.plan_in_background
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -146,7 +147,7 @@ class Engine:
             sampling=sampling,
             arrival_s=self.clock.now() if arrival_s is None else arrival_s,
             slo_s=slo,
-            deposit=TokenDeposit(slo, enabled=self.config.token_deposit),
+            deposit=TokenDeposit(slo, enabled=self.config.planner.token_deposit),
             eos_token_ids=self.eos_token_ids,
             target_output_tokens=target_output_tokens,
         )
@@ -166,7 +167,7 @@ class Engine:
                 "raise --host-kv-blocks or lower max_tokens"
             )
         with self._add_lock:
-            limit = self.config.max_queue_len
+            limit = self.config.scheduler.max_queue_len
             if limit is not None and self.num_queued() >= limit:
                 raise QueueFull(f"the server is busy: {limit} requests are already waiting (--max-queue-len); "
                                 "retry later", self.retry_after_s())
@@ -278,7 +279,7 @@ class Engine:
                 blocks_per_layer=math.ceil((r.num_tokens + ahead) / self.block_size),
                 tokens=r.num_tokens + ahead,
                 tokens_left=max(0, r.remaining_tokens - ahead),
-                deposit=float(r.deposit.balance(now)) if self.config.token_deposit else 0.0,
+                deposit=float(r.deposit.balance(now)) if self.config.planner.token_deposit else 0.0,
                 slo_s=r.slo_s,
             )
             for r in reqs
@@ -407,7 +408,7 @@ class Engine:
             else:
                 log.warning("installing the plan failed (%s); re-planning", exc)
             return [], []
-        chunk = self.config.chunked_prefill
+        chunk = self.config.scheduler.chunked_prefill
         prefilling = [r for r in self.running if not r.prefilled]
         if prefilling and chunk is None:
             batch = prefilling  # the paper's behaviour: decoding waits while new prompts prefill

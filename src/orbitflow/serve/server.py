@@ -10,57 +10,56 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-from collections.abc import Callable
 
-from orbitflow.config import ConfigError, EngineConfig
+from orbitflow.config import (
+    EngineConfig,
+    ServerConfig,
+    add_config_args,
+    add_engine_args,
+    config_from_args,
+    engine_config,
+)
 
 log = logging.getLogger("orbitflow.serve")
 
 DEFAULT_MAX_QUEUE_LEN = 256
 
 
-def run_server(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    shutdown_timeout_s: float = 10.0,
-    max_body_bytes: int | None = None,
-    watchdog_s: float | None = None,
-) -> None:
+def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None:
     import uvicorn
 
     from orbitflow.llm import LLM
-    from orbitflow.serve.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_WATCHDOG_S, build_app
+    from orbitflow.serve.api import build_app
 
+    server = server or ServerConfig()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(config, profile="measure")  # the SLO derives from this machine's measured decode step
-    model_name = served_model_name or config.model
-    app = build_app(llm, model_name, api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                    watchdog_s=watchdog_s or DEFAULT_WATCHDOG_S)
+    model_name = server.served_model_name or config.model.name
+    app = build_app(llm, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
+                    watchdog_s=server.watchdog_s)
     engine = app.state.server.engine
     log.info(
         "serving %s at http://%s:%d/v1 | device KV %d blocks, host KV %d blocks (block %d tokens) | "
         "SLO %.1f ms/token | policy %s%s",
-        model_name, host, port, config.device_kv_blocks, config.host_kv_blocks, config.block_size,
-        1000 * llm.engine.default_slo_s, config.policy, "" if config.token_deposit else " (no Token-Deposit)",
+        model_name, server.host, server.port, config.cache.device_kv_blocks, config.cache.host_kv_blocks,
+        config.cache.block_size, 1000 * llm.engine.default_slo_s, config.planner.policy,
+        "" if config.planner.token_deposit else " (no Token-Deposit)",
     )
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # the signal handler: start draining, then let uvicorn stop
             if not engine.draining:
-                log.info("shutting down: finishing requests in flight for up to %.0f s", shutdown_timeout_s)
-                engine.drain(shutdown_timeout_s)
+                log.info("shutting down: finishing requests in flight for up to %.0f s", server.shutdown_timeout)
+                engine.drain(server.shutdown_timeout)
             super().handle_exit(sig, frame)
 
     # uvicorn re-raises the signal that stopped it once it is done; these handlers take it, so the process
     # ends by returning from main (exit 0) rather than by the default action of SIGTERM.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                    timeout_graceful_shutdown=shutdown_timeout_s + 5))
+    uvicorn_server = _Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
+                                            timeout_graceful_shutdown=server.shutdown_timeout + 5))
     try:
-        server.run()
+        uvicorn_server.run()
     finally:
         llm.close()
         for sig, handler in previous.items():
@@ -68,39 +67,15 @@ def run_server(
     log.info("stopped")
 
 
-def add_serve_parser(
-    subparsers,
-    add_engine_args: Callable[[argparse.ArgumentParser], None],
-    engine_config: Callable[..., EngineConfig],
-) -> argparse.ArgumentParser:
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
-    g = p.add_argument_group("robustness")
-    g.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
-                   help="requests that may wait for admission; more get 503 with Retry-After")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
-                   help="on SIGTERM, let requests in flight finish for S seconds, then abort them")
-    g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
-    g.add_argument("--watchdog-s", type=float, default=60.0, metavar="S",
-                   help="/health answers 503 when the engine loop has not advanced for S seconds with work pending")
-    add_engine_args(p)
+    add_config_args(p, ServerConfig, "server")
+    add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN})
 
     def handler(args: argparse.Namespace) -> int:
-        if not 0 < args.port < 65536:
-            raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-        for flag, value in (("--shutdown-timeout", args.shutdown_timeout), ("--max-body-bytes", args.max_body_bytes),
-                            ("--watchdog-s", args.watchdog_s)):
-            if value <= 0:
-                raise ConfigError(f"{flag} must be positive, got {value}")
-        run_server(engine_config(args, max_queue_len=args.max_queue_len), host=args.host, port=args.port,
-                   api_key=args.api_key, served_model_name=args.served_model_name,
-                   shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
-                   watchdog_s=args.watchdog_s)
+        server = config_from_args(ServerConfig, args)
+        run_server(engine_config(args), server)
         return 0
 
     p.set_defaults(func=handler)

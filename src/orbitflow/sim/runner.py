@@ -25,7 +25,7 @@ def sim_config(profile: HardwareProfile, **overrides) -> EngineConfig:
     values = dict(model=profile.name, block_size=profile.block_size, device_kv_blocks=profile.device_kv_blocks,
                   host_kv_blocks=profile.host_kv_blocks, plan_in_background=False)
     values.update(overrides)
-    return EngineConfig(**values)
+    return EngineConfig.build(**values)
 
 
 @dataclass
@@ -46,15 +46,15 @@ def simulate_trace(
     noise_cv: float = 0.0,
     solver_time: str = "off",
 ) -> SimResult:
-    """Replay ``trace``. ``noise_cv``: seeded (``config.seed``) lognormal noise on compute and transfers that
+    """Replay ``trace``. ``noise_cv``: seeded (``config.model.seed``) lognormal noise on compute and transfers that
     the planner does not see; ``solver_time``: see :func:`solver_time_model`. The prefetch depth is the
     config's, or the policy's own."""
     clock = VirtualClock()
     charge = solver_time_model(solver_time)
-    kv = accounting_kv(profile, config.device_kv_blocks)
-    policy = make_policy(config.policy)
+    kv = accounting_kv(profile, config.cache.device_kv_blocks)
+    policy = make_policy(config.planner.policy)
     slots = prefetch_slots_for(config, policy)
-    executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.seed,
+    executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.model.seed,
                            noise_cv=noise_cv, prefetch_slots=slots)
     ctx = PlanContext.from_profile(config, profile, policy)
     engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
