@@ -274,7 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="SLO-aware long-context LLM serving with per-request, per-layer KV placement.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate_parser(sub)
 
+    from orbitflow.bench.client import add_bench_parser
+    from orbitflow.serve.server import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    _add_simulate_parser(sub)
+    _add_plan_parser(sub)
+    _add_profile_parser(sub)
+    return parser
+
+
+def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="greedy (or sampled) generation for a few prompts, offline",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
@@ -288,12 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, defaults={"max_num_seqs": None})
     p.set_defaults(func=cmd_generate)
 
-    from orbitflow.bench.client import add_bench_parser
-    from orbitflow.serve.server import add_serve_parser
 
-    add_serve_parser(sub)
-    add_bench_parser(sub)
-
+def _add_simulate_parser(sub) -> None:
     from orbitflow.sim.sweep import (
         DEFAULT_DEVICE_KV_FRACTION,
         DEFAULT_NOISE_CV,
@@ -350,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots mirroring paper Figs. 9-13")
     p.set_defaults(func=cmd_simulate)
 
+
+def _add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="run the placement planner on a described batch",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--request", action="append", required=True, metavar="tokens=N[,left=N][,deposit=N][,slo_ms=X]",
@@ -365,13 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure this machine's engine and print a hardware profile (JSON)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", "--output", "-o", dest="output", default=None,
                    help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
     add_engine_args(p)
     p.set_defaults(func=cmd_profile)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,6 +110,53 @@ def _meets(value: float, slo: float) -> bool:
     return value <= slo + SLO_TOLERANCE_S
 
 
+@dataclass
+class _Tally:
+    """The sums a run's metrics are made of, accumulated record by record."""
+
+    tbt: list[float] = field(default_factory=list)
+    tbt_met: int = 0
+    tbt_met_gen: int = 0
+    gen_gaps: int = 0
+    tpots: list[float] = field(default_factory=list)
+    tpot_met: int = 0
+    tpot_count: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    total_tokens: int = 0
+    pauses: int = 0
+    finished: int = 0
+    first_arrival: float = math.inf
+    last_event: float = -math.inf
+
+    def add(self, rec: RequestRecord, slo: float) -> None:
+        self.first_arrival = min(self.first_arrival, rec.arrival_s)
+        self.pauses += rec.num_pauses
+        if rec.finished_s is not None:
+            self.finished += 1
+            self.last_event = max(self.last_event, rec.finished_s)
+        times = rec.delivered
+        self.total_tokens += len(times)
+        if not times:
+            return
+        self.last_event = max(self.last_event, times[-1])
+        gaps = np.diff(times)
+        self.tbt.extend(gaps.tolist())
+        self.tbt_met += int(np.count_nonzero(gaps <= slo + SLO_TOLERANCE_S))
+        gen_diffs = np.diff(rec.generated_s)
+        self.gen_gaps += len(gen_diffs)
+        self.tbt_met_gen += int(np.count_nonzero(gen_diffs <= slo + SLO_TOLERANCE_S))
+        self.ttfts.append(times[0] - rec.arrival_s)
+        self.e2es.append(times[-1] - rec.arrival_s)
+        self.tpot_count += 1
+        if len(times) == 1:
+            self.tpot_met += 1
+        else:
+            tpot = (times[-1] - times[0]) / (len(times) - 1)
+            self.tpots.append(tpot)
+            self.tpot_met += _meets(tpot, slo)
+
+
 def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None,
                     device_mem_util: float | Sequence[float] | None = None, solver_calls: int | None = None,
                     solver_time_s: float | None = None, **extra: Any) -> RunMetrics:
@@ -118,45 +165,15 @@ def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None
     ``device_mem_util`` may be per-step samples (averaged) or an already averaged value. Attainment with
     nothing to measure (no gaps, no requests) is 1.0.
     """
-    tbt: list[float] = []
-    tbt_met = tbt_met_gen = gen_gaps = 0
-    tpots: list[float] = []
-    tpot_met = tpot_count = 0
-    ttfts: list[float] = []
-    e2es: list[float] = []
-    total_tokens = pauses = finished = 0
-    first_arrival = math.inf
-    last_event = -math.inf
-
+    t = _Tally()
     for rec in records:
         slo = rec.slo_s if rec.slo_s is not None else slo_s
         if slo is None:
             raise ValueError(f"request {rec.request_id}: no slo_s on the record and none given for the run")
-        first_arrival = min(first_arrival, rec.arrival_s)
-        pauses += rec.num_pauses
-        if rec.finished_s is not None:
-            finished += 1
-            last_event = max(last_event, rec.finished_s)
-        times = rec.delivered
-        total_tokens += len(times)
-        if not times:
-            continue
-        last_event = max(last_event, times[-1])
-        gaps = np.diff(times)
-        tbt.extend(gaps.tolist())
-        tbt_met += int(np.count_nonzero(gaps <= slo + SLO_TOLERANCE_S))
-        gen_diffs = np.diff(rec.generated_s)
-        gen_gaps += len(gen_diffs)
-        tbt_met_gen += int(np.count_nonzero(gen_diffs <= slo + SLO_TOLERANCE_S))
-        ttfts.append(times[0] - rec.arrival_s)
-        e2es.append(times[-1] - rec.arrival_s)
-        tpot_count += 1
-        if len(times) == 1:
-            tpot_met += 1
-        else:
-            tpot = (times[-1] - times[0]) / (len(times) - 1)
-            tpots.append(tpot)
-            tpot_met += _meets(tpot, slo)
+        t.add(rec, slo)
+    tbt, tbt_met, tbt_met_gen, gen_gaps = t.tbt, t.tbt_met, t.tbt_met_gen, t.gen_gaps
+    tpot_met, tpot_count, total_tokens, finished = t.tpot_met, t.tpot_count, t.total_tokens, t.finished
+    first_arrival, last_event = t.first_arrival, t.last_event
 
     makespan = last_event - first_arrival if records and last_event > -math.inf else 0.0
     if device_mem_util is not None and not isinstance(device_mem_util, int | float):
@@ -174,14 +191,14 @@ def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None
         tbt_violations_generated=gen_gaps - tbt_met_gen,
         num_tbt_gaps=len(tbt),
         **_summary("tbt", tbt),
-        **_summary("tpot", tpots),
-        **_summary("ttft", ttfts),
-        **_summary("e2e", e2es),
+        **_summary("tpot", t.tpots),
+        **_summary("ttft", t.ttfts),
+        **_summary("e2e", t.e2es),
         makespan_s=makespan,
         throughput_rpm=finished / makespan * 60.0 if makespan > 0 else math.nan,
         tokens_per_s=total_tokens / makespan if makespan > 0 else math.nan,
         total_output_tokens=total_tokens,
-        num_pauses=pauses,
+        num_pauses=t.pauses,
         device_mem_util=None if device_mem_util is None else float(device_mem_util),
         solver_calls=solver_calls,
         solver_time_s=solver_time_s,

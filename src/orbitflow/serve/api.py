@@ -368,24 +368,41 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
 
 def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               watchdog_s: float = DEFAULT_WATCHDOG_S) -> FastAPI:
+    """The API: lifecycle (the engine loop runs while the app does), middleware, then the routes by group."""
     server = OpenAIServer(llm, model_name, watchdog_s)
+    app = FastAPI(title="orbitflow", version="0.1.0", lifespan=_lifespan(server),
+                  description="OpenAI-compatible API of orbitflow, an SLO-aware long-context LLM server.")
+    app.openapi = _openapi(app)
+    app.state.server = server
+    install_error_handlers(app)
+    _add_middleware(app, api_key, max_body_bytes)
+    auth = (401,) if api_key else ()
+    _add_service_routes(app, server, auth)
+    _add_token_routes(app, server, auth)
+    generation_errors = _errors(400, *auth, 404, 413, 500, 503)
+    _add_completion_routes(app, server, generation_errors)
+    _add_chat_routes(app, server, generation_errors)
+    return app
 
+
+def _lifespan(server: OpenAIServer):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine.start()
         yield
         await asyncio.to_thread(server.engine.shutdown)
 
-    app = FastAPI(title="orbitflow", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API of orbitflow, an SLO-aware long-context LLM server.")
-    app.openapi = _openapi(app)
-    app.state.server = server
-    install_error_handlers(app)
+    return lifespan
+
+
+def _add_middleware(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    auth = (401,) if api_key else ()
 
+
+def _add_service_routes(app: FastAPI, server: OpenAIServer, auth: tuple[int, ...]) -> None:
+    """/health, /metrics and /v1/models."""
     @app.get("/health", response_model=p.HealthResponse,
              responses={503: {"model": p.HealthResponse,
                               "description": "the engine is not running, or its loop is stuck with work pending"}})
@@ -409,9 +426,12 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: 
 
     @app.get("/v1/models", response_model=p.ModelList, responses=_errors(*auth))
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=model_name, created=server.created, owned_by="orbitflow",
+        return p.ModelList(data=[p.ModelCard(id=server.model_name, created=server.created, owned_by="orbitflow",
                                              max_model_len=server.max_len)])
 
+
+def _add_token_routes(app: FastAPI, server: OpenAIServer, auth: tuple[int, ...]) -> None:
+    """/tokenize and /detokenize."""
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_errors(400, *auth, 404, 413))
     async def tokenize(req: p.TokenizeRequest) -> p.TokenizeResponse:
         server.check_model(req.model)
@@ -427,7 +447,10 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: 
         server.check_token_ids(req.tokens, "tokens")
         return p.DetokenizeResponse(prompt=server.tokenizer.decode(req.tokens))
 
-    generation_errors = _errors(400, *auth, 404, 413, 500, 503)
+
+def _add_completion_routes(app: FastAPI, server: OpenAIServer, generation_errors: dict) -> None:
+    """/v1/completions."""
+    model_name = server.model_name
 
     @app.post("/v1/completions", response_model=p.CompletionResponse,
               responses={**generation_errors, **_streamed(p.CompletionResponse, p.CompletionResponse)})
@@ -475,6 +498,11 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: 
                        if req.include_usage else None)
         return _stream(server.sse(first, deltas, chunks, usage_chunk, preamble))
 
+
+def _add_chat_routes(app: FastAPI, server: OpenAIServer, generation_errors: dict) -> None:
+    """/v1/chat/completions."""
+    model_name = server.model_name
+
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse,
               responses={**generation_errors, **_streamed(p.ChatCompletionResponse, p.ChatCompletionChunk)})
     async def chat_completions(req: p.ChatCompletionRequest, request: Request) -> Response:
@@ -515,8 +543,6 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: 
                     for i in range(req.n)]
         usage_chunk = ((lambda used: chunk([], server.usage(len(prompt_ids), used))) if req.include_usage else None)
         return _stream(server.sse(first, deltas, chunks, usage_chunk, preamble))
-
-    return app
 
 
 async def _first_or_disconnect(server: OpenAIServer, request: Request, deltas: AsyncIterator[Delta]) -> Delta:

@@ -21,6 +21,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     StringConstraints,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -293,20 +294,33 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
+def _choice_model(name: str, body: str, body_type: Any, logprobs_type: Any) -> type[BaseModel]:
+    """A choice of a response or chunk: ``index``, its body (``text``, ``message`` or ``delta``), ``logprobs``
+    and ``finish_reason``, in that order (the order clients see)."""
+    return create_model(name, index=(int, ...), **{body: (body_type, ...)},
+                        logprobs=(logprobs_type | None, None), finish_reason=(FinishReason | None, None))
 
 
-class CompletionResponse(BaseModel):
+CompletionChoice = _choice_model("CompletionChoice", "text", str, CompletionLogprobs)
+
+
+class _ResponseHead(BaseModel):
+    """The fields every completion response and chunk opens with (each narrows `object` to its literal)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
+
+
+def _response_model(name: str, kind: str, choice_type: type[BaseModel], usage_required: bool) -> type[BaseModel]:
+    """A completion response or chunk: the head with ``object`` fixed to ``kind``, then choices and usage."""
+    usage = (Usage, ...) if usage_required else (Usage | None, None)
+    return create_model(name, __base__=_ResponseHead, object=(Literal[kind], kind),
+                        choices=(list[choice_type], ...), usage=usage)
+
+
+CompletionResponse = _response_model("CompletionResponse", "text_completion", CompletionChoice, False)
 
 
 class TopLogprob(BaseModel):
@@ -328,20 +342,10 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+ChatChoice = _choice_model("ChatChoice", "message", AssistantMessage, ChatLogprobs)
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
+ChatCompletionResponse = _response_model("ChatCompletionResponse", "chat.completion", ChatChoice, True)
 
 
 class ChatDelta(BaseModel):
@@ -349,20 +353,10 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+ChatChunkChoice = _choice_model("ChatChunkChoice", "delta", ChatDelta, ChatLogprobs)
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+ChatCompletionChunk = _response_model("ChatCompletionChunk", "chat.completion.chunk", ChatChunkChoice, False)
 
 
 class ModelCard(BaseModel):

@@ -60,6 +60,29 @@ def simulate_trace(
     engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
     if charge is not None:
         engine.controller.charge_solve_time(clock, charge)
+    rejected = replay(engine, clock, trace, max_steps)
+    records = [
+        RequestRecord(
+            request_id=r.request_id, arrival_s=r.arrival_s, input_tokens=r.num_prompt,
+            output_tokens=len(r.output_ids), generated_s=r.generated_s, delivered_s=r.delivered_s,
+            finished_s=r.finished_s, slo_s=r.slo_s, num_pauses=r.num_pauses,
+        )
+        for r in engine.finished
+    ]
+    c = engine.controller
+    metrics = compute_metrics(
+        records, engine.default_slo_s, device_mem_util=engine.stats.device_mem_util,
+        solver_calls=c.solver_calls, solver_time_s=c.solver_time_s, rejected=len(rejected),
+        pauses=engine.stats.pauses, prefetch_slots=slots,
+        solver_charged_s=sum(r.charged_s or 0.0 for r in c.records), plans_adopted_late=c.adopted_late,
+    )
+    engine.close()
+    return SimResult(policy.name, metrics, records, engine)
+
+
+def replay(engine: Engine, clock: VirtualClock, trace: Trace, max_steps: int) -> list[str]:
+    """Feed the trace's requests to the engine at their arrival times and step it until all are done;
+    returns the ids of the requests it rejected."""
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     rejected: list[str] = []
     i = 0
@@ -81,20 +104,4 @@ def simulate_trace(
             clock.sleep_until(pending[i].arrival_s)  # blocked until something arrives
     else:
         raise RuntimeError(f"simulation did not finish within {max_steps} steps")
-    records = [
-        RequestRecord(
-            request_id=r.request_id, arrival_s=r.arrival_s, input_tokens=r.num_prompt,
-            output_tokens=len(r.output_ids), generated_s=r.generated_s, delivered_s=r.delivered_s,
-            finished_s=r.finished_s, slo_s=r.slo_s, num_pauses=r.num_pauses,
-        )
-        for r in engine.finished
-    ]
-    c = engine.controller
-    metrics = compute_metrics(
-        records, engine.default_slo_s, device_mem_util=engine.stats.device_mem_util,
-        solver_calls=c.solver_calls, solver_time_s=c.solver_time_s, rejected=len(rejected),
-        pauses=engine.stats.pauses, prefetch_slots=slots,
-        solver_charged_s=sum(r.charged_s or 0.0 for r in c.records), plans_adopted_late=c.adopted_late,
-    )
-    engine.close()
-    return SimResult(policy.name, metrics, records, engine)
+    return rejected
