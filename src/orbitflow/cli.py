@@ -10,6 +10,7 @@ from orbitflow.config import (
     VICTIM_CHOICES,
     CacheConfig,
     ConfigError,
+    HelpFormatter,
     ModelRunConfig,
     PlannerConfig,
     SchedulerConfig,
@@ -289,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="greedy (or sampled) generation for a few prompts, offline",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.add_argument("--placement", default=None, metavar="SPEC",
@@ -315,7 +316,7 @@ def _add_simulate_parser(sub) -> None:
                        description="With no flags: the paper's setup (device budget 0.5 of the largest batch, noise "
                                    "on, planner solve time charged, 5 seeds x 64 requests, every policy at SLO "
                                    "scales 1/1.5/2.5 and rate scales 1/3/5).",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.sim presets)")
     p.add_argument("--profile", default=None, help="a profile JSON file (from `orbitflow profile`) instead of a preset")
     p.add_argument("--policies", default="all", help="'all' (OrbitFlow and every baseline) or a comma list")
@@ -362,7 +363,7 @@ def _add_simulate_parser(sub) -> None:
 
 def _add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="run the placement planner on a described batch",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--request", action="append", required=True, metavar="tokens=N[,left=N][,deposit=N][,slo_ms=X]",
                    help="one request of the batch (repeat)")
     p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset")
@@ -379,7 +380,7 @@ def _add_plan_parser(sub) -> None:
 
 def _add_profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure this machine's engine and print a hardware profile (JSON)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--out", "--output", "-o", dest="output", default=None,
                    help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
     add_engine_args(p)

@@ -250,6 +250,15 @@ _FLAT_FIELDS = {dest_of(f): (name, f.name) for name, cls, _ in ENGINE_CONCERNS f
 
 
 # ---- CLI flags from the dataclasses ---------------------------------------------------------------------
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action) -> str:
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _default(f) -> Any:
     return f.default if f.default is not MISSING else f.default_factory()
 

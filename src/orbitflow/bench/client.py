@@ -29,7 +29,7 @@ from typing import Any
 
 from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_summary
 from orbitflow.bench.workload import Trace, TraceError, TraceRequest, generate_trace, load_trace_file, scale_trace
-from orbitflow.config import ServerConfig, add_config_args
+from orbitflow.config import HelpFormatter, ServerConfig, add_config_args
 
 # Token ids for prompts given as lengths: inside every real vocabulary, clear of the special tokens.
 _PROMPT_ID_RANGE = (100, 1000)
@@ -268,7 +268,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                     "stream the outputs, time every token with the client's stopwatch and print TBT/TPOT attainment, "
                     "latency percentiles and throughput. Prompts without text are sent as token ids, with "
                     "ignore_eos, so input and output lengths are exactly the trace's.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)")
     p.add_argument("--model", default=None, help="model name to request (default: the first the server lists)")

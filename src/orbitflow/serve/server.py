@@ -13,6 +13,7 @@ import signal
 
 from orbitflow.config import (
     EngineConfig,
+    HelpFormatter,
     ServerConfig,
     add_config_args,
     add_engine_args,
@@ -69,7 +70,7 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     add_config_args(p, ServerConfig, "server")
     add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN})
 
