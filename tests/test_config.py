@@ -1,0 +1,77 @@
+"""config.py: one dataclass per concern, flat build/replace, errors naming the flag, flags from the fields."""
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from orbitflow.config import (
+    ENGINE_CONCERNS,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    PlannerConfig,
+    SchedulerConfig,
+    ServerConfig,
+    add_config_args,
+    add_engine_args,
+    config_from_args,
+    dest_of,
+    engine_config,
+)
+
+
+def test_build_routes_flat_names_to_their_concern():
+    c = EngineConfig.build(model="tiny", device_kv_blocks=512, max_num_seqs=2, alpha=1.0, seed=7)
+    assert (c.model.name, c.model.seed) == ("tiny", 7)
+    assert c.cache.device_kv_blocks == 512 and c.cache.host_kv_blocks == CacheConfig().host_kv_blocks
+    assert c.scheduler.max_num_seqs == 2 and c.planner.alpha == 1.0
+    d = c.replace(policy="deepspeed")
+    assert d.planner.policy == "deepspeed" and d.planner.alpha == 1.0 and d.cache == c.cache
+    assert c.planner.policy == "orbitflow"  # replace returns a copy
+    with pytest.raises(ConfigError, match="unknown config field"):
+        EngineConfig.build(extra={})
+
+
+@pytest.mark.parametrize("flat, flag", [
+    ({"device_kv_blocks": 0}, "--device-kv-blocks"), ({"link_gbps": -1.0}, "--link-gbps"),
+    ({"prefetch_slots": 0}, "--prefetch-slots"), ({"max_num_seqs": 0}, "--max-num-seqs"),
+    ({"scheduling": "lifo"}, "--scheduling"), ({"alpha": -0.1}, "--alpha"), ({"ewma": 1.5}, "--ewma"),
+    ({"victim": "oldest"}, "--victim"), ({"window_min": 9, "window_max": 8}, "--window-min"),
+    ({"plan_time_limit_ms": -1.0}, "--plan-time-limit-ms"), ({"compute_threads": 0}, "--compute-threads"),
+])
+def test_a_bad_value_names_its_flag(flat, flag):
+    with pytest.raises(ConfigError, match=flag):
+        EngineConfig.build(**flat)
+
+
+def test_server_config_checks():
+    with pytest.raises(ConfigError, match="--port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ConfigError, match="--watchdog-s"):
+        ServerConfig(watchdog_s=0)
+
+
+def test_flags_come_from_the_fields_once_with_their_defaults():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([])
+    assert engine_config(args) == EngineConfig()  # every default of the parser is the dataclass's
+    dests = [dest_of(f) for _, cls, _ in ENGINE_CONCERNS for f in fields(cls)]
+    assert len(dests) == len(set(dests))  # a flat name belongs to one concern
+    args = parser.parse_args(["--no-token-deposit", "--plan-node-limit", "none", "--slo-ms", "80"])
+    c = engine_config(args)
+    assert not c.planner.token_deposit and c.planner.plan_node_limit is None and c.planner.slo_ms == 80.0
+    with pytest.raises(SystemExit):  # --slo-ms and --slo-scale exclude each other
+        parser.parse_args(["--slo-ms", "80", "--slo-scale", "2"])
+
+
+def test_a_subcommand_picks_fields_and_overrides_defaults():
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, SchedulerConfig, "scheduling", only=("max_queue_len",), defaults={"max_queue_len": 256})
+    add_config_args(parser, PlannerConfig, only=("alpha",))
+    add_config_args(parser, ServerConfig, "server")
+    args = parser.parse_args(["--port", "9000"])
+    assert args.max_queue_len == 256 and args.alpha == PlannerConfig().alpha and not hasattr(args, "policy")
+    assert config_from_args(ServerConfig, args) == ServerConfig(port=9000)
+    assert engine_config(args).scheduler.max_queue_len == 256
