@@ -216,7 +216,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from orbitflow.bench.workload import TraceError, load_trace_file
-    from orbitflow.sim.profiles import ProfileError, resolve_profile
+    from orbitflow.plan.hardware import ProfileError, resolve_profile
     from orbitflow.sim.sweep import SimSetup, config_record, run_points, summarize, with_no_deposit
 
     try:
@@ -302,7 +302,7 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from orbitflow.policies.base import PlanContext
-    from orbitflow.sim.profiles import ProfileError, resolve_profile
+    from orbitflow.plan.hardware import ProfileError, resolve_profile
 
     try:
         profile = resolve_profile(args.profile or args.preset)
@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "on, planner solve time charged, 5 seeds x 64 requests, every policy at SLO "
                                    "scales 1/1.5/2.5 and rate scales 1/3/5).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.sim presets)")
+    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.plan presets)")
     p.add_argument("--profile", default=None, help="a profile JSON file (from `orbitflow profile`) instead of a preset")
     p.add_argument("--policies", default="all", help="'all' (OrbitFlow and every baseline) or a comma list")
     p.add_argument("--ablations", action="store_true", help="also run the ablation steps of paper Fig. 13a")

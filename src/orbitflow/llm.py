@@ -21,7 +21,7 @@ from orbitflow.runtime.engine import Engine
 from orbitflow.runtime.executor import ModelExecutor
 from orbitflow.runtime.request import Request
 from orbitflow.runtime.sampling import SamplingParams
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 
 
 @dataclass

@@ -5,7 +5,7 @@ import torch
 from tiny_models import hf_greedy, make_llm
 
 from orbitflow.runtime.sampling import SamplingParams
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 
 
 def prompts(n, length, seed=0):

@@ -6,7 +6,7 @@ from tiny_models import make_llm
 
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.runtime.profiler import _fit_transfer_latency, profile_executor
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 
 
 def test_profile_measures_every_overhead_and_round_trips(tiny_llama):

@@ -12,7 +12,7 @@ from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.executor import SeqInput
 from orbitflow.runtime.sim_executor import SimExecutor, accounting_kv
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 
 LAYERS = 6
 

@@ -19,7 +19,7 @@ from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Placement
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.runtime.executor import SeqInput, StepResult
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 
 
 def accounting_kv(profile: HardwareProfile, device_blocks: int | None = None) -> KVManager:

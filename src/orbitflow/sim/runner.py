@@ -17,7 +17,7 @@ from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.engine import Engine, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.runtime.sim_executor import SimExecutor, accounting_kv
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.sim.sweep import solver_time_model
 
 
