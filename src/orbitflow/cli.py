@@ -320,10 +320,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.device_kv_blocks,
-        "victims": list(plan.victims), "solve_s": plan.stats.get("solve_s"), "slo_s": slo_s,
+        "victims": list(plan.victims), "solve_s": plan.stats.solve_s, "slo_s": slo_s,
         "search": "local search, no proof" if args.space == "full" else (
-            "complete" if plan.stats.get("exact", 1) else "budget reached"),
-        "optimality_gap": plan.stats.get("gap"),
+            "complete" if plan.stats.exact else "budget reached"),
+        "optimality_gap": plan.stats.gap,
     }
     if args.json:
         print(json.dumps(out))

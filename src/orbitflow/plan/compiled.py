@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from orbitflow.plan.types import REL_TOL
+
 try:  # numba is a runtime dependency, but the planner must keep working without it
     import numba
 
@@ -39,7 +41,6 @@ except ImportError:  # pragma: no cover - exercised by installs without numba
 __all__ = ["HAVE_NUMBA", "enabled", "edf_stalls"]
 
 ENV = "ORBITFLOW_PLAN_COMPILED"
-REL_TOL = 1e-12  # == search.REL_TOL (kept here to avoid importing search.py)
 
 
 def enabled(compiled: bool | None = None) -> bool:
@@ -193,6 +194,7 @@ FINISHED, LEAF, PAUSED = 0, 1, 2
 
 @_jit
 def _better(lat, moved, best_lat, best_moved):
+    """Jitted twin of :func:`orbitflow.plan.types.better` (numba cannot call the Python one)."""
     tol = REL_TOL * max(abs(best_lat), 1.0) if math.isfinite(best_lat) else 0.0
     if lat < best_lat - tol:
         return True
@@ -217,7 +219,9 @@ def _prunable(lb, moved_lb, best_lat, best_moved, gap):
 
 @_jit
 def _lat_ok(lb, fst, slo_on, dep, slo, alpha, d_lo, d_hi):
-    """The planner's SLO prefilter (``Planner._lat_prefilter``), memoised in ``fst``."""
+    """Jitted twin of the planner's SLO prefilter (``Constraints.lat_prefilter`` over
+    :func:`orbitflow.plan.deposit.constant_latency_violations`), memoised in ``fst``; tests/plan/test_compiled.py
+    checks that they agree."""
     if not slo_on:
         return True
     if lb <= fst[KNOWN_PASS]:
@@ -463,7 +467,9 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
 # ==== the window rule ======================================================================================
 @_jit
 def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
-    """``Planner._violations``: cumulative fluid Token-Deposit violations over the first ``k`` steps."""
+    """Jitted twin of :func:`orbitflow.plan.deposit.violations` (the fluid Token-Deposit model; numba needs its
+    own copy): cumulative violations over the first ``k`` steps. tests/plan/test_compiled.py checks that they
+    agree."""
     per_step = np.zeros(horizon)
     bal = deposit.copy()
     n_req = slo.size

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Placement", "distance_row", "widest_distance", "pruned_distances"]
+__all__ = ["Placement", "distance_row", "memory_blocks", "widest_distance", "pruned_distances"]
 
 
 def distance_row(num_layers: int, distance: int | None) -> np.ndarray:
@@ -140,7 +140,8 @@ class Placement:
 
     def memory_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray, slots: int = 1) -> float:
         """Left side of the capacity equation: resident blocks plus prefetch buffer (``slots``: depth)."""
-        return self.resident_blocks(blocks_per_layer) + self.buffer_blocks(blocks_per_layer, slots)
+        b = self._check_blocks(blocks_per_layer)
+        return float(memory_blocks(~self._mask, b[None, :], slots)[0])
 
     def host_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
         """Blocks moved over the link in one decode step (``blocks_to_fetch``)."""
@@ -182,3 +183,15 @@ def buffer_slots(host: np.ndarray, slots: int = 1) -> np.ndarray:
     remaining = np.cumsum(host[:, ::-1], axis=1)[:, ::-1]
     return np.where(host, np.minimum(remaining, slots), 0)
 
+
+
+def memory_blocks(host: np.ndarray, blocks: np.ndarray, slots: int = 1) -> np.ndarray:
+    """The capacity equation's left side (paper section 4.3), the one place it is written: device blocks a
+    host mask ``[R, L]`` (True = offloaded) takes at each row of ``blocks`` ``[T, R]`` (blocks per layer of
+    each request at T steps), i.e. ``sum_r sum_l b_r x[r, l] + max_l sum_r (1 - x[r, l]) b_r min(d, n_r(l))``:
+    resident blocks plus the prefetch buffer at depth ``slots``. Block counts are integers, so the result is
+    exact in any summation order."""
+    resident = blocks @ (~host).sum(axis=1)
+    if not host.shape[0]:
+        return resident + np.zeros(blocks.shape[0])
+    return resident + (blocks @ buffer_slots(host, slots)).max(axis=1)

@@ -145,7 +145,7 @@ class Controller:
                 distances=list(plan.distances) if plan.distances is not None else None,
                 window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
                 predicted_step_s=float(plan.predicted_step_s), background=background,
-                proven=bool(plan.stats.get("exact", 1)), gap=float(plan.stats.get("gap", 0.0)),
+                proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0),
             )
         )
         if self._clock is not None:
