@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from orbitflow.bench.plots import plot_ci_bars, write_plots  # noqa: E402
-from orbitflow.policies import BASELINES  # noqa: E402
 from orbitflow.plan.hardware import load_preset  # noqa: E402
+from orbitflow.policies import BASELINES  # noqa: E402
 from orbitflow.sim.sweep import (  # noqa: E402
     PAPER_SETUP,
     Point,

@@ -301,8 +301,8 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from orbitflow.policies.base import PlanContext
     from orbitflow.plan.hardware import ProfileError, resolve_profile
+    from orbitflow.policies.base import PlanContext
 
     try:
         profile = resolve_profile(args.profile or args.preset)

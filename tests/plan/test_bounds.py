@@ -4,9 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from orbitflow.plan import CostModel, Placement, Planner, PlanRequest
+from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, PlanStats
 from orbitflow.plan.bounds import _lower_hull, count_matrix, dp_bound, window_tilings
-from orbitflow.plan import PlanStats
 from orbitflow.plan.search import BranchAndBound, candidate_tables
 
 
