@@ -119,6 +119,21 @@ def candidate_tables(num_layers: int) -> CandidateTables:
                            lay_ptr, lay)
 
 
+class _Children(NamedTuple):
+    """The children of one search node, per candidate ``k`` of the next request (arrays over ``k``)."""
+
+    x: float  # seconds to move one layer of the next request
+    alive: np.ndarray  # can fit the capacity equation
+    lat_lb: np.ndarray  # lower bound on the step-0 latency of every completion
+    res: np.ndarray  # resident blocks of the assigned requests
+    buf: np.ndarray  # [k, L] buffer blocks per layer of the assigned requests
+    vol: np.ndarray  # [k, L] link bound terms (see the module docstring)
+    after: np.ndarray
+    chain: np.ndarray
+    moved: np.ndarray  # blocks moved per step by the assigned requests
+    sep: np.ndarray  # [S, k] separable bound terms
+
+
 class BranchAndBound:
     """One exact search of the pruned space for a horizon; :meth:`run` returns the host mask or None."""
 
@@ -295,25 +310,37 @@ class BranchAndBound:
     # -- search ---------------------------------------------------------------------------------------
     def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
               chain_lb: float, moved: float, sep: np.ndarray, v: np.ndarray) -> None:
-        stats = self.stats
-        stats.nodes += 1
+        """Expand the node that assigned requests ``order[:depth]`` (their state: resident blocks ``res``, the
+        buffer per layer ``buf``, and the terms of each bound): bound its children, then visit the ones that
+        survive, cheapest bound first."""
+        self.stats.nodes += 1
         self.nodes += 1
         if self._out_of_budget():
             return
         r = self.order[depth]
-        n_layers = self.n_layers
         n_kids = self.choice[depth - 1] + 1 if self.same_as_prev[depth] else len(self.counts)
+        cut = self._capacity_cut(depth, r, n_kids, res, buf)
+        if cut is None:
+            return
+        kids = self._bound_children(depth, r, n_kids, cut, vol, after, chain_lb, moved, sep, v)
+        if self.trace is not None:
+            self.trace.append((list(self.choice[:depth]), kids.lat_lb.copy(), kids.alive.copy()))
+        self._visit(depth, kids, v)
+
+    def _capacity_cut(self, depth: int, r: int, n_kids: int, res: float, buf: np.ndarray):
+        """Capacity at step ``min_steps - 1`` of each child, with every unassigned request fully offloaded (the
+        least it can take): the children's resident blocks and buffers, which of them can fit, and the volume
+        ``y`` the unassigned requests must then offload at least. None: no child fits."""
+        n_layers = self.n_layers
         counts = self.counts[:n_kids]
         bc = self.bcap[r]
         rest = float(self.rest_b[depth + 1])
-        # capacity at step min_steps-1, with every unassigned request fully offloaded (the minimum)
         new_res = res + bc * (n_layers - counts)
         new_buf = buf[None, :] + bc * self.hosts_f[:n_kids]
         bmax = new_buf.max(axis=1)
-        mem_lb = new_res + bmax + rest
-        alive = mem_lb <= self.cap
+        alive = new_res + bmax + rest <= self.cap
         if not alive.any():
-            return
+            return None
         # forced offload volume y of the unassigned requests (bcap blocks):
         # new_res + rest*L - y + max(bmax, bmean + y/L) <= cap
         bmean = new_buf.mean(axis=1)
@@ -324,7 +351,14 @@ class BranchAndBound:
             ymin = np.where(y1 / n_layers <= bmax - bmean, y1, y2)
         else:
             ymin = y1
-        ymin = np.maximum(ymin, 0.0)
+        return new_res, new_buf, alive, np.maximum(ymin, 0.0)
+
+    def _bound_children(self, depth: int, r: int, n_kids: int, cut, vol: np.ndarray, after: np.ndarray,
+                        chain_lb: float, moved: float, sep: np.ndarray, v: np.ndarray) -> _Children:
+        """The latency lower bound of each child (module docstring: link, forced volume, chain, separable; at
+        the last request also the propagated dp bound) and the state its subtree starts from."""
+        new_res, new_buf, alive, ymin = cut
+        n_layers = self.n_layers
         x = self.x0[r]
         new_vol = vol[None, :] + x * self.cumh[:n_kids]
         new_after = after[None, :] + x * self.pairs_after[:n_kids]
@@ -346,9 +380,8 @@ class BranchAndBound:
             lat_lb = np.maximum(np.maximum(lat_lb, kid_chain), sep_lb)
         else:  # the bounds are proven for the executor's schedule only
             lat_lb = np.full(n_kids, self.comp_total)
-        new_moved = moved + self.b0[r] * counts
-        last = depth == self.n_req - 1
-        if self.edf and last:
+        new_moved = moved + self.b0[r] * self.counts[:n_kids]
+        if self.edf and depth == self.n_req - 1:
             # leaves: the propagated release/need bound (bounds.dp_bound) before the exact schedule; above the
             # leaves the separable bound is about as tight and much cheaper
             keep = np.flatnonzero(alive)
@@ -356,14 +389,18 @@ class BranchAndBound:
             if keep.size:
                 dp = dp_bound(v[None] + x * self.mats[keep], self.comp0)
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp)
-        if self.trace is not None:
-            self.trace.append((list(self.choice[:depth]), lat_lb.copy(), alive.copy()))
-        ordered = np.lexsort((counts, lat_lb))
+        return _Children(x, alive, lat_lb, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
+
+    def _visit(self, depth: int, kids: _Children, v: np.ndarray) -> None:
+        """Visit the surviving children, cheapest bound first (ties: fewer offloaded layers)."""
+        last = depth == self.n_req - 1
+        lat_lb, alive = kids.lat_lb, kids.alive
+        ordered = np.lexsort((self.counts[: lat_lb.size], lat_lb))
         for i, k in enumerate(ordered):
             if not alive[k]:
                 continue
             lb = float(lat_lb[k])
-            if prunable(lb, float(new_moved[k]), self.best_key, self.gap):
+            if prunable(lb, float(kids.moved[k]), self.best_key, self.gap):
                 continue
             if not self.lat_ok(lb):
                 continue
@@ -372,8 +409,8 @@ class BranchAndBound:
                 self._leaf(self.choice, lb=lb)
                 self._out_of_budget()
             else:
-                self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], new_after[k],
-                           float(kid_chain[k]), float(new_moved[k]), kid_sep[:, k], v + x * self.mats[k])
+                self._node(depth + 1, float(kids.res[k]), kids.buf[k], kids.vol[k], kids.after[k],
+                           float(kids.chain[k]), float(kids.moved[k]), kids.sep[:, k], v + kids.x * self.mats[k])
             if self.done:  # budget spent (or first_only satisfied): what is left here bounds the unexplored part
                 self.open_lb = min([self.open_lb, *(float(lat_lb[j]) for j in ordered[i:] if alive[j])])
                 return
@@ -382,42 +419,10 @@ class BranchAndBound:
         """The search of :meth:`_node`, run by :func:`orbitflow.plan.compiled.bb_search` (no GIL, no Python
         object per node). It hands back a leaf that beats the incumbent at step 0 (the window rule is checked
         here), and every ``PAUSE_EVERY`` nodes when there is a deadline."""
-        n_req, n_layers, n_cand = self.n_req, self.n_layers, len(self.counts)
-        win, pl, t = self.win, self.rules, self.tables
-        ist = np.zeros(cc.N_IST, dtype=np.int64)
-        ist[cc.NODES] = self.nodes
-        ist[cc.DIVE_START] = self.dive_start
-        ist[cc.FIRST_ONLY] = int(self.first_only)
-        ist[cc.NODE_LIMIT] = -1 if self.node_limit is None else self.node_limit
-        never = 1 << 62
-        ist[cc.CHUNK_STOP] = never if self.deadline is None else self.nodes + n_req + 2  # after the first dive
-        fst = np.zeros(cc.N_FST)
-        fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
-        fst[cc.OPEN_LB] = self.open_lb
-        fst[cc.GAP] = self.gap
-        slo_on = bool(np.isfinite(win.slo).any() and win.compute_grows)  # as Constraints.lat_prefilter
-        fst[cc.KNOWN_PASS] = float(win.slo.min())
-        fst[cc.KNOWN_FAIL] = math.inf
-        k_of = np.zeros(n_req, dtype=np.int64)
-        choice = np.zeros(n_req, dtype=np.int64)
-        shape_l = (n_req, n_layers)
-        args = (
-            ist, fst, np.asarray(self.order, dtype=np.int64), np.asarray(self.same_as_prev, dtype=np.bool_), choice,
-            np.zeros(n_req, np.int64), np.zeros(n_req, np.int64), np.zeros((n_req, n_cand), np.int64),
-            np.zeros((n_req, n_cand)), np.zeros((n_req, n_cand), np.bool_), np.zeros((n_req, n_cand)),
-            np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
-            np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
-            np.zeros((n_req, n_layers + 1, n_layers)),
-            self.counts, self.hosts_f, self.cumh, self.pairs_after, self.mats, self.sep_n, self.sep_slope,
-            self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
-            self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
-            np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
-            self.cap,
-            slo_on, win.deposit, win.slo, pl.alpha, pl.min_steps, pl.max_steps,
-            cc.tail(self.comp0), t.lay_ptr, t.lay, k_of,
-            np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(t.lay.size + 1),
-            np.empty(n_layers), np.empty(n_layers),
-        )
+        ist, fst = self._compiled_state()
+        k_of = np.zeros(self.n_req, dtype=np.int64)
+        args = self._compiled_args(ist, fst, k_of)
+        win = self.win
         nodes0 = self.nodes
         while True:
             code = cc.bb_search(*args)
@@ -425,7 +430,7 @@ class BranchAndBound:
                 host = self.hosts[k_of]
                 lat0, lb = float(fst[cc.LEAF_LAT]), float(fst[cc.LEAF_LB])
                 win.seg_cache[(host.tobytes(), 0)] = lat0
-                if pl.feasible(win, host, lat0, later_lb=lb):
+                if self.rules.feasible(win, host, lat0, later_lb=lb):
                     self.best_host, self.best_key = host.copy(), (lat0, float(fst[cc.LEAF_MOVED]))
                     fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
                     if self.first_only:
@@ -444,6 +449,48 @@ class BranchAndBound:
             self.stats.exact = False
         self.done = bool(ist[cc.DONE])
         self.open_lb = float(fst[cc.OPEN_LB])
+
+    def _compiled_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled search's integer and float state (``compiled.N_IST`` / ``N_FST`` slots) from this search's."""
+        ist = np.zeros(cc.N_IST, dtype=np.int64)
+        ist[cc.NODES] = self.nodes
+        ist[cc.DIVE_START] = self.dive_start
+        ist[cc.FIRST_ONLY] = int(self.first_only)
+        ist[cc.NODE_LIMIT] = -1 if self.node_limit is None else self.node_limit
+        never = 1 << 62
+        ist[cc.CHUNK_STOP] = never if self.deadline is None else self.nodes + self.n_req + 2  # after the first dive
+        fst = np.zeros(cc.N_FST)
+        fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
+        fst[cc.OPEN_LB] = self.open_lb
+        fst[cc.GAP] = self.gap
+        fst[cc.KNOWN_PASS] = float(self.win.slo.min())
+        fst[cc.KNOWN_FAIL] = math.inf
+        return ist, fst
+
+    def _compiled_args(self, ist: np.ndarray, fst: np.ndarray, k_of: np.ndarray) -> tuple:
+        """The arguments of :func:`orbitflow.plan.compiled.bb_search`: state, per-depth scratch, tables."""
+        n_req, n_layers, n_cand = self.n_req, self.n_layers, len(self.counts)
+        win, rules, t = self.win, self.rules, self.tables
+        slo_on = bool(np.isfinite(win.slo).any() and win.compute_grows)  # as Constraints.lat_prefilter
+        shape_l = (n_req, n_layers)
+        return (
+            ist, fst, np.asarray(self.order, dtype=np.int64), np.asarray(self.same_as_prev, dtype=np.bool_),
+            np.zeros(n_req, dtype=np.int64),
+            np.zeros(n_req, np.int64), np.zeros(n_req, np.int64), np.zeros((n_req, n_cand), np.int64),
+            np.zeros((n_req, n_cand)), np.zeros((n_req, n_cand), np.bool_), np.zeros((n_req, n_cand)),
+            np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
+            np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
+            np.zeros((n_req, n_layers + 1, n_layers)),
+            self.counts, self.hosts_f, self.cumh, self.pairs_after, self.mats, self.sep_n, self.sep_slope,
+            self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
+            self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
+            np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
+            self.cap,
+            slo_on, win.deposit, win.slo, rules.alpha, rules.min_steps, rules.max_steps,
+            cc.tail(self.comp0), t.lay_ptr, t.lay, k_of,
+            np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(t.lay.size + 1),
+            np.empty(n_layers), np.empty(n_layers),
+        )
 
     def _out_of_budget(self) -> bool:
         """Whether the node or time budget is spent (then the search stops: ``done``, not ``exact``). Budgets

@@ -271,7 +271,7 @@ class Engine:
             table = self.kv.tables.get(r.request_id)
             if table is not None:
                 held += table.host_blocks()
-        self.controller.ctx.host_capacity_blocks = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
+        self.controller.set_host_capacity(self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held))
         return [
             PlanRequest(
                 request_id=r.request_id,
