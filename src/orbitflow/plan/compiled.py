@@ -65,6 +65,8 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
     decisions are taken while a layer waits for its KV; each decision scans the requests (R is small), moves
     the released transfer needed earliest (ties: lower request index) or idles until the next release.
     """
+    # NOTE: kept whole: the jitted twin of cost_model.edf_stalls, one event loop whose state is a few scalars
+    # and the scratch arrays; split, every piece would take and return all of it.
     n_req = row.size
     n_layers = comp.size
     inf = math.inf
@@ -273,6 +275,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
             last, f_scratch):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), sorted cheapest first."""
+    # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
+    # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
     n_tiles = sep_off.size
     n_pieces = sep_slope.shape[1]
@@ -367,6 +371,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
     ``ist[CHUNK_STOP]`` (the caller checks its deadline, sets ``ist[TIMED_OUT]`` and resumes), or
     ``FINISHED``. One function, kept whole: its state is the stack.
     """
+    # NOTE: kept whole: a depth-first loop over an explicit stack (ist/fst and the per-depth arrays) that
+    # returns to Python at a leaf or a deadline check and resumes where it stopped; calls cannot do that.
     n_req = order.size
     n_cand = counts.size
     n_layers = comp0.size

@@ -150,12 +150,8 @@ class BranchAndBound:
         deadline: float | None = None,
         hint: list | None = None,
     ) -> None:
-        self.rules = rules
-        self.hint = hint
-        self.win = win
-        self.stats = stats
-        self.first_only = first_only
-        self.gap = gap
+        self.rules, self.win, self.stats = rules, win, stats
+        self.first_only, self.gap, self.hint = first_only, gap, hint
         self.node_limit = node_limit  # None: unlimited
         self.deadline = deadline  # time.perf_counter() value after which the search stops
         self.nodes = 0
