@@ -3,8 +3,8 @@
 Problem (paper section 4.3): choose one KV placement for the batch that minimises the predicted latency of
 the target step (step 0 of the window), subject to
 
-* capacity: resident blocks + prefetch buffer (``Placement.buffer_blocks`` at the cost model's prefetch depth)
-  <= ``capacity_blocks`` at every step of the decode window,
+* capacity: resident blocks + prefetch buffer (:func:`orbitflow.plan.placement.capacity_terms`, at the cost
+  model's prefetch depth) <= ``capacity_blocks`` at every step of the decode window,
   while each request grows to ``b_r(t) = max(b_r, ceil((tokens_r + min(t, tokens_left_r)) / block_size))``;
 * bounded SLO violations: with the Token-Deposit fluid model (per step of predicted latency ``T``,
   ``balance_r += 1 - T / slo_r``; a step whose balance would go negative is one violation of ``r`` and the
