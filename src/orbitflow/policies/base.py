@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orbitflow.plan import CostModel, Plan, Planner, PlanRequest
+from orbitflow.plan import CostModel, Placement, Plan, Planner, PlanRequest
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,6 @@ def evenly_spaced_row(num_layers: int, count: int) -> np.ndarray:
 def uniform_count_plans(requests: list[PlanRequest], ctx: PlanContext, counts) -> list[tuple[int, Plan]]:
     """Evaluate, for each offload count, that many evenly spaced layers offloaded for every request
     (the layer-granular, batch-uniform placement of DeepSpeed/FlexGen-style systems)."""
-    from orbitflow.plan import Placement
-
     planner = ctx.planner(alpha=float("inf"))
     out = []
     for n in counts:
