@@ -51,7 +51,7 @@ from orbitflow.plan.placement import Placement
 from orbitflow.plan.search import BranchAndBound, candidate_tables
 from orbitflow.plan.types import REL_TOL, Plan, PlanRequest, PlanStats, better
 
-__all__ = ["PlanRequest", "Plan", "PlanStats", "Planner", "VICTIM_ORDERS", "resolve_victim_order", "warm_up"]
+__all__ = ["Planner", "VICTIM_ORDERS", "resolve_victim_order", "warm_up"]
 
 
 # -- victim ordering --------------------------------------------------------------------------------------
