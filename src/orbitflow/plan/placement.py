@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Placement", "capacity_terms", "distance_row", "memory_blocks", "widest_distance", "pruned_distances"]
+__all__ = ["Placement", "capacity_terms", "distance_row", "memory_blocks", "most_blocks", "pruned_distances",
+           "widest_distance"]
 
 
 def distance_row(num_layers: int, distance: int | None) -> np.ndarray:
@@ -199,3 +200,10 @@ def memory_blocks(host: np.ndarray, blocks: np.ndarray, slots: int = 1) -> np.nd
     (:func:`capacity_terms`); it must stay within the device budget."""
     resident, buffer = capacity_terms(host, blocks, slots)
     return resident + buffer
+
+
+def most_blocks(blocks_per_layer: float, num_layers: int, slots: int = 1) -> float:
+    """The most KV blocks any placement can need over both tiers (device and host pools together) for
+    requests holding ``blocks_per_layer`` blocks per layer in total: every layer, plus the largest prefetch
+    buffer of :func:`capacity_terms` (``slots`` layers of each request). The engine's admission check."""
+    return blocks_per_layer * (num_layers + slots)
