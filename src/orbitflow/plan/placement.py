@@ -188,8 +188,9 @@ def capacity_terms(host: np.ndarray, blocks: np.ndarray, slots: int = 1) -> tupl
     """The capacity equation (paper section 4.3), the one place it is written. For a host mask ``[R, L]`` (True =
     offloaded) and each row of ``blocks`` ``[T, R]`` (blocks per layer of each request at T steps): the resident
     blocks ``sum_r sum_l b_r x[r, l]`` and the prefetch buffer ``max_l sum_r (1 - x[r, l]) b_r min(d, n_r(l))`` at
-    depth ``d = slots``. Block counts are integers, so the sums are exact in any order."""
-    resident = blocks @ (~host).sum(axis=1)
+    depth ``d = slots``. Block counts are integers, so the sums are exact in any order. ``host`` may also be
+    0/1 floats (the search's tables)."""
+    resident = blocks @ (host.shape[1] - host.sum(axis=1))
     if not host.shape[0]:
         return resident, np.zeros(blocks.shape[0])
     return resident, (blocks @ buffer_slots(host, slots)).max(axis=1)

@@ -261,9 +261,12 @@ class BranchAndBound:
             seeds.append([k_of_dist.get(h, greedy[r]) if h != -1 else greedy[r] for r, h in enumerate(self.hint)])
         seeds.append(greedy)
         # the sparsest uniform distance that fits spreads the transfers over the layers (the greedy bunches them)
-        fits = [k for k, row in enumerate(self.hosts) if self._one_slot_memory([row] * self.n_req) <= self.cap]
-        if fits:
-            seeds.append([fits[0]] * self.n_req)
+        # a uniform placement takes what one request holding all the batch's blocks would: every candidate at
+        # once, as a batch of one-request rows (row k: the whole batch's blocks on candidate k)
+        batch = float(self.bcap.sum()) * np.eye(len(self.counts))
+        fits = np.flatnonzero(memory_blocks(self.hosts_f, batch, 1) <= self.cap)
+        if fits.size:
+            seeds.append([int(fits[0])] * self.n_req)
         for k_of in seeds:
             self._leaf([k_of[r] for r in self.order])
 
@@ -277,8 +280,8 @@ class BranchAndBound:
         counts = self.counts
         k_of = [0] * self.n_req
 
-        def memory() -> float:
-            return self._one_slot_memory(self.hosts[k_of])
+        def memory() -> float:  # the capacity equation at one slot: the leaves check the exact one
+            return float(memory_blocks(self.hosts_f[k_of], self.bcap[None], 1)[0])
 
         for r in order:  # transfer hidden by the compute between two host layers: distance >= ratio + 1
             if memory() <= self.cap:
@@ -297,11 +300,6 @@ class BranchAndBound:
             if not grown:
                 break
         return k_of
-
-    def _one_slot_memory(self, host) -> float:
-        """The capacity equation at step ``min_steps - 1`` with one prefetch slot per request (the seeds only
-        need a placement that fits; the leaves check the exact equation)."""
-        return float(memory_blocks(np.asarray(host, dtype=bool), self.bcap[None], 1)[0])
 
     # -- search ---------------------------------------------------------------------------------------
     def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
