@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from orbitflow.bench.plots import plot_ci_bars, write_plots  # noqa: E402
+from orbitflow.plan.hardware import load_preset  # noqa: E402
 from orbitflow.policies import BASELINES  # noqa: E402
-from orbitflow.sim.profiles import load_preset  # noqa: E402
 from orbitflow.sim.sweep import (  # noqa: E402
     PAPER_SETUP,
     Point,
@@ -54,7 +54,7 @@ SENS_SLO, SENS_RATE = 1.0, 3.0  # sensitivity studies: the tightest SLO scale, a
 BUDGETS = (0.23, 0.5, 0.75)
 # Link rates spanning the paper's hardware, each with its source.
 LINKS = (
-    (None, "3.85 GB/s: fitted to the paper's 1.9x / 6.1x transfer-to-compute ratios (sim/profiles.py, the preset)"),
+    (None, "3.85 GB/s: fitted to the paper's 1.9x / 6.1x transfer-to-compute ratios (plan/hardware.py, the preset)"),
     (12.0, "12 GB/s: pinned-memory host-to-device copies on PCIe 3.0 x16 (15.75 GB/s raw, 128b/130b; CUDA "
            "bandwidthTest typically reports 11-13 GB/s), the paper's stated link"),
     (24.0, "24 GB/s: pinned copies on PCIe 4.0 x16 (31.5 GB/s raw), the RTX A5000's own interface per NVIDIA's "

@@ -91,15 +91,15 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
             for name in names:
                 r = rec[name]
                 w, c, p = _solve(cm, cap, reqs, IMPLS[name], time_limit_s=exact_cap_s, **EXACT)
-                r["open"] += not p.stats.get("exact", 1)
+                r["open"] += not p.stats.exact
                 r["ew"].append(w)
                 r["ec"].append(c)
-                opt = p.predicted_step_s if p.feasible and p.stats.get("exact", 1) else None
+                opt = p.predicted_step_s if p.feasible and p.stats.exact else None
                 r["opt"].append(opt)
                 w, c, b = _solve(cm, cap, reqs, IMPLS[name], time_limit_s=budget_s)
                 r["bw"].append(w)
                 r["bc"].append(c)
-                r["cut"] += not b.stats.get("exact", 1)
+                r["cut"] += not b.stats.exact
                 if b.feasible and opt is not None:
                     r["excess"].append(b.predicted_step_s / opt - 1)
                 elif opt is not None:
@@ -131,7 +131,7 @@ def bench_bruteforce(trials: int, seed: int) -> None:
         cm, cap, reqs = random_instance(rng, n_req, n_layers, slo_scale=float(rng.uniform(1.0, 3.0)))
         pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 12), check_better=False)
         got = pl.plan(reqs)
-        unproven += int(got.stats.get("exact", 1)) == 0
+        unproven += int(got.stats.exact) == 0
         best = None
         for ds in itertools.product(pruned_distances(n_layers), repeat=n_req):
             e = pl.evaluate(Placement.from_distances(n_layers, ds), reqs)
@@ -152,7 +152,6 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
     give a floor on the solve time, with free bounds and an oracle that knows the optimum up front."""
     from orbitflow.plan.bounds import dp_bound
     from orbitflow.plan.cost_model import edf_stalls
-    from orbitflow.plan.planner import _Window
     from orbitflow.plan.search import candidate_tables
 
     print(f"\n== exactness floor at (R, L) = ({n_req}, {n_layers}), {calls} instances: placements only a "
@@ -169,7 +168,7 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
         if not best.feasible:
             continue
         opt = best.predicted_step_s
-        win = _Window(pl, reqs)
+        win = pl.constraints.horizon(reqs)
         bcap = win.blocks[pl.min_steps - 1][None, :, None]
         memory = (bcap * (1 - hosts)).sum(axis=(1, 2)) + (bcap * hosts).sum(axis=1).max(axis=1)
         fits = every[memory <= cap * (1 + 1e-12) + 1e-9]
@@ -178,7 +177,7 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
             dp_bound(np.einsum("r,nrab->nab", xfer, tables.mats[chunk]), comp)
             for chunk in np.array_split(fits, max(1, len(fits) // 512))
         ]) if len(fits) else np.zeros(0)
-        slo_ok = pl._lat_prefilter(win)
+        slo_ok = pl.constraints.lat_prefilter(win)
         rivals = [ks for ks, lat in zip(fits, preemptive) if lat < opt * (1 - 1e-12) and slo_ok(float(lat))]
         comp_list, xfer_list = comp.tolist(), xfer.tolist()
         t = time.perf_counter()

@@ -50,8 +50,8 @@ from orbitflow.config import EngineConfig  # noqa: E402
 from orbitflow.llm import LLM  # noqa: E402
 from orbitflow.model.loader import LoadedModel, load_model  # noqa: E402
 from orbitflow.plan import CostModel, Placement  # noqa: E402
+from orbitflow.plan.hardware import HardwareProfile  # noqa: E402
 from orbitflow.runtime.sampling import SamplingParams  # noqa: E402
-from orbitflow.sim.profiles import HardwareProfile  # noqa: E402
 from orbitflow.sim.runner import simulate_trace  # noqa: E402
 
 MODEL = "smollm2-135m"

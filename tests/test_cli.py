@@ -110,7 +110,7 @@ def test_simulate_names_a_bad_flag(capsys):
 def test_simulate_runs_on_a_measured_profile_file_and_charges_its_overheads(tmp_path, capsys):
     """`orbitflow profile --out FILE` writes a HardwareProfile; `simulate --profile FILE` must charge every
     measured engine overhead in it (the same cost model the engine's planner used)."""
-    from orbitflow.sim.profiles import load_preset
+    from orbitflow.plan.hardware import load_preset
 
     ideal = load_preset("a5000-llama3-8b")
     slow = ideal.with_overrides(name="measured", decode_per_request_s=0.02, transfer_latency_s=0.002,

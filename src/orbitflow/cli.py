@@ -154,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from orbitflow.bench.workload import TraceError, load_trace_file
-    from orbitflow.sim.profiles import ProfileError, resolve_profile
+    from orbitflow.plan.hardware import ProfileError, resolve_profile
     from orbitflow.sim.sweep import SimSetup, config_record, run_points, summarize, with_no_deposit
 
     try:
@@ -239,8 +239,8 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from orbitflow.plan.hardware import ProfileError, resolve_profile
     from orbitflow.policies.base import PlanContext
-    from orbitflow.sim.profiles import ProfileError, resolve_profile
 
     try:
         profile = resolve_profile(args.profile or args.preset)
@@ -256,10 +256,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.cache.device_kv_blocks,
-        "victims": list(plan.victims), "solve_s": plan.stats.get("solve_s"), "slo_s": slo_s,
+        "victims": list(plan.victims), "solve_s": plan.stats.solve_s, "slo_s": slo_s,
         "search": "local search, no proof" if args.space == "full" else (
-            "complete" if plan.stats.get("exact", 1) else "budget reached"),
-        "optimality_gap": plan.stats.get("gap"),
+            "complete" if plan.stats.exact else "budget reached"),
+        "optimality_gap": plan.stats.gap,
     }
     if args.json:
         print(json.dumps(out))
@@ -317,7 +317,7 @@ def _add_simulate_parser(sub) -> None:
                                    "on, planner solve time charged, 5 seeds x 64 requests, every policy at SLO "
                                    "scales 1/1.5/2.5 and rate scales 1/3/5).",
                        formatter_class=HelpFormatter)
-    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.sim presets)")
+    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.plan presets)")
     p.add_argument("--profile", default=None, help="a profile JSON file (from `orbitflow profile`) instead of a preset")
     p.add_argument("--policies", default="all", help="'all' (OrbitFlow and every baseline) or a comma list")
     p.add_argument("--ablations", action="store_true", help="also run the ablation steps of paper Fig. 13a")

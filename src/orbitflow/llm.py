@@ -14,6 +14,7 @@ import torch
 
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.policies import Policy, make_policy
 from orbitflow.policies.base import PlanContext, default_slo_s
 from orbitflow.runtime.clock import WallClock
@@ -21,7 +22,6 @@ from orbitflow.runtime.engine import Engine
 from orbitflow.runtime.executor import ModelExecutor
 from orbitflow.runtime.request import Request
 from orbitflow.runtime.sampling import SamplingParams
-from orbitflow.sim.profiles import HardwareProfile
 
 
 @dataclass

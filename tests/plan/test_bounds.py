@@ -4,9 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from orbitflow.plan import CostModel, Placement, Planner, PlanRequest
+from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, PlanStats
 from orbitflow.plan.bounds import _lower_hull, count_matrix, dp_bound, window_tilings
-from orbitflow.plan.planner import _Window
 from orbitflow.plan.search import BranchAndBound, candidate_tables
 
 
@@ -74,8 +73,8 @@ def test_node_bounds_hold_for_every_capacity_feasible_completion():
         n_layers = int(rng.integers(2, 17 if n_req < 4 else 9))
         cm, cap, reqs = harsh_case(rng, n_req, n_layers)
         pl = Planner(cm, cap, window=(3, 8), check_better=False, node_limit=None)
-        win = _Window(pl, reqs)
-        bb = BranchAndBound(pl, win, {"nodes": 0, "leaves": 0})
+        win = pl.constraints.horizon(reqs)
+        bb = BranchAndBound(pl.constraints, win, PlanStats())
         bb.trace = []
         bb.run()
         tables = candidate_tables(n_layers)
@@ -83,7 +82,7 @@ def test_node_bounds_hold_for_every_capacity_feasible_completion():
         exact = {}
         for ks in itertools.product(range(len(tables.counts)), repeat=n_req):
             host = tables.hosts[list(ks)]
-            if pl._memory(host, bb.bcap[None])[0] <= bb.cap:
+            if pl.constraints.memory(host, bb.bcap[None])[0] <= bb.cap:
                 exact[ks] = cm.step(Placement(~host), b0).total_s
         for prefix, lat_lb, alive in bb.trace:
             depth = len(prefix)

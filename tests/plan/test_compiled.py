@@ -130,8 +130,8 @@ def test_compiled_and_reference_planners_give_identical_plans():
         assert (got.window, got.expiry_step, got.violations) == (ref.window, ref.expiry_step, ref.violations)
         assert got.step_latencies_s == ref.step_latencies_s
         for key in ("nodes", "leaves", "exact", "gap", "lower_bound_s"):
-            assert got.stats.get(key) == ref.stats.get(key), key
-        cut += not ref.stats.get("exact", 1)
+            assert getattr(got.stats, key) == getattr(ref.stats, key), key
+        cut += not ref.stats.exact
     assert cut > 0  # some searches ran out of nodes, and stopped at the same node
 
 
@@ -142,8 +142,8 @@ def test_compiled_search_honours_a_deadline():
     for _ in range(10):
         cm, cap, reqs = _planner_case(rng)
         p = Planner(cm, cap, window=(2, 8), node_limit=None, time_limit_s=1e-9, compiled=True).plan(reqs)
-        hurried += not p.stats.get("exact", 1)
-        assert p.stats["nodes"] <= len(reqs) + 2 + 1  # the first dive, then the first deadline check
+        hurried += not p.stats.exact
+        assert p.stats.nodes <= len(reqs) + 2 + 1  # the first dive, then the first deadline check
     assert hurried > 0
 
 
@@ -172,3 +172,36 @@ def test_environment_variable_selects_the_reference(monkeypatch):
     assert not Planner(CostModel([1.0] * 2, 1.0), 4).compiled
     monkeypatch.setenv(cc.ENV, "1")
     assert Planner(CostModel([1.0] * 2, 1.0), 4).compiled == cc.HAVE_NUMBA
+
+
+@needs_numba
+def test_jitted_twins_of_the_fluid_deposit_model_and_the_plan_order_agree():
+    """numba keeps its own copies of the fluid Token-Deposit model (violations, the constant-latency prefilter)
+    and of the order on plans; they must give exactly what plan/deposit.py and plan/types.py give."""
+    from orbitflow.plan import deposit
+    from orbitflow.plan.types import better
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n_req, horizon = int(rng.integers(1, 6)), int(rng.integers(1, 30))
+        cuts = np.sort(rng.choice(np.arange(1, horizon), size=min(horizon - 1, int(rng.integers(0, 4))),
+                                  replace=False)) if horizon > 1 else np.zeros(0, int)
+        starts = np.concatenate(([0], cuts)).astype(np.int64)
+        ends = np.concatenate((cuts, [horizon])).astype(np.int64)
+        seg_lat = rng.uniform(0.5, 2.0, starts.size)
+        slo = np.where(rng.random(n_req) < 0.2, math.inf, rng.uniform(0.6, 2.0, n_req))
+        dep = np.where(rng.random(n_req) < 0.3, 0.0, rng.uniform(0, 8, n_req))
+        ref = deposit.violations(seg_lat.tolist(), starts.tolist(), ends.tolist(), slo, dep, horizon)
+        assert np.array_equal(cc.violations(seg_lat, starts, ends, slo, dep, horizon), ref)
+        lo = int(rng.integers(1, horizon + 1))
+        alpha = float(rng.choice([0.0, 0.5, 1.0]))
+        steps = np.arange(lo, horizon + 1)
+        for lb in rng.uniform(0.3, 3.0, 5):
+            fst = np.zeros(cc.N_FST)
+            fst[cc.KNOWN_PASS], fst[cc.KNOWN_FAIL] = -math.inf, math.inf  # no memo: a fresh answer
+            want = bool(np.any(deposit.constant_latency_violations(lb, slo, dep, steps) <= alpha * steps + 1e-9))
+            assert cc._lat_ok(lb, fst, True, dep, slo, alpha, lo, horizon) == want
+        for _ in range(5):
+            key = (float(rng.choice([1.0, 1.0 + 1e-13, 2.0])), float(rng.integers(0, 3)))
+            best = (float(rng.choice([1.0, math.inf])), float(rng.integers(0, 3)))
+            assert cc._better(*key, *best) == better(key, best)

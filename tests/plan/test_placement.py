@@ -93,3 +93,17 @@ def test_buffer_grows_with_prefetch_depth():
     assert p.memory_blocks(b, slots=2) == p.resident_blocks(b) + 16
     one = Placement.from_distances(4, [4, None])  # a single host layer: depth cannot add to it
     assert one.buffer_blocks(b, slots=2) == one.buffer_blocks(b) == 3
+
+
+def test_most_blocks_bounds_both_tiers_and_is_reached_fully_offloaded():
+    from orbitflow.plan.placement import most_blocks
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n_req, n_layers, slots = int(rng.integers(1, 5)), int(rng.integers(2, 9)), int(rng.integers(1, 3))
+        b = rng.integers(1, 30, n_req)
+        for mask in (rng.random((n_req, n_layers)) < 0.5, np.zeros((n_req, n_layers), bool)):
+            p = Placement.from_mask(mask)
+            both_tiers = p.memory_blocks(b, slots) + p.host_blocks(b)
+            assert both_tiers <= most_blocks(int(b.sum()), n_layers, slots)
+        assert both_tiers == most_blocks(int(b.sum()), n_layers, slots)  # everything on the host

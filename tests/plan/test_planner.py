@@ -204,11 +204,11 @@ def test_full_space_never_worse_than_pruned():
             assert f.predicted_step_s <= p.predicted_step_s + 1e-12
             assert Planner(cm, cap, window=(2, 8)).evaluate(f.placement, reqs).feasible
             # a local search proves nothing, and the pruned search's bound does not bound the full space
-            assert f.stats["exact"] == 0 and "lower_bound_s" not in f.stats and "gap" not in f.stats
+            assert f.stats.exact == 0 and f.stats.lower_bound_s is None and f.stats.gap is None
             hurried = Planner(cm, cap, window=(2, 8), space="full", time_limit_s=1e-9).plan(reqs)
             if hurried.feasible:  # the local search also stops at the deadline
                 stopped += 1
-                assert hurried.stats["full_evals"] == 0
+                assert hurried.stats.full_evals == 0
     assert stopped > 0
 
 
@@ -260,20 +260,19 @@ def brute_force_replan_step(pl, reqs, plan, n_layers):
 def _brute_force_replan_step(pl, reqs, plan, n_layers):
     """min(window, capacity overflow, first block boundary inside the window where some feasible plan of the
     pruned space is strictly faster than ``plan`` for the batch as it will be then)."""
-    from orbitflow.plan.planner import _Window
 
     host = plan.placement.host
-    win = _Window(pl, reqs)
-    over = pl._first_over(host, win.blocks)
+    win = pl.constraints.horizon(reqs)
+    over = pl.constraints.first_over(host, win.blocks)
     stop = plan.window if not over.size or over[0] < 1 else min(plan.window, int(over[0]))
-    seg_lat = pl._seg_latencies(win, host)
+    seg_lat = pl.constraints.seg_latencies(win, host)
     for t in win.boundaries:
         if t >= stop:
             break
         later = [PlanRequest(q.request_id, q.blocks_per_layer,
                              q.tokens + (t if q.tokens_left is None else min(t, q.tokens_left)),
                              None if q.tokens_left is None else q.tokens_left - min(t, q.tokens_left),
-                             pl._deposit_after(q, seg_lat, win, t), q.slo_s) for q in reqs]
+                             pl.constraints.deposit_after(q, seg_lat, win, t), q.slo_s) for q in reqs]
         now = pl.evaluate(plan.placement, later).predicted_step_s
         for ds in itertools.product(pruned_distances(n_layers), repeat=len(reqs)):
             other = pl.evaluate(Placement.from_distances(n_layers, ds), later)
@@ -340,19 +339,19 @@ def test_budgeted_search_certifies_its_gap(seed, impl):
         assert near.feasible == (best is not None)
         if best is not None:
             assert best <= near.predicted_step_s <= best / (1 - 0.05) * (1 + 1e-9)
-            assert near.stats["lower_bound_s"] <= best * (1 + 1e-9) and near.stats["gap"] <= 0.05 + 1e-12
+            assert near.stats.lower_bound_s <= best * (1 + 1e-9) and near.stats.gap <= 0.05 + 1e-12
         if not got.feasible:
-            assert best is None or not got.stats["exact"]  # proven infeasible, or out of budget
+            assert best is None or not got.stats.exact  # proven infeasible, or out of budget
             continue
         assert best is not None and got.predicted_step_s >= best * (1 - 1e-9)
         assert pl.evaluate(got.placement, reqs).feasible
-        if got.stats["exact"]:
-            assert got.predicted_step_s == pytest.approx(best, rel=1e-9) and got.stats["gap"] == 0
+        if got.stats.exact:
+            assert got.predicted_step_s == pytest.approx(best, rel=1e-9) and got.stats.gap == 0
         else:
             cut += 1
-            assert got.stats["lower_bound_s"] <= best * (1 + 1e-9)
-            lower = got.predicted_step_s * (1 - got.stats["gap"])
-            assert lower == pytest.approx(got.stats["lower_bound_s"])
+            assert got.stats.lower_bound_s <= best * (1 + 1e-9)
+            lower = got.predicted_step_s * (1 - got.stats.gap)
+            assert lower == pytest.approx(got.stats.lower_bound_s)
     assert cut > 0
 
 
@@ -368,7 +367,7 @@ def test_time_limit_and_expiry_budget_are_conservative():
             if exact.expiry_step is not None:
                 assert tight.expiry_step is not None and tight.expiry_step <= exact.expiry_step
     hurried = Planner(cm, cap, window=(1, 12), time_limit_s=1e-9).plan(reqs)
-    assert hurried.stats.get("exact", 1) == 0 or hurried.stats["nodes"] <= 1
+    assert hurried.stats.exact == 0 or hurried.stats.nodes <= 1
     with pytest.raises(ValueError, match="time_limit_s"):
         Planner(cm, cap, time_limit_s=0)
 
@@ -388,18 +387,17 @@ def test_expiry_node_limit_none_is_unlimited_whatever_the_main_budget():
 def test_latency_prefilter_memo_matches_fresh_answers():
     # the prefilter remembers the largest bound that passed and the smallest that failed (violations only
     # grow with the bound); in any query order it must answer as a fresh one does
-    from orbitflow.plan.planner import _Window
 
     rng = np.random.default_rng(5)
     mixed = 0
     for _ in range(30):
         cm, cap, reqs = random_case(rng, 4, 8)
         pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 12))
-        win = _Window(pl, reqs)
-        memo = pl._lat_prefilter(win)
+        win = pl.constraints.horizon(reqs)
+        memo = pl.constraints.lat_prefilter(win)
         answers = []
         for lb in rng.uniform(0.5, 3.0, 40) * float(win.slo.min()):
-            fresh = pl._lat_prefilter(win)(lb)
+            fresh = pl.constraints.lat_prefilter(win)(lb)
             assert memo(lb) == fresh
             answers.append((lb, fresh))
         answers.sort()
@@ -457,7 +455,7 @@ def test_pruned_search_exact_with_identical_requests_and_tight_link(seed, impl):
                      node_limit=None)
         got = pl.plan(reqs)
         best = brute_force(pl, reqs, n_layers)
-        assert got.stats["exact"] == 1
+        assert got.stats.exact == 1
         assert got.feasible == (best is not None)
         if best is not None:
             assert got.predicted_step_s == pytest.approx(best, rel=1e-9)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from tiny_models import hf_greedy, make_llm
 
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.runtime.sampling import SamplingParams
-from orbitflow.sim.profiles import HardwareProfile
 
 
 def prompts(n, length, seed=0):

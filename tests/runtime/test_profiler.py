@@ -5,8 +5,8 @@ import math
 from tiny_models import make_llm
 
 from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.runtime.profiler import _fit_transfer_latency, profile_executor
-from orbitflow.sim.profiles import HardwareProfile
 
 
 def test_profile_measures_every_overhead_and_round_trips(tiny_llama):

@@ -6,13 +6,13 @@ import pytest
 
 from orbitflow.config import EngineConfig
 from orbitflow.plan import Placement, PlanRequest
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.policies import make_policy
 from orbitflow.policies.base import PlanContext
 from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.executor import SeqInput
 from orbitflow.runtime.sim_executor import SimExecutor, accounting_kv
-from orbitflow.sim.profiles import HardwareProfile
 
 LAYERS = 6
 

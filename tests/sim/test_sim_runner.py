@@ -5,7 +5,7 @@ import json
 import pytest
 
 from orbitflow.bench.workload import Trace, TraceRequest
-from orbitflow.sim.profiles import load_preset
+from orbitflow.plan.hardware import load_preset
 from orbitflow.sim.runner import sim_config, simulate_trace
 from orbitflow.sim.sweep import RUN_KEYS, run_sweep
 

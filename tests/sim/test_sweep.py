@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from orbitflow.sim.profiles import load_preset
+from orbitflow.plan.hardware import load_preset
 from orbitflow.sim.sweep import (
     PAPER_SETUP,
     Point,

@@ -2,18 +2,20 @@
 
 Pure Python + NumPy (no torch). Public API::
 
-    from orbitflow.plan import Placement, CostModel, Planner, PlanRequest, Plan
+    from orbitflow.plan import Placement, CostModel, Planner, PlanRequest, Plan, PlanStats
 """
 
 from orbitflow.plan.cost_model import CostModel, StepEstimate
 from orbitflow.plan.placement import Placement, pruned_distances, widest_distance
-from orbitflow.plan.planner import VICTIM_ORDERS, Plan, Planner, PlanRequest, resolve_victim_order, warm_up
+from orbitflow.plan.planner import VICTIM_ORDERS, Planner, resolve_victim_order, warm_up
+from orbitflow.plan.types import Plan, PlanRequest, PlanStats
 
 __all__ = [
     "CostModel",
     "Placement",
     "Plan",
     "PlanRequest",
+    "PlanStats",
     "Planner",
     "StepEstimate",
     "VICTIM_ORDERS",

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from orbitflow.plan.types import REL_TOL
+
 try:  # numba is a runtime dependency, but the planner must keep working without it
     import numba
 
@@ -39,7 +41,6 @@ except ImportError:  # pragma: no cover - exercised by installs without numba
 __all__ = ["HAVE_NUMBA", "enabled", "edf_stalls"]
 
 ENV = "ORBITFLOW_PLAN_COMPILED"
-REL_TOL = 1e-12  # == search.REL_TOL (kept here to avoid importing search.py)
 
 
 def enabled(compiled: bool | None = None) -> bool:
@@ -64,6 +65,8 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
     decisions are taken while a layer waits for its KV; each decision scans the requests (R is small), moves
     the released transfer needed earliest (ties: lower request index) or idles until the next release.
     """
+    # NOTE: kept whole: the jitted twin of cost_model.edf_stalls, one event loop whose state is a few scalars
+    # and the scratch arrays; split, every piece would take and return all of it.
     n_req = row.size
     n_layers = comp.size
     inf = math.inf
@@ -193,6 +196,7 @@ FINISHED, LEAF, PAUSED = 0, 1, 2
 
 @_jit
 def _better(lat, moved, best_lat, best_moved):
+    """Jitted twin of :func:`orbitflow.plan.types.better` (numba cannot call the Python one)."""
     tol = REL_TOL * max(abs(best_lat), 1.0) if math.isfinite(best_lat) else 0.0
     if lat < best_lat - tol:
         return True
@@ -217,7 +221,9 @@ def _prunable(lb, moved_lb, best_lat, best_moved, gap):
 
 @_jit
 def _lat_ok(lb, fst, slo_on, dep, slo, alpha, d_lo, d_hi):
-    """The planner's SLO prefilter (``Planner._lat_prefilter``), memoised in ``fst``."""
+    """Jitted twin of the planner's SLO prefilter (``Constraints.lat_prefilter`` over
+    :func:`orbitflow.plan.deposit.constant_latency_violations`), memoised in ``fst``; tests/plan/test_compiled.py
+    checks that they agree."""
     if not slo_on:
         return True
     if lb <= fst[KNOWN_PASS]:
@@ -269,6 +275,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
             last, f_scratch):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), sorted cheapest first."""
+    # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
+    # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
     n_tiles = sep_off.size
     n_pieces = sep_slope.shape[1]
@@ -363,6 +371,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
     ``ist[CHUNK_STOP]`` (the caller checks its deadline, sets ``ist[TIMED_OUT]`` and resumes), or
     ``FINISHED``. One function, kept whole: its state is the stack.
     """
+    # NOTE: kept whole: a depth-first loop over an explicit stack (ist/fst and the per-depth arrays) that
+    # returns to Python at a leaf or a deadline check and resumes where it stopped; calls cannot do that.
     n_req = order.size
     n_cand = counts.size
     n_layers = comp0.size
@@ -463,7 +473,9 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
 # ==== the window rule ======================================================================================
 @_jit
 def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
-    """``Planner._violations``: cumulative fluid Token-Deposit violations over the first ``k`` steps."""
+    """Jitted twin of :func:`orbitflow.plan.deposit.violations` (the fluid Token-Deposit model; numba needs its
+    own copy): cumulative violations over the first ``k`` steps. tests/plan/test_compiled.py checks that they
+    agree."""
     per_step = np.zeros(horizon)
     bal = deposit.copy()
     n_req = slo.size

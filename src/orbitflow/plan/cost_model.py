@@ -34,6 +34,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 
 import numpy as np
 
@@ -63,46 +64,36 @@ def _key_rows(n_layers: int, n_req: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(keys[r::n_req]) for r in range(n_req))
 
 
-def edf_stalls(
-    comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float], abort_above: float = math.inf,
-    slots: int = 1,
-) -> list[float] | None:
-    """Per-layer stalls of the executor's schedule (see module docstring).
+# How edf_stalls simulates the link (the executor's schedule, module docstring). The link is simulated
+# lazily: decisions are taken when a layer needs its KV. A decision at time ``t`` only depends on transfers
+# released by ``t``, and every transfer released after an unfinished layer is released later than any
+# decision taken before that layer starts, so the lazy order is exact. "Released by ``t``" means released at
+# or before ``t + 1e-12 + 1e-9 * t``.
+#
+# A transfer is identified by its EDF key ``layer * R + r`` (unique: a request fetches each layer once).
+# Releases happen at layer ends, in time order (kept sorted should a negative compute send time back), so
+# released transfers wait in a FIFO of events (release time, keys) until a decision admits them into a
+# sorted list of available keys. The decisions while layer ``l`` waits are taken in two phases:
+#
+# 1. While one of layer ``l``'s transfers is still in the FIFO, one decision at a time: admit every event
+#    released by the threshold; if nothing is available, idle until the FIFO head's release and admit what
+#    is released by then; else move the smallest available key.
+# 2. Then layer ``l``'s pending transfers are all available and hold the smallest keys, so they go next, in
+#    key order, whatever is admitted meanwhile (keys of later layers only): move them in one run, and leave
+#    the admissions to the next decision, which admits the same events because the link time (hence the
+#    threshold) never decreases.
+#
+# This is the same schedule, with the same float operations in the same order, as scanning every request at
+# every decision (``_reference_edf`` in ``tests/plan/test_cost_model.py``, which the tests fuzz it against),
+# at O(1) interpreted steps per transfer and per layer instead of O(R) per transfer.
 
-    ``comp``: per-layer compute seconds; ``hosts[r]``: strictly increasing 0-based host layers of request
-    ``r``; ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``; ``slots``: prefetch depth (buffer
-    slots per request, >= 1). Returns None as soon as the step is known to take longer than ``abort_above``
-    seconds (the planner's cut for a leaf that cannot win).
 
-    The link is simulated lazily: decisions are taken when a layer needs its KV. A decision at time ``t``
-    only depends on transfers released by ``t``, and every transfer released after an unfinished layer
-    is released later than any decision taken before that layer starts, so the lazy order is exact.
-    "Released by ``t``" means released at or before ``t + 1e-12 + 1e-9 * t``.
-
-    A transfer is identified by its EDF key ``layer * R + r`` (unique: a request fetches each layer once).
-    Releases happen at layer ends, in time order (kept sorted should a negative compute send
-    time back), so released transfers wait in a FIFO of events (release time, keys) until a decision
-    admits them into a sorted list of available keys. The decisions while layer ``l`` waits are taken in
-    two phases:
-
-    1. While one of layer ``l``'s transfers is still in the FIFO, one decision at a time: admit every event
-       released by the threshold; if nothing is available, idle until the FIFO head's release and admit
-       what is released by then; else move the smallest available key.
-    2. Then layer ``l``'s pending transfers are all available and hold the smallest keys, so they go
-       next, in key order, whatever is admitted meanwhile (keys of later layers only): move them in one
-       run, and leave the admissions to the next decision, which admits the same events because the link
-       time (hence the threshold) never decreases.
-
-    This is the same schedule, with the same float operations in the same order, as scanning every
-    request at every decision (``_reference_edf`` in ``tests/plan/test_cost_model.py``, which the tests fuzz
-    it against), at O(1) interpreted steps per transfer and per layer instead of O(R) per transfer.
-    """
-    n_layers = len(comp)
+def _release_lists(n_layers: int, hosts: Sequence[Sequence[int]], slots: int) -> tuple[list[int], list[list[int]]]:
+    """The keys available at t=0 (each request's first ``slots`` host layers) and, per layer ``l``, the keys
+    released when layer ``l`` ends (a request's next host layer once the one ``slots`` before it has run)."""
     n_req = len(hosts)
-    if isinstance(comp, np.ndarray):
-        comp = comp.tolist()
-    rel: list[list[int]] = [[] for _ in range(n_layers)]  # keys released when layer l ends
-    avail: list[int] = []  # admitted (available) keys, sorted; at t=0 each request's first `slots` transfers
+    rel: list[list[int]] = [[] for _ in range(n_layers)]
+    avail: list[int] = []
     if slots == 1:
         for kr, hl in zip(_key_rows(n_layers, n_req), hosts):
             p = avail
@@ -115,27 +106,83 @@ def edf_stalls(
         for kr, hl in zip(_key_rows(n_layers, n_req), hosts):
             for k, layer in enumerate(hl):
                 (avail if k < slots else rel[hl[k - slots]]).append(kr[layer])
+    avail.sort()
+    return avail, rel
+
+
+def _move_run(avail: list[int], lim: int, t_link: float, xk: list[float]) -> float:
+    """Phase 2: move the available keys below ``lim`` (the current layer's) back to back, in key order;
+    returns the link time when the last one arrives."""
+    c = bisect_left(avail, lim)
+    for j in avail[:c]:
+        t_link += xk[j]
+    del avail[:c]
+    return t_link
+
+
+def _admit(avail: list[int], t_link: float, head_k: list[int], q_t: list[float], q_k: list[list[int]], qh: int,
+           big: int):
+    """Phase 1's admission at link time ``t_link``: the FIFO's head event and every queued one released by the
+    threshold join ``avail`` (kept sorted). Returns the new head ``(nrel, head_k, fmin, qh)``."""
+    thr = t_link + 1e-12 + 1e-9 * t_link
+    avail += head_k
+    nrel, head_k, fmin = math.inf, None, big
+    if qh < len(q_t):
+        while qh < len(q_t) and q_t[qh] <= thr:
+            avail += q_k[qh]
+            qh += 1
+        if qh < len(q_t):
+            nrel, head_k, fmin = q_t[qh], q_k[qh], min(map(min, q_k[qh:]))
+            qh += 1
+    avail.sort()
+    return nrel, head_k, fmin, qh
+
+
+def _queue_release(t: float, keys: list[int], nrel: float, head_k: list[int], q_t: list[float],
+                   q_k: list[list[int]], qh: int):
+    """Queue a release event behind the FIFO's head, in time order (an event earlier than the last one only
+    comes with negative compute); returns the FIFO as ``(nrel, head_k, q_t, q_k, qh)``."""
+    if t >= (q_t[-1] if qh < len(q_t) else nrel):
+        q_t.append(t)
+        q_k.append(keys)
+        return nrel, head_k, q_t, q_k, qh
+    ts = [nrel, *q_t[qh:]]
+    ks = [head_k, *q_k[qh:]]
+    i = bisect_right(ts, t)
+    ts.insert(i, t)
+    ks.insert(i, keys)
+    nrel, *q_t = ts
+    head_k, *q_k = ks
+    return nrel, head_k, q_t, q_k, 0
+
+
+def edf_stalls(
+    comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float], abort_above: float = math.inf,
+    slots: int = 1,
+) -> list[float] | None:
+    """Per-layer stalls of the executor's schedule (module docstring; the method is in the comment above).
+    ``comp``: per-layer compute seconds; ``hosts[r]``: strictly increasing 0-based host layers of request ``r``;
+    ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``; ``slots``: prefetch depth (>= 1). Returns
+    None as soon as the step is known to take longer than ``abort_above`` seconds (a leaf that cannot win)."""
+    # The FIFO's state lives in locals (the pure-Python evaluator is the reference and the planner's fallback
+    # without numba); only what runs once per release event is a call (_admit, _queue_release).
+    n_layers, n_req = len(comp), len(hosts)
+    if isinstance(comp, np.ndarray):
+        comp = comp.tolist()
+    avail, rel = _release_lists(n_layers, hosts, slots)  # avail: admitted keys, sorted
     stall = [0.0] * n_layers
     if not avail:
         return stall
-    tail = None  # compute of layers l.. (for abort_above)
-    if abort_above < math.inf:
-        tail = np.cumsum(np.asarray(comp[::-1], dtype=float))[::-1].tolist()
-    avail.sort()
+    # compute of layers l.. (for abort_above)
+    tail = np.cumsum(np.asarray(comp[::-1], dtype=float))[::-1].tolist() if abort_above < math.inf else None
     xk = (xfer.tolist() if isinstance(xfer, np.ndarray) else list(xfer)) * n_layers  # xk[key] = xfer[r]
-    inf = float("inf")
     big = n_layers * n_req
-    last = [-inf] * n_layers  # arrival of the last transfer of layer l moved during an earlier layer
+    last = [-math.inf] * n_layers  # arrival of the last transfer of layer l moved during an earlier layer
     # FIFO of release events not admitted yet: the head (release time nrel, keys head_k; None: empty),
     # then q_t[qh:] / q_k[qh:] (rare: more than one event pending)
-    nrel = inf
-    head_k: list[int] | None = None
-    q_t: list[float] = []
-    q_k: list[list[int]] = []
-    qh = 0
+    nrel, head_k, q_t, q_k, qh = math.inf, None, [], [], 0
     fmin = big  # smallest key in the FIFO (big: empty)
-    t_link = 0.0
-    t_prev = 0.0
+    t_link = t_prev = 0.0
     lim = 0  # keys < lim belong to layers <= the current one
     for layer in range(n_layers):
         lim += n_req
@@ -144,32 +191,14 @@ def edf_stalls(
             if nrel <= thr or not avail:
                 if nrel > thr:  # nothing released: idle until the earliest release
                     t_link = nrel
-                    thr = t_link + 1e-12 + 1e-9 * t_link
-                avail += head_k
-                nrel = inf
-                head_k = None
-                fmin = big
-                if qh < len(q_t):
-                    while qh < len(q_t) and q_t[qh] <= thr:
-                        avail += q_k[qh]
-                        qh += 1
-                    if qh < len(q_t):
-                        nrel = q_t[qh]
-                        head_k = q_k[qh]
-                        fmin = min(map(min, q_k[qh:]))
-                        qh += 1
-                avail.sort()
+                nrel, head_k, fmin, qh = _admit(avail, t_link, head_k, q_t, q_k, qh, big)
             else:
                 j = avail.pop(0)
                 t_link += xk[j]
                 if j >= lim:
                     last[j // n_req] = t_link
         if avail and avail[0] < lim:  # phase 2: this layer's remaining transfers, in key order
-            c = bisect_left(avail, lim)
-            for j in avail[:c]:
-                t_link += xk[j]
-            del avail[:c]
-            ready = t_link
+            ready = t_link = _move_run(avail, lim, t_link, xk)
         else:
             ready = last[layer]  # all moved ahead of time (-inf: the layer needs nothing)
         if ready > t_prev:
@@ -179,27 +208,12 @@ def edf_stalls(
                 return None
         t_prev += comp[layer]
         rk = rel[layer]
-        if rk:
-            m = min(rk)
+        if rk:  # release this layer's successors
             if head_k is None:
-                nrel = t_prev
-                head_k = rk
-                fmin = m
-                continue
-            if m < fmin:
-                fmin = m
-            if t_prev >= (q_t[-1] if qh < len(q_t) else nrel):
-                q_t.append(t_prev)
-                q_k.append(rk)
-            else:  # only with negative compute: keep the FIFO sorted by release time
-                ts = [nrel, *q_t[qh:]]
-                ks = [head_k, *q_k[qh:]]
-                i = bisect_right(ts, t_prev)
-                ts.insert(i, t_prev)
-                ks.insert(i, rk)
-                nrel, *q_t = ts
-                head_k, *q_k = ks
-                qh = 0
+                nrel, head_k, fmin = t_prev, rk, min(rk)
+            else:
+                fmin = min(fmin, min(rk))
+                nrel, head_k, q_t, q_k, qh = _queue_release(t_prev, rk, nrel, head_k, q_t, q_k, qh)
     return stall
 
 
@@ -241,6 +255,11 @@ def fair_stalls(
         stall[layer] = s
         comp_prev = comp[layer]
     return stall
+
+
+def _read_only(attr: str, doc: str) -> property:
+    """A read-only attribute backed by ``attr`` (the cost model's parameters never change after __init__)."""
+    return property(attrgetter(attr), doc=doc)
 
 
 class CostModel:
@@ -303,35 +322,18 @@ class CostModel:
         self._scale = scale
         self._cache: dict[int, np.ndarray] = {}
 
-    # -- parameters -----------------------------------------------------------------------------------
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
-    def link_blocks_per_s(self) -> float:
-        return self._link
-
-    @property
-    def transfer(self) -> str:
-        return self._transfer
-
-    @property
-    def prefetch_slots(self) -> int:
-        """Prefetch depth: buffer slots per request (layers of it that may be in flight at once)."""
-        return self._slots
+    # -- parameters (read-only) -------------------------------------------------------------------------
+    num_layers = _read_only("_num_layers", "Layers of the model.")
+    link_blocks_per_s = _read_only("_link", "Link rate in KV blocks per second.")
+    transfer = _read_only("_transfer", "Transfer model: 'edf' (the executor's schedule) or 'fair' (Algorithm 1).")
+    prefetch_slots = _read_only("_slots", "Prefetch depth: buffer slots per request (layers of it in flight at once).")
+    request_overhead_s = _read_only("_req_overhead", "Compute seconds per request beyond the first, per step.")
+    transfer_latency_s = _read_only("_latency", "Fixed seconds per transfer on top of blocks / link rate.")
 
     @property
     def layer_compute_scale(self) -> np.ndarray:
+        """Per-layer multiplier of compute (a copy; the controller's EWMA refresh sets it)."""
         return self._scale.copy()
-
-    @property
-    def request_overhead_s(self) -> float:
-        return self._req_overhead
-
-    @property
-    def transfer_latency_s(self) -> float:
-        return self._latency
 
     @property
     def depends_on_tokens(self) -> bool:

@@ -11,18 +11,17 @@ the pruned space, it repeatedly applies the first improving move, in a fixed ord
 where "improving" means feasible (capacity and alpha over some window) and strictly better in
 (step latency, moved blocks). It stops at a local optimum, after ``planner.full_max_evals`` exact
 evaluations or at the planner's deadline. The result is never worse than the pruned optimum, but nothing
-is proven about the full space: the plan's ``stats["exact"]`` is 0 and it carries no lower bound.
+is proven about the full space: the plan's ``stats.exact`` is False and it carries no lower bound.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover
-    from orbitflow.plan.planner import Planner, _Window
+from orbitflow.plan.horizon import Constraints, Horizon
+from orbitflow.plan.types import PlanStats, better
 
 
 def _moves(host: np.ndarray, blocks: np.ndarray):
@@ -49,17 +48,17 @@ def _moves(host: np.ndarray, blocks: np.ndarray):
 
 
 def improve_full(
-    planner: Planner, win: _Window, host: np.ndarray, stats: dict[str, float], deadline: float | None = None
+    rules: Constraints, win: Horizon, host: np.ndarray, stats: PlanStats, deadline: float | None = None,
+    max_evals: int = 2000,
 ) -> np.ndarray:
-    """Local search from ``host`` (feasible); returns a feasible mask no worse than ``host``."""
-    from orbitflow.plan.planner import _better
-
+    """Local search from ``host`` (feasible), at most ``max_evals`` exact evaluations; returns a feasible mask
+    no worse than ``host``."""
     b0 = win.blocks[0]
     cur = host.copy()
-    cur_key = (planner._seg_latencies(win, cur, upto=1)[0], float(cur.sum(axis=1) @ b0))
+    cur_key = (rules.seg_latencies(win, cur, upto=1)[0], float(cur.sum(axis=1) @ b0))
     evals = 0
     improved = True
-    while improved and evals < planner.full_max_evals:
+    while improved and evals < max_evals:
         improved = False
         for move in _moves(cur, b0):
             if deadline is not None and time.perf_counter() > deadline:
@@ -68,18 +67,17 @@ def improve_full(
             for r, layer, val in move:
                 cand[r, layer] = val
             evals += 1
-            lat0 = planner._seg_latencies(win, cand, upto=1)[0]
+            lat0 = rules.seg_latencies(win, cand, upto=1)[0]
             key = (lat0, float(cand.sum(axis=1) @ b0))
-            if _better(key, cur_key):
-                seg = [lat0] + planner._seg_latencies(win, cand)[1:]
-                if planner._window_of(win, cand, seg)[0] > 0:
+            if better(key, cur_key):
+                seg = [lat0] + rules.seg_latencies(win, cand)[1:]
+                if rules.window_of(win, cand, seg)[0] > 0:
                     cur, cur_key = cand, key
                     improved = True
                     break
-            if evals >= planner.full_max_evals:
+            if evals >= max_evals:
                 break
-    stats["full_evals"] = evals
-    stats["exact"] = 0  # a local optimum; the pruned search's bound does not bound the full space
-    stats.pop("lower_bound_s", None)
-    stats.pop("gap", None)
+    stats.full_evals = evals
+    stats.exact = False  # a local optimum; the pruned search's bound does not bound the full space
+    stats.lower_bound_s = stats.gap = None
     return cur

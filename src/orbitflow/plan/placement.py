@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Placement", "distance_row", "widest_distance", "pruned_distances"]
+__all__ = ["Placement", "capacity_terms", "distance_row", "memory_blocks", "most_blocks", "pruned_distances",
+           "widest_distance"]
 
 
 def distance_row(num_layers: int, distance: int | None) -> np.ndarray:
@@ -124,7 +125,7 @@ class Placement:
     def resident_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
         """``sum_r sum_l b_r x[r, l]``: blocks kept on the device."""
         b = self._check_blocks(blocks_per_layer)
-        return float(self._mask.sum(axis=1) @ b)
+        return float(capacity_terms(~self._mask, b[None, :])[0][0])
 
     def buffer_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray, slots: int = 1) -> float:
         """Prefetch buffer ``B_buf = max_l sum_r (1 - x[r, l]) b_r min(d, n_r(l))`` for prefetch depth ``d``.
@@ -134,13 +135,12 @@ class Placement:
         ``max_l sum_r (1 - x[r, l]) b_r``.
         """
         b = self._check_blocks(blocks_per_layer)
-        if self.num_requests == 0:
-            return 0.0
-        return float((b @ buffer_slots(~self._mask, slots)).max())
+        return float(capacity_terms(~self._mask, b[None, :], slots)[1][0])
 
     def memory_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray, slots: int = 1) -> float:
         """Left side of the capacity equation: resident blocks plus prefetch buffer (``slots``: depth)."""
-        return self.resident_blocks(blocks_per_layer) + self.buffer_blocks(blocks_per_layer, slots)
+        b = self._check_blocks(blocks_per_layer)
+        return float(memory_blocks(~self._mask, b[None, :], slots)[0])
 
     def host_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:
         """Blocks moved over the link in one decode step (``blocks_to_fetch``)."""
@@ -182,3 +182,29 @@ def buffer_slots(host: np.ndarray, slots: int = 1) -> np.ndarray:
     remaining = np.cumsum(host[:, ::-1], axis=1)[:, ::-1]
     return np.where(host, np.minimum(remaining, slots), 0)
 
+
+
+def capacity_terms(host: np.ndarray, blocks: np.ndarray, slots: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The capacity equation (paper section 4.3), the one place it is written. For a host mask ``[R, L]`` (True =
+    offloaded) and each row of ``blocks`` ``[T, R]`` (blocks per layer of each request at T steps): the resident
+    blocks ``sum_r sum_l b_r x[r, l]`` and the prefetch buffer ``max_l sum_r (1 - x[r, l]) b_r min(d, n_r(l))`` at
+    depth ``d = slots``. Block counts are integers, so the sums are exact in any order. ``host`` may also be
+    0/1 floats (the search's tables)."""
+    resident = blocks @ (host.shape[1] - host.sum(axis=1))
+    if not host.shape[0]:
+        return resident, np.zeros(blocks.shape[0])
+    return resident, (blocks @ buffer_slots(host, slots)).max(axis=1)
+
+
+def memory_blocks(host: np.ndarray, blocks: np.ndarray, slots: int = 1) -> np.ndarray:
+    """The capacity equation's left side for each row of ``blocks``: resident blocks plus prefetch buffer
+    (:func:`capacity_terms`); it must stay within the device budget."""
+    resident, buffer = capacity_terms(host, blocks, slots)
+    return resident + buffer
+
+
+def most_blocks(blocks_per_layer: float, num_layers: int, slots: int = 1) -> float:
+    """The most KV blocks any placement can need over both tiers (device and host pools together) for
+    requests holding ``blocks_per_layer`` blocks per layer in total: every layer, plus the largest prefetch
+    buffer of :func:`capacity_terms` (``slots`` layers of each request). The engine's admission check."""
+    return blocks_per_layer * (num_layers + slots)

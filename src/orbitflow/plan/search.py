@@ -40,30 +40,18 @@ from __future__ import annotations
 import math
 import time
 from functools import lru_cache
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from orbitflow.plan import compiled as cc
 from orbitflow.plan.bounds import SeparableTables, count_matrix, dp_bound, separable_tables
 from orbitflow.plan.cost_model import edf_stalls
-from orbitflow.plan.placement import distance_row, pruned_distances
+from orbitflow.plan.horizon import Constraints, Horizon
+from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
+from orbitflow.plan.types import REL_TOL, PlanStats, better
 
-if TYPE_CHECKING:  # pragma: no cover
-    from orbitflow.plan.planner import Planner, _Window
-
-REL_TOL = 1e-12
 PAUSE_EVERY = 32  # compiled search: nodes between deadline checks
-
-
-def better(key: tuple[float, float], best: tuple[float, float]) -> bool:
-    """Lexicographic (latency, moved blocks); latencies within ``REL_TOL * max(latency, 1 s)`` tie."""
-    tol = REL_TOL * max(abs(best[0]), 1.0) if math.isfinite(best[0]) else 0.0
-    if key[0] < best[0] - tol:
-        return True
-    if key[0] <= best[0] + tol:
-        return key[1] < best[1] - 1e-9
-    return False
 
 
 def prunable(lb: float, moved_lb: float, best: tuple[float, float], gap: float = 0.0) -> bool:
@@ -131,62 +119,93 @@ def candidate_tables(num_layers: int) -> CandidateTables:
                            lay_ptr, lay)
 
 
+class _Children(NamedTuple):
+    """The children of one search node, per candidate ``k`` of the next request (arrays over ``k``)."""
+
+    x: float  # seconds to move one layer of the next request
+    alive: np.ndarray  # can fit the capacity equation
+    lat_lb: np.ndarray  # lower bound on the step-0 latency of every completion
+    res: np.ndarray  # resident blocks of the assigned requests
+    buf: np.ndarray  # [k, L] buffer blocks per layer of the assigned requests
+    vol: np.ndarray  # [k, L] link bound terms (see the module docstring)
+    after: np.ndarray
+    chain: np.ndarray
+    moved: np.ndarray  # blocks moved per step by the assigned requests
+    sep: np.ndarray  # [S, k] separable bound terms
+
+
 class BranchAndBound:
-    """One exact search of the pruned space for a window; :meth:`run` returns the host mask or None."""
+    """One exact search of the pruned space for a horizon; :meth:`run` returns the host mask or None."""
 
     def __init__(
         self,
-        planner: Planner,
-        win: _Window,
-        stats: dict[str, float],
+        rules: Constraints,
+        win: Horizon,
+        stats: PlanStats,
         upper: float = math.inf,
         first_only: bool = False,
         *,
+        gap: float = 0.0,
         node_limit: int | None = None,
         deadline: float | None = None,
         hint: list | None = None,
     ) -> None:
-        self.pl = planner
-        self.hint = hint
-        self.win = win
-        self.stats = stats
-        self.first_only = first_only
-        self.gap = planner.gap
+        self.rules, self.win, self.stats = rules, win, stats
+        self.first_only, self.gap, self.hint = first_only, gap, hint
         self.node_limit = node_limit  # None: unlimited
         self.deadline = deadline  # time.perf_counter() value after which the search stops
         self.nodes = 0
-        n_layers = planner.num_layers
-        self.n_layers = n_layers
-        tables = candidate_tables(n_layers)
+        self.n_layers = rules.num_layers
+        self.tables = tables = candidate_tables(self.n_layers)
         self.hosts, self.hosts_f, self.counts = tables.hosts, tables.hosts_f, tables.counts
         self.cumh, self.pairs_after, self.lists, self.mats = tables.cumh, tables.pairs_after, tables.lists, tables.mats
-        cm = planner.cost_model
+        cm = rules.cost_model
         # the latency bounds are proven for the executor's schedule with ONE prefetch slot per request only;
         # at a deeper prefetch the search keeps just the capacity cut (still exact, with weaker pruning)
         self.edf = cm.transfer == "edf" and cm.prefetch_slots == 1
         self.link = cm.link_blocks_per_s
         self.b0 = win.blocks[0]
-        self.bcap = win.blocks[planner.min_steps - 1]
-        n_req = self.b0.size
-        self.n_req = n_req
-        comp0 = np.asarray(win.comp[0], dtype=float)
+        self.bcap = win.blocks[rules.min_steps - 1]
+        self.n_req = self.b0.size
+        self.cap = rules.capacity_blocks * (1 + REL_TOL) + 1e-9
+        self._init_compute(np.asarray(win.comp[0], dtype=float))
+        self._init_order()
+        self._init_bound_tables()
+        self.lat_ok = rules.lat_prefilter(win)
+        self.compiled = rules.compiled and self.edf
+        self.best_host: np.ndarray | None = None
+        self.best_key = (upper, math.inf)
+        self.choice = [0] * self.n_req
+        self.done = False
+        self.dive_start = 0
+        self.open_lb = math.inf  # least lower bound of the subtrees left unexplored when the budget ran out
+        self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
+
+    def _init_compute(self, comp0: np.ndarray) -> None:
+        """Step 0's per-layer compute and transfer times, as the bounds and the leaves read them."""
         self.comp0 = comp0
         self.comp0_list = comp0.tolist()
         self.comp_total = float(comp0.sum())
         self.comp_min = float(comp0.min())
         self.suffix_comp = np.cumsum(comp0[::-1])[::-1]  # sum_{k>=l} comp_k
-        self.x0 = cm.transfer_s(self.b0)  # per transfer, with the link's fixed latency
+        self.x0 = self.rules.cost_model.transfer_s(self.b0)  # per transfer, with the link's fixed latency
         self.x0_list = self.x0.tolist()
-        self.cap = planner.capacity_blocks * (1 + REL_TOL) + 1e-9
-        # search order: larger requests first; identical requests adjacent (symmetry breaking)
+
+    def _init_order(self) -> None:
+        """Search order: larger requests first; identical requests adjacent (symmetry breaking)."""
+        win, n_req = self.win, self.n_req
         cols = win.blocks.T.tolist()
         sig = [(tuple(cols[r]), float(win.deposit[r]), float(win.slo[r])) for r in range(n_req)]
         self.order = sorted(range(n_req), key=lambda r: (-self.bcap[r], -self.b0[r], sig[r], r))
         self.same_as_prev = [d > 0 and sig[self.order[d]] == sig[self.order[d - 1]] for d in range(n_req)]
-        o = self.order
+
+    def _init_bound_tables(self) -> None:
+        """What the node bounds read for the unassigned requests (suffixes in search order) and the separable
+        and chain bounds' per-request tables."""
+        o, tables = self.order, self.tables
         self.rest_b = np.concatenate((np.cumsum(self.bcap[o][::-1])[::-1], [0.0]))
         self.rest_b0 = np.concatenate((np.cumsum(self.b0[o][::-1])[::-1], [0.0]))
-        cum = np.concatenate(([0.0], np.cumsum(comp0)))
+        cum = np.concatenate(([0.0], np.cumsum(self.comp0)))
         sep = tables.sep
         self.sep_n, self.sep_slope, self.sep_icept = sep.n, sep.slope, sep.icept
         self.sep_off = self.comp_total - sep.between @ cum
@@ -196,24 +215,13 @@ class BranchAndBound:
         gaps = cum[tables.gap_last] - cum[tables.gap_first]
         gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
         self.chain = np.maximum(self.x0[:, None, None] - gaps[None], 0.0).sum(axis=2)  # [R, K]
-        self.lat_ok = planner._lat_prefilter(win)
-        self.tables = tables
-        self.compiled = planner.compiled and self.edf
-        self.best_host: np.ndarray | None = None
-        self.best_key = (upper, math.inf)
-        self.choice = [0] * n_req
-        self.done = False
-        self.dive_start = 0
-        self.open_lb = math.inf  # least lower bound of the subtrees left unexplored when the budget ran out
-        self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
 
     # -- driver ---------------------------------------------------------------------------------------
     def run(self) -> np.ndarray | None:
-        self.stats.setdefault("exact", 1)
         if self._try_no_offload():
             if not self.first_only:  # stall-free and nothing moved: provably optimal
-                self.stats["lower_bound_s"] = self.best_key[0]
-                self.stats["gap"] = 0.0
+                self.stats.lower_bound_s = self.best_key[0]
+                self.stats.gap = 0.0
             return self.best_host
         if not self.first_only:
             self._seed_incumbents()
@@ -230,15 +238,15 @@ class BranchAndBound:
             if self.gap > 0:  # children cut by the gap rule are only known to be >= best * (1 - gap)
                 lower = min(lower, best * (1 - self.gap))
                 if lower < best:
-                    self.stats["exact"] = 0
-            self.stats["lower_bound_s"] = lower
-            self.stats["gap"] = (best - lower) / best if best > 0 else 0.0
+                    self.stats.exact = False
+            self.stats.lower_bound_s = lower
+            self.stats.gap = (best - lower) / best if best > 0 else 0.0
         return self.best_host
 
     def _try_no_offload(self) -> bool:
         """Offloading nothing is optimal whenever it is feasible (no stall, nothing moved)."""
         host = np.zeros((self.n_req, self.n_layers), dtype=bool)
-        if self.pl._memory(host, self.bcap[None])[0] > self.cap:
+        if self.rules.memory(host, self.bcap[None])[0] > self.cap:
             return False
         self._leaf([0] * self.n_req, host)
         return self.best_host is not None
@@ -253,9 +261,10 @@ class BranchAndBound:
             seeds.append([k_of_dist.get(h, greedy[r]) if h != -1 else greedy[r] for r, h in enumerate(self.hint)])
         seeds.append(greedy)
         # the sparsest uniform distance that fits spreads the transfers over the layers (the greedy bunches them)
-        host_sum = self.hosts_f.sum(axis=1)
-        memory = float(self.bcap.sum()) * (self.n_layers - host_sum) + float(self.bcap.sum()) * self.hosts_f.max(axis=1)
-        fits = np.flatnonzero(memory <= self.cap)
+        # a uniform placement takes what one request holding all the batch's blocks would: every candidate at
+        # once, as a batch of one-request rows (row k: the whole batch's blocks on candidate k)
+        batch = float(self.bcap.sum()) * np.eye(len(self.counts))
+        fits = np.flatnonzero(memory_blocks(self.hosts_f, batch, 1) <= self.cap)
         if fits.size:
             seeds.append([int(fits[0])] * self.n_req)
         for k_of in seeds:
@@ -270,12 +279,9 @@ class BranchAndBound:
         order = np.argsort(ratio, kind="stable")
         counts = self.counts
         k_of = [0] * self.n_req
-        bcap = self.bcap
-        resident = float(bcap.sum()) * n_layers
 
-        def memory() -> float:
-            host = self.hosts_f[k_of]
-            return resident - float(bcap @ host.sum(axis=1)) + float((bcap @ host).max())
+        def memory() -> float:  # the capacity equation at one slot: the leaves check the exact one
+            return float(memory_blocks(self.hosts_f[k_of], self.bcap[None], 1)[0])
 
         for r in order:  # transfer hidden by the compute between two host layers: distance >= ratio + 1
             if memory() <= self.cap:
@@ -298,25 +304,37 @@ class BranchAndBound:
     # -- search ---------------------------------------------------------------------------------------
     def _node(self, depth: int, res: float, buf: np.ndarray, vol: np.ndarray, after: np.ndarray,
               chain_lb: float, moved: float, sep: np.ndarray, v: np.ndarray) -> None:
-        stats = self.stats
-        stats["nodes"] += 1
+        """Expand the node that assigned requests ``order[:depth]`` (their state: resident blocks ``res``, the
+        buffer per layer ``buf``, and the terms of each bound): bound its children, then visit the ones that
+        survive, cheapest bound first."""
+        self.stats.nodes += 1
         self.nodes += 1
         if self._out_of_budget():
             return
         r = self.order[depth]
-        n_layers = self.n_layers
         n_kids = self.choice[depth - 1] + 1 if self.same_as_prev[depth] else len(self.counts)
+        cut = self._capacity_cut(depth, r, n_kids, res, buf)
+        if cut is None:
+            return
+        kids = self._bound_children(depth, r, n_kids, cut, vol, after, chain_lb, moved, sep, v)
+        if self.trace is not None:
+            self.trace.append((list(self.choice[:depth]), kids.lat_lb.copy(), kids.alive.copy()))
+        self._visit(depth, kids, v)
+
+    def _capacity_cut(self, depth: int, r: int, n_kids: int, res: float, buf: np.ndarray):
+        """Capacity at step ``min_steps - 1`` of each child, with every unassigned request fully offloaded (the
+        least it can take): the children's resident blocks and buffers, which of them can fit, and the volume
+        ``y`` the unassigned requests must then offload at least. None: no child fits."""
+        n_layers = self.n_layers
         counts = self.counts[:n_kids]
         bc = self.bcap[r]
         rest = float(self.rest_b[depth + 1])
-        # capacity at step min_steps-1, with every unassigned request fully offloaded (the minimum)
         new_res = res + bc * (n_layers - counts)
         new_buf = buf[None, :] + bc * self.hosts_f[:n_kids]
         bmax = new_buf.max(axis=1)
-        mem_lb = new_res + bmax + rest
-        alive = mem_lb <= self.cap
+        alive = new_res + bmax + rest <= self.cap
         if not alive.any():
-            return
+            return None
         # forced offload volume y of the unassigned requests (bcap blocks):
         # new_res + rest*L - y + max(bmax, bmean + y/L) <= cap
         bmean = new_buf.mean(axis=1)
@@ -327,7 +345,14 @@ class BranchAndBound:
             ymin = np.where(y1 / n_layers <= bmax - bmean, y1, y2)
         else:
             ymin = y1
-        ymin = np.maximum(ymin, 0.0)
+        return new_res, new_buf, alive, np.maximum(ymin, 0.0)
+
+    def _bound_children(self, depth: int, r: int, n_kids: int, cut, vol: np.ndarray, after: np.ndarray,
+                        chain_lb: float, moved: float, sep: np.ndarray, v: np.ndarray) -> _Children:
+        """The latency lower bound of each child (module docstring: link, forced volume, chain, separable; at
+        the last request also the propagated dp bound) and the state its subtree starts from."""
+        new_res, new_buf, alive, ymin = cut
+        n_layers = self.n_layers
         x = self.x0[r]
         new_vol = vol[None, :] + x * self.cumh[:n_kids]
         new_after = after[None, :] + x * self.pairs_after[:n_kids]
@@ -349,9 +374,8 @@ class BranchAndBound:
             lat_lb = np.maximum(np.maximum(lat_lb, kid_chain), sep_lb)
         else:  # the bounds are proven for the executor's schedule only
             lat_lb = np.full(n_kids, self.comp_total)
-        new_moved = moved + self.b0[r] * counts
-        last = depth == self.n_req - 1
-        if self.edf and last:
+        new_moved = moved + self.b0[r] * self.counts[:n_kids]
+        if self.edf and depth == self.n_req - 1:
             # leaves: the propagated release/need bound (bounds.dp_bound) before the exact schedule; above the
             # leaves the separable bound is about as tight and much cheaper
             keep = np.flatnonzero(alive)
@@ -359,14 +383,18 @@ class BranchAndBound:
             if keep.size:
                 dp = dp_bound(v[None] + x * self.mats[keep], self.comp0)
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp)
-        if self.trace is not None:
-            self.trace.append((list(self.choice[:depth]), lat_lb.copy(), alive.copy()))
-        ordered = np.lexsort((counts, lat_lb))
+        return _Children(x, alive, lat_lb, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
+
+    def _visit(self, depth: int, kids: _Children, v: np.ndarray) -> None:
+        """Visit the surviving children, cheapest bound first (ties: fewer offloaded layers)."""
+        last = depth == self.n_req - 1
+        lat_lb, alive = kids.lat_lb, kids.alive
+        ordered = np.lexsort((self.counts[: lat_lb.size], lat_lb))
         for i, k in enumerate(ordered):
             if not alive[k]:
                 continue
             lb = float(lat_lb[k])
-            if prunable(lb, float(new_moved[k]), self.best_key, self.gap):
+            if prunable(lb, float(kids.moved[k]), self.best_key, self.gap):
                 continue
             if not self.lat_ok(lb):
                 continue
@@ -375,8 +403,8 @@ class BranchAndBound:
                 self._leaf(self.choice, lb=lb)
                 self._out_of_budget()
             else:
-                self._node(depth + 1, float(new_res[k]), new_buf[k], new_vol[k], new_after[k],
-                           float(kid_chain[k]), float(new_moved[k]), kid_sep[:, k], v + x * self.mats[k])
+                self._node(depth + 1, float(kids.res[k]), kids.buf[k], kids.vol[k], kids.after[k],
+                           float(kids.chain[k]), float(kids.moved[k]), kids.sep[:, k], v + kids.x * self.mats[k])
             if self.done:  # budget spent (or first_only satisfied): what is left here bounds the unexplored part
                 self.open_lb = min([self.open_lb, *(float(lat_lb[j]) for j in ordered[i:] if alive[j])])
                 return
@@ -385,42 +413,10 @@ class BranchAndBound:
         """The search of :meth:`_node`, run by :func:`orbitflow.plan.compiled.bb_search` (no GIL, no Python
         object per node). It hands back a leaf that beats the incumbent at step 0 (the window rule is checked
         here), and every ``PAUSE_EVERY`` nodes when there is a deadline."""
-        n_req, n_layers, n_cand = self.n_req, self.n_layers, len(self.counts)
-        win, pl, t = self.win, self.pl, self.tables
-        ist = np.zeros(cc.N_IST, dtype=np.int64)
-        ist[cc.NODES] = self.nodes
-        ist[cc.DIVE_START] = self.dive_start
-        ist[cc.FIRST_ONLY] = int(self.first_only)
-        ist[cc.NODE_LIMIT] = -1 if self.node_limit is None else self.node_limit
-        never = 1 << 62
-        ist[cc.CHUNK_STOP] = never if self.deadline is None else self.nodes + n_req + 2  # after the first dive
-        fst = np.zeros(cc.N_FST)
-        fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
-        fst[cc.OPEN_LB] = self.open_lb
-        fst[cc.GAP] = self.gap
-        slo_on = bool(np.isfinite(win.slo).any() and win.compute_grows)  # as Planner._lat_prefilter
-        fst[cc.KNOWN_PASS] = float(win.slo.min())
-        fst[cc.KNOWN_FAIL] = math.inf
-        k_of = np.zeros(n_req, dtype=np.int64)
-        choice = np.zeros(n_req, dtype=np.int64)
-        shape_l = (n_req, n_layers)
-        args = (
-            ist, fst, np.asarray(self.order, dtype=np.int64), np.asarray(self.same_as_prev, dtype=np.bool_), choice,
-            np.zeros(n_req, np.int64), np.zeros(n_req, np.int64), np.zeros((n_req, n_cand), np.int64),
-            np.zeros((n_req, n_cand)), np.zeros((n_req, n_cand), np.bool_), np.zeros((n_req, n_cand)),
-            np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
-            np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
-            np.zeros((n_req, n_layers + 1, n_layers)),
-            self.counts, self.hosts_f, self.cumh, self.pairs_after, self.mats, self.sep_n, self.sep_slope,
-            self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
-            self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
-            np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
-            self.cap,
-            slo_on, win.deposit, win.slo, pl.alpha, pl.min_steps, pl.max_steps,
-            cc.tail(self.comp0), t.lay_ptr, t.lay, k_of,
-            np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(t.lay.size + 1),
-            np.empty(n_layers), np.empty(n_layers),
-        )
+        ist, fst = self._compiled_state()
+        k_of = np.zeros(self.n_req, dtype=np.int64)
+        args = self._compiled_args(ist, fst, k_of)
+        win = self.win
         nodes0 = self.nodes
         while True:
             code = cc.bb_search(*args)
@@ -428,7 +424,7 @@ class BranchAndBound:
                 host = self.hosts[k_of]
                 lat0, lb = float(fst[cc.LEAF_LAT]), float(fst[cc.LEAF_LB])
                 win.seg_cache[(host.tobytes(), 0)] = lat0
-                if pl._feasible(win, host, lat0, later_lb=lb):
+                if self.rules.feasible(win, host, lat0, later_lb=lb):
                     self.best_host, self.best_key = host.copy(), (lat0, float(fst[cc.LEAF_MOVED]))
                     fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
                     if self.first_only:
@@ -441,12 +437,54 @@ class BranchAndBound:
                 break
         leaves = int(ist[cc.LEAVES])
         self.nodes = int(ist[cc.NODES])
-        self.stats["nodes"] += self.nodes - nodes0 - leaves
-        self.stats["leaves"] += leaves
+        self.stats.nodes += self.nodes - nodes0 - leaves
+        self.stats.leaves += leaves
         if ist[cc.HIT]:
-            self.stats["exact"] = 0
+            self.stats.exact = False
         self.done = bool(ist[cc.DONE])
         self.open_lb = float(fst[cc.OPEN_LB])
+
+    def _compiled_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled search's integer and float state (``compiled.N_IST`` / ``N_FST`` slots) from this search's."""
+        ist = np.zeros(cc.N_IST, dtype=np.int64)
+        ist[cc.NODES] = self.nodes
+        ist[cc.DIVE_START] = self.dive_start
+        ist[cc.FIRST_ONLY] = int(self.first_only)
+        ist[cc.NODE_LIMIT] = -1 if self.node_limit is None else self.node_limit
+        never = 1 << 62
+        ist[cc.CHUNK_STOP] = never if self.deadline is None else self.nodes + self.n_req + 2  # after the first dive
+        fst = np.zeros(cc.N_FST)
+        fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
+        fst[cc.OPEN_LB] = self.open_lb
+        fst[cc.GAP] = self.gap
+        fst[cc.KNOWN_PASS] = float(self.win.slo.min())
+        fst[cc.KNOWN_FAIL] = math.inf
+        return ist, fst
+
+    def _compiled_args(self, ist: np.ndarray, fst: np.ndarray, k_of: np.ndarray) -> tuple:
+        """The arguments of :func:`orbitflow.plan.compiled.bb_search`: state, per-depth scratch, tables."""
+        n_req, n_layers, n_cand = self.n_req, self.n_layers, len(self.counts)
+        win, rules, t = self.win, self.rules, self.tables
+        slo_on = bool(np.isfinite(win.slo).any() and win.compute_grows)  # as Constraints.lat_prefilter
+        shape_l = (n_req, n_layers)
+        return (
+            ist, fst, np.asarray(self.order, dtype=np.int64), np.asarray(self.same_as_prev, dtype=np.bool_),
+            np.zeros(n_req, dtype=np.int64),
+            np.zeros(n_req, np.int64), np.zeros(n_req, np.int64), np.zeros((n_req, n_cand), np.int64),
+            np.zeros((n_req, n_cand)), np.zeros((n_req, n_cand), np.bool_), np.zeros((n_req, n_cand)),
+            np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
+            np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
+            np.zeros((n_req, n_layers + 1, n_layers)),
+            self.counts, self.hosts_f, self.cumh, self.pairs_after, self.mats, self.sep_n, self.sep_slope,
+            self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
+            self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
+            np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
+            self.cap,
+            slo_on, win.deposit, win.slo, rules.alpha, rules.min_steps, rules.max_steps,
+            cc.tail(self.comp0), t.lay_ptr, t.lay, k_of,
+            np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(t.lay.size + 1),
+            np.empty(n_layers), np.empty(n_layers),
+        )
 
     def _out_of_budget(self) -> bool:
         """Whether the node or time budget is spent (then the search stops: ``done``, not ``exact``). Budgets
@@ -457,7 +495,7 @@ class BranchAndBound:
             (limit is not None and self.nodes > limit)
             or (self.deadline is not None and time.perf_counter() > self.deadline)
         ):
-            self.stats["exact"] = 0  # best found so far, optimality not proven
+            self.stats.exact = False  # best found so far, optimality not proven
             self.done = True
         return self.done
 
@@ -465,7 +503,7 @@ class BranchAndBound:
         """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``); ``lb``: the
         search's bound on its latency. A leaf counts against the node budget like a node."""
         stats = self.stats
-        stats["leaves"] += 1
+        stats.leaves += 1
         self.nodes += 1
         order = self.order
         k_of = [0] * self.n_req
@@ -488,11 +526,11 @@ class BranchAndBound:
             lat0 = self.comp_total + float(sum(stalls))
             self.win.seg_cache[(host.tobytes(), 0)] = lat0
         else:
-            lat0 = self.pl._seg_latencies(self.win, host, upto=1)[0]
+            lat0 = self.rules.seg_latencies(self.win, host, upto=1)[0]
         key = (lat0, moved)
         if not better(key, self.best_key):
             return
-        if not self.pl._feasible(self.win, host, lat0, later_lb=lb if self.edf else 0.0):
+        if not self.rules.feasible(self.win, host, lat0, later_lb=lb if self.edf else 0.0):
             return
         self.best_host, self.best_key = host.copy(), key
         if self.first_only:

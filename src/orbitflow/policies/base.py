@@ -11,15 +11,20 @@ step), "mismatch" (measured step latency off the prediction), "step" (every iter
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from orbitflow.plan import CostModel, Plan, Planner, PlanRequest
+from orbitflow.plan import CostModel, Placement, Plan, Planner, PlanRequest
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanContext:
+    """Everything a policy plans with, as one immutable snapshot. The controller builds a new one whenever an
+    input changes (the EWMA-refreshed cost model, the host pool left to the batch, the plan in place) and hands
+    that object to the solve, so a solve on the planner thread never sees its inputs change."""
+
     num_layers: int
     block_size: int
     capacity_blocks: int
@@ -33,7 +38,8 @@ class PlanContext:
     host_capacity_blocks: float = math.inf  # host blocks the batch may use (the engine sets it per solve)
     node_limit: int | None = 2000  # planner budget per solve
     time_limit_s: float | None = None
-    previous: dict | None = None  # offload distance per request id of the plan in place (the search's first try)
+    # offload distance per request id of the plan in place (the search's first try); read-only
+    previous: Mapping | None = None
 
     @classmethod
     def from_profile(cls, config, profile, policy: Policy | None = None) -> PlanContext:
@@ -118,8 +124,6 @@ def evenly_spaced_row(num_layers: int, count: int) -> np.ndarray:
 def uniform_count_plans(requests: list[PlanRequest], ctx: PlanContext, counts) -> list[tuple[int, Plan]]:
     """Evaluate, for each offload count, that many evenly spaced layers offloaded for every request
     (the layer-granular, batch-uniform placement of DeepSpeed/FlexGen-style systems)."""
-    from orbitflow.plan import Placement
-
     planner = ctx.planner(alpha=float("inf"))
     out = []
     for n in counts:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Controller:
         background: bool = True,
     ):
         self.policy = policy
-        self.ctx = ctx
+        self.ctx = ctx  # the planning inputs now: a frozen snapshot, replaced (never changed) when one changes
         self.mismatch_threshold = mismatch_threshold
         self.ewma = ewma
         self.plan: Plan | None = None
@@ -100,6 +101,11 @@ class Controller:
         return None
 
     # ---- solving ----------------------------------------------------------------------------------
+    def set_host_capacity(self, blocks: float) -> None:
+        """Host blocks the batch may use from the next solve on (the engine tells it before each solve)."""
+        if blocks != self.ctx.host_capacity_blocks:
+            self.ctx = replace(self.ctx, host_capacity_blocks=blocks)
+
     def solve(self, requests: list[PlanRequest], step: int, trigger: str) -> Plan:
         """Plan now, unless the background thread already solved this very step for this batch."""
         ids = [r.request_id for r in requests]
@@ -128,7 +134,8 @@ class Controller:
 
     def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
         """Start solving the plan for the next step now, on the planner thread (the caller passes the
-        batch as it will be then: every request one token longer)."""
+        batch as it will be then: every request one token longer). The thread gets the current snapshot of
+        the planning inputs; later changes replace ``self.ctx`` and leave that snapshot alone."""
         ctx, policy = self.ctx, self.policy
 
         def run() -> tuple[Plan, float]:
@@ -145,7 +152,7 @@ class Controller:
                 distances=list(plan.distances) if plan.distances is not None else None,
                 window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
                 predicted_step_s=float(plan.predicted_step_s), background=background,
-                proven=bool(plan.stats.get("exact", 1)), gap=float(plan.stats.get("gap", 0.0)),
+                proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0),
             )
         )
         if self._clock is not None:
@@ -163,7 +170,8 @@ class Controller:
     def _adopt(self, plan: Plan, ids: list, step: int) -> None:
         """Put a feasible plan in place; it is also the next search's first try."""
         self.plan, self.plan_ids, self.plan_step = plan, list(ids), step
-        self.ctx.previous = dict(zip(ids, plan.distances)) if plan.distances is not None else None
+        previous = MappingProxyType(dict(zip(ids, plan.distances))) if plan.distances is not None else None
+        self.ctx = replace(self.ctx, previous=previous)
         self.mismatch = False
 
     def forget(self) -> None:
@@ -194,7 +202,7 @@ class Controller:
         link = None
         if link_blocks_per_s:
             link = (1 - self.ewma) * cm.link_blocks_per_s + self.ewma * link_blocks_per_s
-        self.ctx.cost_model = cm.with_updates(layer_compute_scale=scale, link_blocks_per_s=link)
+        self.ctx = replace(self.ctx, cost_model=cm.with_updates(layer_compute_scale=scale, link_blocks_per_s=link))
 
     @property
     def solver_calls(self) -> int:

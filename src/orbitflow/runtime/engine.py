@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from orbitflow.config import EngineConfig
 from orbitflow.kv.pool import OutOfBlocks
 from orbitflow.plan import Plan, PlanRequest
+from orbitflow.plan.placement import most_blocks
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit
@@ -159,7 +160,7 @@ class Engine:
         # What admission asks of an empty engine (`_memory_for`): every layer plus the prefetch buffer. A
         # request that passes waits until memory frees up; one that does not could never be admitted.
         final = self._final_blocks(req)
-        blocks = final * (self.num_layers + self.prefetch_slots)
+        blocks = most_blocks(final, self.num_layers, self.prefetch_slots)
         capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
         if blocks > capacity:
             raise RequestRejected(
@@ -272,7 +273,7 @@ class Engine:
             table = self.kv.tables.get(r.request_id)
             if table is not None:
                 held += table.host_blocks()
-        self.controller.ctx.host_capacity_blocks = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
+        self.controller.set_host_capacity(self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held))
         return [
             PlanRequest(
                 request_id=r.request_id,
@@ -345,7 +346,7 @@ class Engine:
         final = sum(self._final_blocks(r) for r in admitted)
         free = self.kv.device_pool.num_free + self.kv.host_pool.num_free
         held = sum(self.kv.tables[r.request_id].blocks_per_layer for r in admitted if r.request_id in self.kv.tables)
-        return final * (self.num_layers + self.prefetch_slots) <= free + held * self.num_layers
+        return most_blocks(final, self.num_layers, self.prefetch_slots) <= free + held * self.num_layers
 
     def _victim(self, plan: Plan, batch: list[Request]) -> Request:
         """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a

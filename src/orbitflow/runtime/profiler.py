@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from orbitflow.plan.cost_model import edf_stalls
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 
 
 def measure_link_bytes_per_s(kv, blocks: int = 64, repeats: int = 3) -> float:

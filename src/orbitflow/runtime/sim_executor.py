@@ -18,8 +18,8 @@ import numpy as np
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Placement
 from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.runtime.executor import SeqInput, StepResult
-from orbitflow.sim.profiles import HardwareProfile
 
 
 def accounting_kv(profile: HardwareProfile, device_blocks: int | None = None) -> KVManager:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics
 from orbitflow.bench.workload import Trace
 from orbitflow.config import EngineConfig
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.policies import make_policy
 from orbitflow.policies.base import PlanContext, default_slo_s, prefetch_slots_for
 from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.engine import Engine, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.runtime.sim_executor import SimExecutor, accounting_kv
-from orbitflow.sim.profiles import HardwareProfile
 from orbitflow.sim.sweep import solver_time_model
 
 

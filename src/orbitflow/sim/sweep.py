@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from orbitflow.bench.workload import Trace, generate_trace, paper_default_rate_per_s
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 
 # Lognormal CV of the simulator's compute and transfer noise: the real engine's decode-step jitter around its
 # trend at a fixed batch, measured by `python benchmarks/step_jitter.py` on a quiet 2-core machine (SmolLM2-135M,

@@ -301,7 +301,7 @@ def fit_link_rate(profile: HardwareProfile, targets: dict[int, float]) -> float:
 
 
 # ----------------------------------------------------------------------------- presets
-_PRESET_PACKAGE = "orbitflow.sim"
+_PRESET_PACKAGE = "orbitflow.plan"
 _PRESET_DIR = "presets"
 
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from orbitflow.sim.profiles import HardwareProfile, ProfileError, fit_link_rate, list_presets, load_preset
+from orbitflow.plan.hardware import HardwareProfile, ProfileError, fit_link_rate, list_presets, load_preset
 
 PRESETS = ["a100-llama3-8b", "a5000-llama3-8b", "a6000-llama3-70b-tp2", "a6000-llama3-70b-tp4",
            "a6000-llama3-8b"]

@@ -1,0 +1,199 @@
+"""The decode horizon of a batch and the constraints a placement must meet over it (paper section 4.3).
+
+:class:`Horizon` is what the batch looks like over the next ``max_steps`` steps: each request's blocks per
+layer at every step (requests grow by one token a step until they finish), the block-constant segments
+of that stretch, and the compute of each segment. :class:`Constraints` holds the planner's limits (device
+budget, host pool, SLO cap ``alpha``, window bounds) and answers, for one host mask over one horizon: how much
+memory it takes (the capacity equation, :func:`orbitflow.plan.placement.memory_blocks`), its exact step
+latency per segment, its Token-Deposit violations (:mod:`orbitflow.plan.deposit`), and its window: the
+largest ``Delta`` in ``[min_steps, max_steps]`` over which both constraints hold. The searches
+(:mod:`orbitflow.plan.search`, :mod:`orbitflow.plan.full_search`) and the planner ask it; it asks none of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from orbitflow.plan import compiled as cc
+from orbitflow.plan import deposit
+from orbitflow.plan.cost_model import CostModel
+from orbitflow.plan.placement import memory_blocks
+from orbitflow.plan.types import REL_TOL, PlanRequest
+
+__all__ = ["Constraints", "Horizon"]
+
+UNBOUNDED = 1 << 40  # tokens_left of a request without a known end
+
+
+class Horizon:
+    """Block counts, segments and compute over the next ``steps`` decode steps of a batch."""
+
+    def __init__(self, reqs: Sequence[PlanRequest], steps: int, block_size: int, cost_model: CostModel) -> None:
+        self.horizon = steps
+        b_now = np.array([q.blocks_per_layer for q in reqs], dtype=np.int64)
+        tok = np.array([q.tokens for q in reqs], dtype=np.int64)
+        left = np.array([q.tokens_left if q.tokens_left is not None else UNBOUNDED for q in reqs], np.int64)
+        t = np.arange(steps + 1)[:, None]
+        grown = np.minimum(t, left[None, :])
+        blocks = np.maximum(b_now[None, :], -(-(tok[None, :] + grown) // block_size))
+        self.blocks = blocks.astype(float)  # [H+1, R]
+        self.total_tokens = (tok[None, :] + grown).sum(axis=1)  # [H+1]
+        change = np.any(self.blocks[1:] != self.blocks[:-1], axis=1)
+        starts = [0] + [int(i) + 1 for i in np.flatnonzero(change[: steps - 1])]
+        self.seg_starts = starts
+        self.seg_ends = starts[1:] + [steps]
+        self.seg_starts_a = np.array(self.seg_starts, dtype=np.int64)
+        self.seg_ends_a = np.array(self.seg_ends, dtype=np.int64)
+        self.boundaries = [int(i) + 1 for i in np.flatnonzero(change)]  # steps 1..H where b changes
+        self.cm = cost_model
+        self.comp = [cost_model.compute(int(self.total_tokens[s]) if cost_model.depends_on_tokens else None,
+                                        len(reqs)) for s in starts]
+        self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
+        self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency
+        self.tails: list[np.ndarray] | None = None  # compiled evaluator: suffix sums of each segment's compute
+        self.slo = np.array([q.slo_s for q in reqs], dtype=float)
+        self.deposit = np.array([max(0.0, float(q.deposit)) for q in reqs], dtype=float)
+
+    def step_latencies(self, seg_lat: Sequence[float]) -> list[float]:
+        """Per-step latencies from per-segment ones."""
+        out: list[float] = []
+        for i, lat in enumerate(seg_lat):
+            out += [lat] * (self.seg_ends[i] - self.seg_starts[i])
+        return out
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """The planner's limits, and the checks of one host mask (``[R, L]`` bool, True = offloaded) against them."""
+
+    cost_model: CostModel
+    capacity_blocks: float
+    host_capacity_blocks: float
+    alpha: float
+    min_steps: int
+    max_steps: int
+    block_size: int
+    compiled: bool
+
+    @property
+    def num_layers(self) -> int:
+        return self.cost_model.num_layers
+
+    def horizon(self, reqs: Sequence[PlanRequest]) -> Horizon:
+        return Horizon(reqs, self.max_steps, self.block_size, self.cost_model)
+
+    # ---- capacity -------------------------------------------------------------------------------------
+    def memory(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Capacity-equation left side for each row of ``blocks`` [T, R]."""
+        return memory_blocks(host, blocks, self.cost_model.prefetch_slots)
+
+    def first_over(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Steps (rows of ``blocks``) at which the device budget or the host pool would overflow."""
+        over = self.memory(host, blocks) > self.capacity_blocks * (1 + REL_TOL) + 1e-9
+        if math.isfinite(self.host_capacity_blocks):
+            over |= blocks @ host.sum(axis=1) > self.host_capacity_blocks + 1e-9
+        return np.flatnonzero(over)
+
+    def steps_that_fit(self, win: Horizon, host: np.ndarray) -> int:
+        """How many steps of the horizon ``host`` fits in memory (no window can be longer)."""
+        over = self.first_over(host, win.blocks[: win.horizon])
+        return int(over[0]) if over.size else win.horizon
+
+    # ---- latency --------------------------------------------------------------------------------------
+    def seg_latencies(self, win: Horizon, host: np.ndarray, upto: int | None = None, first: int = 0) -> list[float]:
+        """Exact step latency of each block-constant segment (segments ``first..upto-1``), memoised per
+        horizon and host mask (the search's feasibility check and the final plan ask for the same ones)."""
+        out = []
+        n = len(win.seg_starts) if upto is None else upto
+        mask_key = host.tobytes()
+        for i in range(first, n):
+            lat = win.seg_cache.get((mask_key, i))
+            if lat is None:
+                lat = win.seg_cache[(mask_key, i)] = self._segment_latency(win, host, i)
+            out.append(lat)
+        return out
+
+    def _segment_latency(self, win: Horizon, host: np.ndarray, i: int) -> float:
+        comp = win.comp[i]
+        cm = self.cost_model
+        if self.compiled and cm.transfer == "edf":  # same floats, no GIL
+            if win.tails is None:
+                win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
+            xfer = np.asarray(cm.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
+            stall = cc.step_stall(np.array(comp, dtype=float), win.tails[i], host, xfer, cm.prefetch_slots)
+        else:
+            stall = float(sum(cm.stalls(host, win.blocks[win.seg_starts[i]], comp)))
+        return float(comp.sum()) + stall
+
+    # ---- Token-Deposit and the window -----------------------------------------------------------------
+    def violations(self, win: Horizon, seg_lat: Sequence[float]) -> np.ndarray:
+        """Cumulative violations ``V[k]`` over the first ``k`` steps, k = 0..H (fluid Token-Deposit)."""
+        if self.compiled:
+            return cc.violations(np.array(seg_lat, dtype=float), win.seg_starts_a, win.seg_ends_a, win.slo,
+                                 win.deposit, win.horizon)
+        return deposit.violations(seg_lat, win.seg_starts, win.seg_ends, win.slo, win.deposit, win.horizon)
+
+    def window_of(self, win: Horizon, host: np.ndarray, seg_lat: Sequence[float]) -> tuple[int, float]:
+        """Largest feasible Delta (0 if none) and the violations over it."""
+        cap_max = self.steps_that_fit(win, host)
+        if cap_max < self.min_steps:
+            return 0, 0.0
+        cum = self.violations(win, seg_lat)
+        for d in range(cap_max, self.min_steps - 1, -1):
+            if cum[d] <= self.alpha * d + 1e-9:
+                return d, float(cum[d])
+        return 0, 0.0
+
+    def feasible(self, win: Horizon, host: np.ndarray, lat0: float, later_lb: float = 0.0) -> bool:
+        """Whether ``host`` admits some window, given its exact step-0 latency (lazy in later segments).
+
+        ``later_lb``: a bound on the step-0 latency that only grows with blocks and compute (the search's
+        bounds are), so it bounds every later step too when compute does not shrink; violations only grow
+        with latency, so failing with it saves computing the later segments exactly.
+        """
+        cap_max = self.steps_that_fit(win, host)
+        if cap_max < self.min_steps:
+            return False
+        if not np.isfinite(win.slo).any():
+            return True
+        n_seg = sum(1 for s in win.seg_starts if s < cap_max)
+        d = np.arange(self.min_steps, cap_max + 1)
+        if n_seg > 1 and later_lb > 0 and win.compute_grows:
+            cum = self.violations(win, [lat0] + [later_lb] * (n_seg - 1))
+            if not np.any(cum[d] <= self.alpha * d + 1e-9):
+                return False
+        seg_lat = [lat0] + self.seg_latencies(win, host, upto=n_seg, first=1)
+        cum = self.violations(win, seg_lat)
+        return bool(np.any(cum[d] <= self.alpha * d + 1e-9))
+
+    def lat_prefilter(self, win: Horizon) -> Callable[[float], bool]:
+        """Whether a constant per-step latency lower bound still admits some window under alpha.
+
+        A step-0 bound only bounds the later steps when compute does not shrink over the window (blocks only
+        grow); otherwise every bound passes."""
+        slo = win.slo
+        if not np.isfinite(slo).any() or not win.compute_grows:
+            return lambda lb: True
+        dep = win.deposit
+        d_arr = np.arange(self.min_steps, self.max_steps + 1)
+        known = [float(slo.min()), math.inf]  # violations only grow with lb: <= known[0] passes, >= known[1] fails
+
+        def ok(lb: float) -> bool:
+            if lb <= known[0]:
+                return True
+            if lb >= known[1]:
+                return False
+            viol = deposit.constant_latency_violations(lb, slo, dep, d_arr)
+            passed = bool(np.any(viol <= self.alpha * d_arr + 1e-9))
+            known[0 if passed else 1] = lb
+            return passed
+
+        return ok
+
+    def deposit_after(self, q: PlanRequest, seg_lat: Sequence[float], win: Horizon, t: int) -> float:
+        """Token-Deposit balance of ``q`` after ``t`` steps under a plan with these segment latencies."""
+        return deposit.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t)
