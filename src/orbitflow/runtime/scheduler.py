@@ -23,6 +23,7 @@ Order of new requests: FCFS admits in arrival order; SRTF the one with the fewes
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -32,6 +33,8 @@ from orbitflow.plan import Plan, PlanRequest
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
 from orbitflow.runtime.request import Request, Status
+
+log = logging.getLogger("orbitflow.engine")
 
 NO_FIT = "request does not fit the device KV budget even fully offloaded"
 
@@ -336,6 +339,8 @@ class Scheduler:
             if short.tier == "host":  # cannot happen after _kv_fits admitted everyone; never spin on it
                 newest = max(self.running, key=lambda r: r.arrival_s)
                 self._finish(newest, "error", error=f"KV memory exhausted: {short}")
+            else:
+                log.warning("installing the plan failed (%s); re-planning", short)
             return False
         out.placement = running_rows
         self._installed = (plan, list(ids))
