@@ -55,6 +55,7 @@ def main() -> None:
     pos = {}
     for r in range(batch):
         kv.allocate(r, 0, [True] * layers)
+        kv.grow(r, args.context)
         ex.step([SeqInput(r, [1 + (j * 7 + r) % 200 for j in range(args.context)], 0)])
         kv.apply_placement(r, placement)
         pos[r] = args.context
@@ -80,6 +81,8 @@ def main() -> None:
             else:
                 gc.unfreeze()
             for _ in range(args.steps):
+                for r in range(batch):
+                    kv.grow(r, pos[r] + 1)
                 res = ex.step([SeqInput(r, [1], pos[r]) for r in range(batch)])
                 for r in range(batch):
                     pos[r] += 1

@@ -28,7 +28,7 @@ def test_allocation_follows_each_layers_tier():
     table = kv.tables["a"]
     assert table.blocks_per_layer == 3
     assert kv.usage() == (6, 6)
-    kv.ensure_capacity("a", 49)  # crosses into a 4th block: new blocks land in each layer's own tier
+    assert kv.grow("a", 49) is None  # crosses into a 4th block: new blocks land in each layer's own tier
     assert kv.usage() == (8, 8)
     kv.free("a")
     kv.free("a")  # idempotent
@@ -97,10 +97,41 @@ def test_paused_request_is_evicted_lazily_layer_by_layer():
 
 def test_failed_allocation_leaves_nothing_behind():
     kv = make_kv(device_blocks=4, host_blocks=4)
-    with pytest.raises(OutOfBlocks):
-        kv.allocate("big", 100, [True, False, True, False])
+    assert kv.allocate("big", 100, [True, False, True, False]) is None  # an expected shortage: no exception
     assert kv.usage() == (0, 0) and "big" not in kv.tables
     kv.close()
+
+
+def test_shortage_is_an_answer_naming_the_tier_and_changes_nothing():
+    kv = make_kv(device_blocks=8, host_blocks=8)
+    assert kv.allocate("a", 16, [True, True, False, False]) is not None  # 1 block per layer: 2 + 2
+    short = kv.grow("a", 16 * 4)  # 3 more blocks on each layer: 6 of 6 free in each pool
+    assert short is None and kv.usage() == (8, 8)
+    short = kv.grow("a", 16 * 5)  # one more block per layer: the device pool is full
+    assert short is not None and short.tier == "device" and (short.wanted, short.free) == (2, 0)
+    assert "device KV pool exhausted: wanted 2 blocks, 0 free of 8" == str(short)
+    assert kv.tables["a"].blocks_per_layer == 4 and kv.usage() == (8, 8)
+    short = kv.apply_placement("a", [True, True, True, False])  # a host layer to a full device
+    assert short is not None and short.tier == "device" and kv.tables["a"].on_device == [True, True, False, False]
+    kv.free("a")
+    kv.close()
+
+
+def test_can_allocate_counts_both_pools_and_what_holders_already_hold():
+    kv = make_kv(device_blocks=8, host_blocks=8)
+    assert kv.can_allocate(4 * L, ["a"])  # 4 blocks per layer x 4 layers = 16 = both pools
+    assert not kv.can_allocate(4 * (L + 1), ["a"])  # plus a prefetch layer: 20 > 16
+    kv.allocate("a", 32, [True] * L)  # holds 2 blocks per layer (8 device blocks)
+    assert kv.can_allocate(4 * L, ["a"]) and not kv.can_allocate(4 * L, [])  # its own blocks count for it only
+    kv.free("a")
+    kv.close()
+
+
+def test_a_pool_asked_past_its_budget_is_a_bug_and_raises():
+    pool = BlockPool("host", 2, BS, H, D)
+    with pytest.raises(OutOfBlocks) as info:
+        pool.allocate(3)
+    assert info.value.shortage.tier == "host" and info.value.shortage.wanted == 3
 
 
 def test_pool_hands_out_runs_that_grow_in_place_and_stop_at_a_neighbour():
@@ -141,7 +172,7 @@ def test_a_run_that_cannot_grow_in_place_moves_with_its_data():
     table = kv.tables["a"]
     neighbour = kv.device_pool.extend(table.blocks[0][-1], 1)  # someone owns the block after layer 0's run
     assert neighbour is not None
-    kv.ensure_capacity("a", 33)
+    assert kv.grow("a", 33) is None
     assert table.blocks[0] == list(range(table.blocks[0][0], table.blocks[0][0] + 3))  # moved, still a run
     assert neighbour[0] not in table.blocks[0]
     for layer, (k, v) in enumerate(written):

@@ -11,7 +11,7 @@ from orbitflow.policies import make_policy
 from orbitflow.policies.base import PlanContext
 from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.controller import Controller
-from orbitflow.runtime.executor import SeqInput
+from orbitflow.runtime.outputs import ScheduleOutput, SeqInput
 from orbitflow.runtime.sim_executor import SimExecutor, accounting_kv
 
 LAYERS = 6
@@ -26,6 +26,13 @@ def calibrated(**kw) -> HardwareProfile:
     return HardwareProfile(**(base | kw))
 
 
+def execute(ex, seqs):
+    """Grow the rows' KV (the scheduler's part), then run them through the executor interface."""
+    for s in seqs:
+        assert ex.kv.grow(s.req_id, s.start_pos + len(s.token_ids)) is None
+    return ex.execute(ScheduleOutput(step=0, seqs=seqs))
+
+
 def sim_step(profile, tokens, mask):
     """What the simulator charges for one decode step of requests holding `tokens` tokens under `mask`."""
     kv = accounting_kv(profile, device_blocks=10_000)
@@ -35,7 +42,7 @@ def sim_step(profile, tokens, mask):
         kv.allocate(r, n - 1, [bool(x) for x in row])
         seqs.append(SeqInput(r, [0], n - 1))
     kv.transfer.bytes_h2d = kv.transfer.bytes_d2h = 0  # allocation is not a placement change
-    return ex.step(seqs)
+    return execute(ex, seqs)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -102,7 +109,7 @@ def test_placement_changes_cost_bytes_plus_the_measured_host_work():
     kv.allocate("a", 16 * 4, [True] * LAYERS)
     kv.transfer.bytes_h2d = kv.transfer.bytes_d2h = kv.transfer.layer_moves = 0
     kv.apply_placement("a", [True, False] * (LAYERS // 2))
-    result = ex.step([SeqInput("a", [0], 16 * 4)])
+    result = execute(ex, [SeqInput("a", [0], 16 * 4)])
     moved = (LAYERS // 2) * 4 * kv.host_pool.bytes_per_block
     assert result.replacement_s == pytest.approx(moved / profile.link_bytes_per_s + (LAYERS // 2) * 0.002)
 
@@ -112,10 +119,10 @@ def test_a_prefill_beside_decodes_adds_the_measured_interference():
     kv = accounting_kv(profile, device_blocks=10_000)
     ex = SimExecutor(profile, kv, VirtualClock())
     kv.allocate("d", 40, [True] * LAYERS)
-    decode = ex.step([SeqInput("d", [0], 40)]).step_s
+    decode = execute(ex, [SeqInput("d", [0], 40)]).step_s
     prefill = profile.prefill_s(32)
     kv.allocate("p", 0, [True] * LAYERS)
-    mixed = ex.step([SeqInput("d", [0], 41), SeqInput("p", [0] * 32, 0)]).step_s
+    mixed = execute(ex, [SeqInput("d", [0], 41), SeqInput("p", [0] * 32, 0)]).step_s
     assert mixed == pytest.approx(decode + prefill + 0.005, rel=1e-3)
 
 

@@ -1,8 +1,11 @@
 """The KV manager: owns both pools and the layer-aware block table, and enforces placements.
 
 - `allocate(req, num_tokens, on_device)`: blocks for a new request, each layer in its own tier.
-- `ensure_capacity(req, num_tokens)`: grow every layer by whole blocks, in that layer's tier, so new
+- `grow(req, num_tokens)`: grow every layer by whole blocks, in that layer's tier, so new
   tokens of a host-resident layer go straight to the host.
+- `can_allocate(...)`: whether both pools can hold a set of requests to their last token (admission).
+Expected shortage is a return value (`allocate` -> None, `grow`/`apply_placements`/`make_room` -> `Shortage`),
+never an exception; `OutOfBlocks` from a pool means a caller skipped that answer (a bug).
 - `apply_placement(req, on_device)`: move only the layers whose tier changed.
 - `pause(req)` / eviction: a paused request keeps its device layers until their space is needed
   (the paper's removable cache); `make_room(n)` then moves them to the host layer by layer.
@@ -16,7 +19,7 @@ import math
 import torch
 
 from orbitflow.kv.block_table import RequestBlocks
-from orbitflow.kv.pool import BlockPool, OutOfBlocks, is_run
+from orbitflow.kv.pool import BlockPool, Shortage, is_run
 from orbitflow.kv.transfer import TransferEngine
 
 
@@ -64,36 +67,48 @@ class KVManager:
         return self.device_pool.num_used, self.host_pool.num_used
 
     # ---- allocation ------------------------------------------------------------------------------
-    def allocate(self, req_id: object, num_tokens: int, on_device: list[bool]) -> RequestBlocks:
+    # Where blocks may run short, the answer is a value: `allocate` returns None, `grow`, `apply_placements` and
+    # `make_room` return the `Shortage` (None when done). A pool raising OutOfBlocks is a caller's bug.
+    def can_allocate(self, needed_blocks: float, holders: list) -> bool:
+        """Whether both pools together can hold `needed_blocks` blocks (over every layer, e.g. the planner's
+        `placement.most_blocks` for some requests grown to their last token), given that `holders` (request
+        ids) already hold some of those blocks."""
+        free = self.device_pool.num_free + self.host_pool.num_free
+        held = sum(self.tables[r].blocks_per_layer for r in holders if r in self.tables)
+        return needed_blocks <= free + held * self.num_layers
+
+    def allocate(self, req_id: object, num_tokens: int, on_device: list[bool]) -> RequestBlocks | None:
+        """Blocks for a new request, each layer in its tier; None (and nothing held) when they run short."""
         if req_id in self.tables:
             raise KeyError(f"request {req_id!r} already has KV blocks")
         table = RequestBlocks(on_device=list(on_device), blocks=[[] for _ in range(self.num_layers)])
         self.tables[req_id] = table
-        try:
-            self.ensure_capacity(req_id, num_tokens)
-        except OutOfBlocks:
+        if self.grow(req_id, num_tokens) is not None:
             self.free(req_id)
-            raise
+            return None
         return table
 
-    def ensure_capacity(self, req_id: object, num_tokens: int) -> None:
+    def grow(self, req_id: object, num_tokens: int) -> Shortage | None:
         """Make every layer of the request hold at least `num_tokens` tokens' worth of blocks.
 
         A layer's blocks grow in place when the ids after its run are free; a device layer that cannot is
         moved to a fresh run (one local copy) when the budget allows, else it takes any free blocks (read
         by a gather). Either way the request's tokens stay readable and the budget is checked up front,
-        so a failure leaves the table as it was."""
+        so a shortage leaves the table as it was (paused requests' layers may have been evicted)."""
         table = self.tables[req_id]
         need = self.blocks_for(num_tokens) - table.blocks_per_layer
         if need <= 0:
-            return
+            return None
         device_layers = sum(table.on_device)
-        self.make_room(need * device_layers, exclude=req_id)
+        short = self.make_room(need * device_layers, exclude=req_id)
+        if short is not None:
+            return short
         for pool, layers in ((self.device_pool, device_layers), (self.host_pool, self.num_layers - device_layers)):
             if need * layers > pool.num_free:
-                raise OutOfBlocks(pool.tier, need * layers, pool.num_free, pool.num_blocks)
+                return Shortage(pool.tier, need * layers, pool.num_free, pool.num_blocks)
         for layer, dev in enumerate(table.on_device):
             self._grow_layer(table, layer, dev, need)
+        return None
 
     def _grow_layer(self, table: RequestBlocks, layer: int, on_device: bool, need: int) -> None:
         pool, old = self.pool(on_device), table.blocks[layer]
@@ -125,13 +140,13 @@ class KVManager:
             table.blocks[layer] = []
 
     # ---- placement -------------------------------------------------------------------------------
-    def apply_placement(self, req_id: object, on_device: list[bool]) -> None:
-        self.apply_placements({req_id: on_device})
+    def apply_placement(self, req_id: object, on_device: list[bool]) -> Shortage | None:
+        return self.apply_placements({req_id: on_device})
 
-    def apply_placements(self, rows: dict[object, list[bool]]) -> None:
+    def apply_placements(self, rows: dict[object, list[bool]]) -> Shortage | None:
         """Move only the layers whose tier changes. Moves go in rounds: each round does every move whose
         destination has room, so a move to the host can wait for one to the device to free host blocks
-        and the other way round. Raises OutOfBlocks when no move can proceed."""
+        and the other way round. Returns the Shortage when no move can proceed (the moves done stay done)."""
         for req_id in rows:
             if req_id in self.paused:
                 self.paused.remove(req_id)
@@ -142,8 +157,8 @@ class KVManager:
             for req_id, layer, to_device in pending:
                 table = self.tables[req_id]
                 need = table.blocks_per_layer
-                if to_device:
-                    self.make_room(need, exclude=req_id)
+                if to_device and (short := self.make_room(need, exclude=req_id)) is not None:
+                    return short
                 if self.pool(to_device).num_free >= need:
                     self._move_layer(table, layer, to_device)
                 else:
@@ -151,10 +166,11 @@ class KVManager:
             if len(waiting) == len(pending):
                 req_id, _, to_device = waiting[0]
                 pool = self.pool(to_device)
-                raise OutOfBlocks(pool.tier, self.tables[req_id].blocks_per_layer, pool.num_free, pool.num_blocks)
+                return Shortage(pool.tier, self.tables[req_id].blocks_per_layer, pool.num_free, pool.num_blocks)
             pending = waiting
         for req_id in rows:
             self.tables[req_id].evicted_layers.clear()
+        return None
 
     def _move_layer(self, table: RequestBlocks, layer: int, to_device: bool) -> None:
         old = table.blocks[layer]
@@ -173,20 +189,26 @@ class KVManager:
         if req_id not in self.paused:
             self.paused.append(req_id)
 
-    def make_room(self, blocks: int, exclude: object = None) -> None:
-        """Evict paused requests' device layers (last layer first) until `blocks` device blocks are free."""
+    def make_room(self, blocks: int, exclude: object = None) -> Shortage | None:
+        """Evict paused requests' device layers (last layer first) until `blocks` device blocks are free.
+        Returns the host Shortage when an evicted layer has nowhere to go (else None, even if not enough
+        was evictable: the caller checks the device pool)."""
         for req_id in list(self.paused):
             if self.device_pool.num_free >= blocks:
-                return
+                return None
             if req_id == exclude:
                 continue
             table = self.tables[req_id]
             for layer in reversed(range(self.num_layers)):
                 if self.device_pool.num_free >= blocks:
-                    return
+                    return None
                 if table.on_device[layer]:
+                    host = self.host_pool
+                    if len(table.blocks[layer]) > host.num_free:
+                        return Shortage(host.tier, len(table.blocks[layer]), host.num_free, host.num_blocks)
                     self._move_layer(table, layer, to_device=False)
                     table.evicted_layers.add(layer)
+        return None
 
     # ---- reading and writing KV -------------------------------------------------------------------
     def write(self, req_id: object, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

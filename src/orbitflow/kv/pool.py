@@ -15,17 +15,33 @@ not touch pages, so an address that is never written costs no memory.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
 
+@dataclass(frozen=True)
+class Shortage:
+    """An expected answer, not an error: a tier cannot give `wanted` blocks now (the caller pauses, waits or
+    re-plans). `KVManager` returns it (or None) where blocks may run short."""
+
+    tier: str
+    wanted: int
+    free: int
+    total: int
+
+    def __str__(self) -> str:
+        return f"{self.tier} KV pool exhausted: wanted {self.wanted} blocks, {self.free} free of {self.total}"
+
+
 class OutOfBlocks(RuntimeError):
-    """The pool cannot satisfy an allocation."""
+    """A pool was asked for more blocks than it has free: a caller skipped its check (a bug)."""
 
     def __init__(self, tier: str, wanted: int, free: int, total: int):
-        super().__init__(f"{tier} KV pool exhausted: wanted {wanted} blocks, {free} free of {total}")
+        self.shortage = Shortage(tier, wanted, free, total)
+        super().__init__(str(self.shortage))
         self.tier, self.wanted, self.free, self.total = tier, wanted, free, total
 
 

@@ -1,16 +1,8 @@
-"""The engine loop: continuous batching over an executor, steered by a policy through the controller.
+"""The engine loop: drain the inbox, `Scheduler.schedule()`, `Executor.execute()` once, process the outputs.
 
-One iteration (`step`):
-1. take in new requests and aborts (thread-safe inbox);
-2. resume paused requests, then admit waiting ones, while the policy finds a plan for the bigger batch
-   (OrbitFlow pauses the policy's victim when none is feasible); a request whose KV the pools cannot
-   hold beside the admitted ones waits (in order) until one finishes;
-3. re-plan when the controller says so, pausing victims until the plan is feasible;
-4. install the plan: the KV manager moves only layers whose tier changed;
-5. run one step: a prefill of newly admitted prompts (decoding waits, as in the paper) or, with
-   chunked prefill, one chunk beside the decode batch; otherwise one decode step;
-6. stamp each new token's delivery time with its Token-Deposit, finish requests, free their blocks.
-   What fails for one request there (its sampling, its stop check, a listener) ends that request alone.
+Output processing stays here: each new token's delivery time is stamped by its Token-Deposit, listeners are
+told, stops end requests. What fails for one request there (its sampling, its stop check, a listener) ends
+that request alone; a failed step ends that step's requests, and the engine lives on.
 """
 
 from __future__ import annotations
@@ -24,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orbitflow.config import EngineConfig
-from orbitflow.kv.pool import OutOfBlocks
-from orbitflow.plan import Plan, PlanRequest
+from orbitflow.kv.manager import KVManager
 from orbitflow.plan.placement import most_blocks
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit
-from orbitflow.runtime.executor import SeqInput, StepResult
-from orbitflow.runtime.request import Request, Status
+from orbitflow.runtime.executor import Executor
+from orbitflow.runtime.outputs import ScheduleOutput, StepResult
+from orbitflow.runtime.request import Request
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.runtime.scheduler import Scheduler
 
@@ -90,17 +82,20 @@ class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        executor,
+        executor: Executor,
         policy: Policy,
         ctx: PlanContext,
         clock,
         default_slo_s: float,
         eos_token_ids: tuple[int, ...] = (),
         max_model_len: int | None = None,
+        kv: KVManager | None = None,
     ):
+        """`kv` is the KV manager the executor runs over (default: `executor.kv`); the scheduler installs
+        placements and grows blocks in it."""
         self.config = config
         self.executor = executor
-        self.kv = executor.kv
+        self.kv = kv if kv is not None else executor.kv
         self.policy = policy
         self.clock = clock
         self.default_slo_s = default_slo_s
@@ -108,26 +103,39 @@ class Engine:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self.num_layers = executor.num_layers
-        sched, planner = config.scheduler, config.planner
-        self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, sched.scheduling)
+        planner = config.planner
         self.controller = Controller(
             policy, ctx, planner.mismatch_threshold, planner.ewma, background=planner.plan_in_background
         )
-        self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.paused: list[Request] = []
+        self.scheduler = Scheduler(config, self.kv, self.controller, self.num_layers, clock.now)
         self.finished: deque[Request] = deque(maxlen=100_000)  # in finishing order; bounded for long-running servers
         self.listeners: list[Callable[[TokenEvent], None]] = []
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._add_lock = threading.Lock()  # makes the queue-length check and the enqueue one step
         self._wakeup = threading.Event()
-        self._last_prediction: tuple[float, int, int] | None = None  # (step seconds, tokens, requests)
-        self._installed: tuple[Plan, list] | None = None  # the plan now in place, and its request ids
-        self._batch_version = 0  # bumps on arrival, finish and pause
-        self._completions = 0  # requests finished so far (the resume gate)
-        self._admission_blocked_at: int | None = None  # version at which admission last found no room
+
+    # The scheduler's queues, read by the server's metrics and by tests.
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.scheduler.requests
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def paused(self) -> list[Request]:
+        return self.scheduler.paused
+
+    @property
+    def prefetch_slots(self) -> int:
+        """Layers of prefetch buffer each request may hold (the policy's prefetch depth)."""
+        return self.scheduler.prefetch_slots
 
     # ---- public, thread-safe ----------------------------------------------------------------------
     def add_request(
@@ -152,21 +160,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             target_output_tokens=target_output_tokens,
         )
-        if self.max_model_len is not None and req.max_total_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens"
-            )
-        # What admission asks of an empty engine (`_memory_for`): every layer plus the prefetch buffer. A
-        # request that passes waits until memory frees up; one that does not could never be admitted.
-        final = self._final_blocks(req)
-        blocks = most_blocks(final, self.num_layers, self.prefetch_slots)
-        capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
-        if blocks > capacity:
-            raise RequestRejected(
-                f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
-                "raise --host-kv-blocks or lower max_tokens"
-            )
+        self._check_servable(req)
         with self._add_lock:
             limit = self.config.scheduler.max_queue_len
             if limit is not None and self.num_queued() >= limit:
@@ -175,6 +169,22 @@ class Engine:
             self._inbox.put(("add", req))
         self._wakeup.set()
         return req
+
+    def _check_servable(self, req: Request) -> None:
+        if self.max_model_len is not None and req.max_total_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
+                f"exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        # What admission asks of an empty engine (`Scheduler._kv_fits`): every layer plus the prefetch buffer.
+        # A request that passes waits until memory frees up; one that does not could never be admitted.
+        blocks = most_blocks(self.scheduler.final_blocks(req), self.num_layers, self.prefetch_slots)
+        capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
+        if blocks > capacity:
+            raise RequestRejected(
+                f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
+                "raise --host-kv-blocks or lower max_tokens"
+            )
 
     def num_queued(self) -> int:
         """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe,
@@ -194,7 +204,7 @@ class Engine:
         self._wakeup.set()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.paused or not self._inbox.empty())
+        return self.scheduler.has_work() or not self._inbox.empty()
 
     def wait_for_work(self, timeout: float | None = None) -> None:
         self._wakeup.wait(timeout)
@@ -203,45 +213,25 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> StepResult | None:
         self._drain_inbox()
-        self._admit()
-        self._replan()
-        if not self.running:
+        out = self.scheduler.schedule()
+        self.stats.pauses += len(out.paused_ids)
+        self.stats.resumes += len(out.resumed_ids)
+        self._publish_finished()
+        if out.is_empty:
             return None
-        seqs, reqs = self._build_inputs()
-        if not seqs:
-            return None
-        is_decode = all(s.is_decode for s in seqs)
         try:
-            result = self.executor.step(seqs)
+            result = self.executor.execute(out)
         except Exception as exc:  # the step is lost; its requests end with an error, the engine lives on
             log.exception("step failed")
-            for req in reqs:
-                self._finish(req, "error", error=f"engine step failed: {exc}")
-            self.controller.forget()
+            self.scheduler.step_failed(out, f"engine step failed: {exc}")
+            self._publish_finished()
             return None
         self.clock.advance(result.replacement_s + result.step_s)  # a wall clock has moved by itself
-        now = self.clock.now()
-        self._account(result, is_decode)
-        samples = result.samples or [None] * len(seqs)
-        for seq, req, token, drawn in zip(seqs, reqs, result.tokens, samples):
-            try:
-                req.num_cached = seq.start_pos + len(seq.token_ids)
-                if drawn is not None and drawn.error is not None:
-                    self._finish(req, "error", error=f"sampling failed: {drawn.error}")
-                elif token is not None:
-                    self._emit_token(req, token, now, drawn)
-            except Exception as exc:  # this request's output processing failed: end it alone
-                log.exception("processing the output of request %s failed", req.request_id)
-                if not req.finished:
-                    self._finish(req, "error", error=f"output processing failed: {type(exc).__name__}: {exc}")
-        if is_decode and self._last_prediction is not None:
-            # the batch the prediction was made for (requests that finished this step have left `running`)
-            predicted, total, num_requests = self._last_prediction
-            self.controller.observe(predicted, result.step_s, result.layer_compute_s, total,
-                                    result.link_blocks_per_s, num_requests=num_requests)
+        self._account(out, result)
+        self.scheduler.update_from_output(out, result)
+        self._emit_outputs(out, result)
         self.stats.steps += 1
-        if self.running and self.controller.expires_at(self.stats.steps + 1):
-            self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.stats.steps + 1)
+        self.scheduler.finish_step()
         return result
 
     def run_until_done(self, on_step: Callable[[], None] | None = None) -> None:
@@ -255,192 +245,27 @@ class Engine:
         while not self._inbox.empty():
             kind, item = self._inbox.get()
             if kind == "add":
-                self.requests[item.request_id] = item
-                self.waiting.append(item)
-                self._batch_version += 1
+                self.scheduler.add_request(item)
             else:
-                req = self.requests.get(item)
-                if req is not None and not req.finished:
-                    self._finish(req, "abort")
+                self._finish_ids([item], "abort")
 
-    # ---- planning ---------------------------------------------------------------------------------
-    def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
-        """The batch as the planner sees it; also tells the planner how much of the host pool is left to
-        this batch (everything but what paused requests hold there)."""
+    # ---- output processing ------------------------------------------------------------------------
+    def _emit_outputs(self, out: ScheduleOutput, result: StepResult) -> None:
         now = self.clock.now()
-        held = 0
-        for r in reqs:
-            table = self.kv.tables.get(r.request_id)
-            if table is not None:
-                held += table.host_blocks()
-        self.controller.set_host_capacity(self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held))
-        return [
-            PlanRequest(
-                request_id=r.request_id,
-                blocks_per_layer=math.ceil((r.num_tokens + ahead) / self.block_size),
-                tokens=r.num_tokens + ahead,
-                tokens_left=max(0, r.remaining_tokens - ahead),
-                deposit=float(r.deposit.balance(now)) if self.config.planner.token_deposit else 0.0,
-                slo_s=r.slo_s,
-            )
-            for r in reqs
-        ]
-
-    def _admit(self) -> None:
-        if self._admission_blocked_at == self._batch_version:
-            return  # nothing changed since admission last found no room: do not re-solve every step
-        self._admission_blocked_at = None
-        for cand in self.scheduler.candidates(self.waiting, self.paused):
-            if not self.scheduler.fits(self.running, cand):
-                return
-            resuming = cand.status is Status.PAUSED
-            if resuming and self.running and self._completions == cand.completions_at_pause:
-                # The paper's gate: resume only after some in-flight request has completed (and a plan
-                # then holds it). Without it, measurement noise flips feasibility and requests thrash.
-                self._admission_blocked_at = self._batch_version
-                return
-            if not resuming and not self._memory_for(cand):
-                # Not now: it waits (FCFS order holds) until a request finishes and frees memory. add_request
-                # guaranteed that it fits an empty engine, so it cannot wait forever.
-                self._admission_blocked_at = self._batch_version
-                return
-            while True:
-                trial = self.running + [cand]
-                plan = self.controller.solve(self._plan_requests(trial), self.stats.steps, "batch")
-                if plan.feasible:
-                    break
-                if len(trial) == 1:
-                    self._finish(cand, "error", error="request does not fit the device KV budget even fully offloaded")
-                    break
-                victim = self._victim(plan, trial)
-                # A paused request comes back only when a plan holds it without pausing anyone (the
-                # overload has cleared); until then nobody overtakes it, so it cannot starve.
-                if resuming or victim is cand:
-                    self.controller.forget()
-                    self._admission_blocked_at = self._batch_version
-                    return  # it would be paused at once: keep it waiting until load allows
-                self._pause(victim)
-            if cand.finished:
+        samples = result.samples or [None] * len(out.seqs)
+        for seq, token, drawn in zip(out.seqs, result.tokens, samples):
+            req = self.requests.get(seq.req_id)
+            if req is None:
                 continue
-            if cand.status is Status.PAUSED:
-                self.paused.remove(cand)
-                self.stats.resumes += 1
-            else:
-                self.waiting.remove(cand)
-            cand.status = Status.RUNNING
-            self.running.append(cand)
-
-    @property
-    def prefetch_slots(self) -> int:
-        """Layers of prefetch buffer each request may hold (the policy's prefetch depth)."""
-        return self.controller.ctx.cost_model.prefetch_slots
-
-    def _final_blocks(self, req: Request) -> int:
-        return math.ceil(req.max_total_tokens / self.block_size)
-
-    def _memory_for(self, cand: Request) -> bool:
-        """Whether both pools together can hold `cand` to its last token while every admitted request
-        also grows to its last token, plus the largest prefetch buffer any plan could ask for (prefetch-depth
-        layers of every request). Then no plan of theirs can run the host pool dry."""
-        admitted = self.running + self.paused + [cand]
-        final = sum(self._final_blocks(r) for r in admitted)
-        free = self.kv.device_pool.num_free + self.kv.host_pool.num_free
-        held = sum(self.kv.tables[r.request_id].blocks_per_layer for r in admitted if r.request_id in self.kv.tables)
-        return most_blocks(final, self.num_layers, self.prefetch_slots) <= free + held * self.num_layers
-
-    def _victim(self, plan: Plan, batch: list[Request]) -> Request:
-        """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a
-        capacity preemption would."""
-        if self.policy.pause_resume:
-            by_id = {r.request_id: r for r in batch}
-            for rid in plan.victims:
-                if rid in by_id:
-                    return by_id[rid]
-        return batch[-1]
-
-    def _replan(self) -> None:
-        while self.running:
-            ids = [r.request_id for r in self.running]
-            trigger = self.controller.trigger(self.stats.steps, ids)
-            if trigger is None:
-                return
-            plan = self.controller.solve(self._plan_requests(self.running), self.stats.steps, trigger)
-            if plan.feasible:
-                return
-            if len(self.running) == 1:
-                self._finish(self.running[0], "error",
-                             error="request does not fit the device KV budget even fully offloaded")
-            else:
-                self._pause(self._victim(plan, self.running))
-
-    def _pause(self, req: Request) -> None:
-        self.running.remove(req)
-        req.status = Status.PAUSED
-        req.num_pauses += 1
-        req.paused_at_step = self.stats.steps
-        req.completions_at_pause = self._completions
-        self.paused.append(req)
-        self.stats.pauses += 1
-        self._batch_version += 1
-        if req.request_id in self.kv.tables:
-            self.kv.pause(req.request_id)
-        self.controller.forget()
-
-    # ---- running ----------------------------------------------------------------------------------
-    def _install_plan(self) -> None:
-        plan, ids = self.controller.plan, self.controller.plan_ids
-        if self._installed is not None and self._installed[0] is plan and self._installed[1] == ids:
-            return  # already in place: nothing to move
-        rows = {rid: [bool(x) for x in plan.placement.mask[i]] for i, rid in enumerate(ids)}
-        for req in self.running:
-            if req.request_id not in self.kv.tables:
-                self.kv.allocate(req.request_id, 0, rows[req.request_id])
-        self.kv.apply_placements({r.request_id: rows[r.request_id] for r in self.running})
-        self._installed = (plan, list(ids))
-
-    def _build_inputs(self) -> tuple[list[SeqInput], list[Request]]:
-        try:
-            self._install_plan()
-        except OutOfBlocks as exc:
-            self.controller.forget()
-            if exc.tier == "host":  # cannot happen after _memory_for admitted everyone; never spin on it
-                newest = max(self.running, key=lambda r: r.arrival_s)
-                self._finish(newest, "error", error=f"KV memory exhausted: {exc}")
-            else:
-                log.warning("installing the plan failed (%s); re-planning", exc)
-            return [], []
-        chunk = self.config.scheduler.chunked_prefill
-        prefilling = [r for r in self.running if not r.prefilled]
-        if prefilling and chunk is None:
-            batch = prefilling  # the paper's behaviour: decoding waits while new prompts prefill
-        elif prefilling:
-            batch = [r for r in self.running if r.prefilled] + prefilling[:1]
-        else:
-            batch = list(self.running)
-        seqs, reqs = [], []
-        for req in batch:
-            tokens, start, sample = req.next_input(chunk)
             try:
-                self.kv.ensure_capacity(req.request_id, start + len(tokens))
-            except OutOfBlocks as exc:
-                if exc.tier == "host":
-                    self._finish(req, "error", error=f"out of KV memory: {exc}")
-                else:
-                    self.controller.forget()
-                continue
-            seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids),
-                                 req.prompt_ids, req.output_ids))
-            reqs.append(req)
-        if seqs and all(s.is_decode for s in seqs) and self.controller.plan is not None:
-            # what the cost model (the simulator's) predicts for this step's batch and placement
-            total = sum(s.start_pos + 1 for s in seqs)
-            predicted = self.controller.predict(
-                [self.kv.tables[s.req_id].on_device for s in seqs], [self.kv.blocks_for(s.start_pos) for s in seqs],
-                total)
-            self._last_prediction = (predicted, total, len(seqs))
-        else:
-            self._last_prediction = None
-        return seqs, reqs
+                if drawn is not None and drawn.error is not None:
+                    self._finish_ids([seq.req_id], "error", error=f"sampling failed: {drawn.error}")
+                elif token is not None:
+                    self._emit_token(req, token, now, drawn)
+            except Exception as exc:  # this request's output processing failed: end it alone
+                log.exception("processing the output of request %s failed", req.request_id)
+                self._finish_ids([seq.req_id], "error",
+                                 error=f"output processing failed: {type(exc).__name__}: {exc}")
 
     def _emit_token(self, req: Request, token: int, now: float, drawn=None) -> None:
         prev_gen = req.generated_s[-1] if req.generated_s else None
@@ -459,25 +284,19 @@ class Engine:
         self._notify(event)
         reason = req.check_stop(token)
         if reason is not None:
-            self._finish(req, reason)
+            self._finish_ids([req.request_id], reason)
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        now = self.clock.now()
-        for bucket in (self.waiting, self.running, self.paused):
-            if req in bucket:
-                bucket.remove(req)
-        self.kv.free(req.request_id)
-        self.requests.pop(req.request_id, None)  # a later abort of it is then a no-op
-        req.deposit.flush(now)
-        req.delivered_s = [min(d, now) for d in req.delivered_s]
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        req.error = error
-        req.finished_s = now
-        self.finished.append(req)
-        self._completions += 1
-        self._batch_version += 1
-        self._notify(TokenEvent(req.request_id, None, now, now, finished=True, finish_reason=reason, error=error))
+    def _finish_ids(self, request_ids, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish_requests(request_ids, reason, error)
+        self._publish_finished()
+
+    def _publish_finished(self) -> None:
+        """Record and announce the requests the scheduler finished (their KV is already free)."""
+        for req in self.scheduler.take_finished():
+            self.finished.append(req)
+            now = req.finished_s
+            self._notify(TokenEvent(req.request_id, None, now, now, finished=True, finish_reason=req.finish_reason,
+                                    error=req.error))
 
     def _notify(self, event: TokenEvent) -> None:
         for listener in self.listeners:
@@ -486,7 +305,7 @@ class Engine:
             except Exception:  # a listener's bug must not fail the step (or the other listeners)
                 log.exception("token listener failed on an event of request %s", event.request_id)
 
-    def _account(self, result: StepResult, is_decode: bool) -> None:
+    def _account(self, out: ScheduleOutput, result: StepResult) -> None:
         s = self.stats
         s.busy_s += result.step_s
         s.step_s.append(result.step_s)
@@ -495,7 +314,7 @@ class Engine:
         s.bytes_d2h += result.bytes_d2h
         s.device_blocks_peak = max(s.device_blocks_peak, result.device_blocks_used)
         s.host_blocks_peak = max(s.host_blocks_peak, result.host_blocks_used)
-        if is_decode:
+        if out.is_decode:
             s.decode_steps += 1
             s.device_util_sum += result.device_blocks_used / self.kv.device_pool.num_blocks
         else:

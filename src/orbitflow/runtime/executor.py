@@ -10,66 +10,35 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from orbitflow.kv.manager import KVManager
-from orbitflow.runtime.sampling import Sample, SamplingParams, sample
+from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
+from orbitflow.runtime.sampling import Sample, sample
+
+__all__ = ["Executor", "ModelExecutor", "SeqInput", "StepResult"]
 
 
-@dataclass
-class SeqInput:
-    req_id: object
-    token_ids: list[int]  # tokens to process this step
-    start_pos: int  # tokens of this sequence already in the KV cache
-    sample: bool = True  # produce a next token (False for a non-final prefill chunk)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    generated: int = 0  # tokens generated so far (seeds per-request sampling)
-    prompt_ids: Sequence[int] = ()  # the request's prompt and output so far (penalties read them)
-    output_ids: Sequence[int] = ()
+class Executor(ABC):
+    """Runs one engine step. The engine calls `execute` exactly once per step with the scheduler's output.
 
-    @property
-    def is_decode(self) -> bool:
-        """One new token on top of a cached context (anything else is a prefill or a prefill chunk)."""
-        return self.start_pos > 0 and len(self.token_ids) == 1
+    Contract: the KV manager already holds the placement and every block the step needs (the scheduler
+    installed them), so an executor only computes; it returns a `StepResult` whose `tokens[i]` answers
+    `out.seqs[i]`. An exception fails that step's requests, not the engine. Implemented by `ModelExecutor`
+    (the model, in this process), `SimExecutor` (the cost model on a virtual clock) and, later, a
+    tensor-parallel driver that sends `out` to its workers in one collective call.
+    """
 
-
-@dataclass
-class StepResult:
-    tokens: list[int | None]  # per sequence, None where sample=False
-    step_s: float
-    layer_compute_s: list[float]
-    layer_stall_s: list[float]
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
-    device_blocks_used: int = 0
-    host_blocks_used: int = 0
-    prefill_tokens: int = 0
-    link_blocks_per_s: float | None = None  # measured effective link rate of this step's prefetches
-    replacement_s: float = 0.0  # simulated time of the placement changes installed before the step
-    samples: list[Sample | None] = field(default_factory=list)  # per sequence (empty: tokens only)
-
-    @property
-    def compute_s(self) -> float:
-        return sum(self.layer_compute_s)
-
-    @property
-    def stall_s(self) -> float:
-        return sum(self.layer_stall_s)
-
-
-class Executor(Protocol):
     num_layers: int
-    block_size: int
-    kv: object
 
-    def step(self, seqs: list[SeqInput]) -> StepResult: ...
+    @abstractmethod
+    def execute(self, out: ScheduleOutput) -> StepResult: ...
 
 
-class ModelExecutor:
+class ModelExecutor(Executor):
     def __init__(self, model, model_config, kv: KVManager):
         self.model = model
         self.config = model_config
@@ -99,17 +68,39 @@ class ModelExecutor:
             ))
         return writes
 
-    def step(self, seqs: list[SeqInput]) -> StepResult:
-        """One engine step. Attention reads every request's KV where it lives: a device-resident layer is a
-        view of its run of blocks in the device pool, a host-resident one a view of its staging slot, to
-        which the new tokens are appended (no gather, no concatenation). On CUDA the same contract would be
-        served by a paged decode kernel over the block table (FlashInfer's batch decode or vLLM's
-        paged_attention) for the runs that are not contiguous; here a fragmented run is gathered."""
-        from orbitflow.model.attention import causal_attention
+    def execute(self, out: ScheduleOutput) -> StepResult:
+        return self.step(out.seqs)
 
-        kv, transfer = self.kv, self.kv.transfer
-        for s in seqs:
-            kv.ensure_capacity(s.req_id, s.start_pos + len(s.token_ids))
+    def step(self, seqs: list[SeqInput]) -> StepResult:
+        """Run one batch over the placement and blocks the KV manager holds (the scheduler installed them;
+        standalone callers such as the profiler grow KV first). Attention reads every request's KV where it
+        lives: a device-resident layer is a view of its run of blocks in the device pool, a host-resident one a
+        view of its staging slot, to which the new tokens are appended (no gather, no concatenation). On CUDA
+        the same contract would be served by a paged decode kernel over the block table (FlashInfer's batch
+        decode or vLLM's paged_attention) for the runs that are not contiguous; here a fragmented run is
+        gathered."""
+        st = self._bind_placement(seqs)
+        transfer = self.kv.transfer
+        before = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
+        gc_was_enabled = gc.isenabled()
+        if self.hold_gc:
+            gc.disable()
+        start = time.perf_counter()
+        self._start_prefetches(st)
+        try:
+            with torch.inference_mode():
+                hidden = self._run_layers(st)
+                samples = self._sample(st, hidden)
+        finally:
+            transfer.end_step()
+            if gc_was_enabled:
+                gc.enable()
+        return self._result(st, samples, start, time.perf_counter(), before)
+
+    def _bind_placement(self, seqs: list[SeqInput]) -> _StepState:
+        """The step's view of the placement in force: each row's block table, the host-resident layers to
+        prefetch, and (for a pure decode step) the slots the device-resident rows write."""
+        kv = self.kv
         tables = [kv.tables[s.req_id] for s in seqs]
         # Prefetch list: every host-resident layer's already-cached blocks, per request, in layer order, into
         # a slot with room for the step's new tokens.
@@ -122,15 +113,24 @@ class ModelExecutor:
         bounds = [0]
         for s in seqs:
             bounds.append(bounds[-1] + len(s.token_ids))
-        totals = [s.start_pos + len(s.token_ids) for s in seqs]
-        entered = [0.0] * self.num_layers
-        stalls = [0.0] * self.num_layers
-        bytes_h2d, bytes_d2h, busy = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
-
-        consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
         # A pure decode step writes the device-resident rows of a layer in one op.
         decode_writes = self._decode_writes(seqs, tables) if all(s.is_decode for s in seqs) else None
-        pool = kv.device_pool
+        return _StepState(seqs, tables, fetches, host_users, bounds, [s.start_pos + len(s.token_ids) for s in seqs],
+                          decode_writes, [0.0] * self.num_layers, [0.0] * self.num_layers)
+
+    def _start_prefetches(self, st: _StepState) -> None:
+        """Hand the step's prefetch list to the transfer engine (fetches run while the layers compute)."""
+        self.kv.transfer.start_step(st.fetches)
+
+    def _run_layers(self, st: _StepState) -> torch.Tensor:
+        """The forward pass; `attention` runs once per layer: release, wait for the layer's fetches, write
+        the new K/V, attend over each row's KV where it lives."""
+        from orbitflow.model.attention import causal_attention
+
+        kv, transfer, pool = self.kv, self.kv.transfer, self.kv.device_pool
+        seqs, tables, host_users, bounds, totals = st.seqs, st.tables, st.host_users, st.bounds, st.totals
+        entered, stalls, decode_writes = st.entered, st.stalls, st.decode_writes
+        consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             entered[layer] = time.perf_counter()
@@ -169,43 +169,56 @@ class ModelExecutor:
             [p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
             dtype=torch.long, device=self.device,
         )
-        gc_was_enabled = gc.isenabled()
-        if self.hold_gc:
-            gc.disable()
-        start = time.perf_counter()
-        transfer.start_step(fetches)
-        try:
-            with torch.inference_mode():
-                hidden = self.model(input_ids, positions, attention)
-                last = torch.tensor([bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample], dtype=torch.long)
-                samples: list[Sample | None] = [None] * len(seqs)
-                if len(last):
-                    logits = self.model.compute_logits(hidden[last.to(hidden.device)])
-                    sampled = iter(range(len(last)))
-                    for b, s in enumerate(seqs):
-                        if s.sample:  # never raises: a request whose sampling fails gets Sample.error
-                            samples[b] = sample(logits[next(sampled)], s.sampling, s.prompt_ids, s.output_ids)
-                tokens = [None if x is None else x.token for x in samples]
-        finally:
-            transfer.end_step()
-            if gc_was_enabled:
-                gc.enable()
-        end = time.perf_counter()
+        return self.model(input_ids, positions, attention)
+
+    def _sample(self, st: _StepState, hidden: torch.Tensor) -> list[Sample | None]:
+        """One Sample per row that asked for a token (None elsewhere); never raises for one request's
+        sampling failure (it comes back as Sample.error)."""
+        seqs, bounds = st.seqs, st.bounds
+        last = torch.tensor([bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample], dtype=torch.long)
+        samples: list[Sample | None] = [None] * len(seqs)
+        if len(last):
+            logits = self.model.compute_logits(hidden[last.to(hidden.device)])
+            sampled = iter(range(len(last)))
+            for b, s in enumerate(seqs):
+                if s.sample:
+                    samples[b] = sample(logits[next(sampled)], s.sampling, s.prompt_ids, s.output_ids)
+        return samples
+
+    def _result(self, st: _StepState, samples: list[Sample | None], start: float, end: float,
+                before: tuple[int, int, float]) -> StepResult:
+        kv, transfer = self.kv, self.kv.transfer
+        entered, stalls = st.entered, st.stalls
         boundaries = entered[1:] + [end]
         compute = [boundaries[l] - entered[l] - stalls[l] for l in range(self.num_layers)]
         compute[0] += entered[0] - start  # embedding and the first projections
         device_used, host_used = kv.usage()
-        moved, busy = transfer.bytes_h2d - bytes_h2d, transfer.busy_s - busy
+        moved, busy = transfer.bytes_h2d - before[0], transfer.busy_s - before[2]
         return StepResult(
-            tokens=tokens,
+            tokens=[None if x is None else x.token for x in samples],
             step_s=end - start,
             layer_compute_s=compute,
             layer_stall_s=stalls,
             bytes_h2d=moved,
-            bytes_d2h=transfer.bytes_d2h - bytes_d2h,
+            bytes_d2h=transfer.bytes_d2h - before[1],
             device_blocks_used=device_used,
             host_blocks_used=host_used,
-            prefill_tokens=sum(len(s.token_ids) for s in seqs if not s.is_decode),
+            prefill_tokens=sum(len(s.token_ids) for s in st.seqs if not s.is_decode),
             link_blocks_per_s=moved / busy / kv.host_pool.bytes_per_block if moved and busy > 0 else None,
             samples=samples,
         )
+
+
+@dataclass
+class _StepState:
+    """One ModelExecutor step's working set (built by `_bind_placement`, filled in by the layers)."""
+
+    seqs: list[SeqInput]
+    tables: list  # RequestBlocks per row
+    fetches: dict  # row -> [(layer, cached block ids, slot blocks)] for its host-resident layers
+    host_users: list[list[int]]  # per layer: rows that read it from a prefetch slot
+    bounds: list[int]  # row b's new tokens are hidden[bounds[b]:bounds[b + 1]]
+    totals: list[int]  # per row: tokens in its KV after this step
+    decode_writes: list | None  # per layer, for a pure decode step (see `_decode_writes`)
+    entered: list[float] = field(default_factory=list)  # per layer: when its attention started
+    stalls: list[float] = field(default_factory=list)  # per layer: seconds waited for fetches

@@ -92,17 +92,25 @@ class _Bench:
         from orbitflow.runtime.executor import SeqInput
 
         self.kv.allocate(rid, 0, [on_device] * self.layers)
-        result = self.runner.step([SeqInput(rid, [1 + (j % 100) for j in range(ctx)], 0)])
+        result = self.run([SeqInput(rid, [1 + (j % 100) for j in range(ctx)], 0)])
         self.pos[rid] = ctx
         return result
 
     def decode(self, rids: list[str]):
         from orbitflow.runtime.executor import SeqInput
 
-        result = self.runner.step([SeqInput(r, [1], self.pos[r]) for r in rids])
+        result = self.run([SeqInput(r, [1], self.pos[r]) for r in rids])
         for r in rids:
             self.pos[r] += 1
         return result
+
+    def run(self, seqs):
+        """One step of `seqs`, their KV grown first (the engine's scheduler does this for the engine)."""
+        for s in seqs:
+            short = self.kv.grow(s.req_id, s.start_pos + len(s.token_ids))
+            if short is not None:
+                raise RuntimeError(f"profiling KV cache too small: {short}")
+        return self.runner.step(seqs)
 
     def free(self, rid: str) -> None:
         self.kv.free(rid)
@@ -171,11 +179,11 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
             rid = f"m{i}"
             bench.kv.allocate(rid, 0, [True] * layers)
             chunk_ids = [1 + (j % 100) for j in range(chunk)]
-            mixed.append(bench.runner.step([SeqInput("s", [1], bench.pos["s"]), SeqInput(rid, chunk_ids, 0)]).step_s)
+            mixed.append(bench.run([SeqInput("s", [1], bench.pos["s"]), SeqInput(rid, chunk_ids, 0)]).step_s)
             bench.pos["s"] += 1
             bench.free(rid)
             bench.kv.allocate(rid, 0, [True] * layers)
-            alone = bench.runner.step([SeqInput(rid, chunk_ids, 0)]).step_s
+            alone = bench.run([SeqInput(rid, chunk_ids, 0)]).step_s
             bench.free(rid)
             apart.append(alone + bench.decode(["s"]).step_s)
         mixed_overhead = max(0.0, float(np.median(mixed[1:])) - float(np.median(apart[1:])))

@@ -1,33 +1,348 @@
-"""Admission order and batch limits (continuous batching).
+"""The scheduler: owns the waiting, running and paused requests, admission and Pause-Resume (paper 4.3).
 
-FCFS admits in arrival order; SRTF admits the request with the fewest remaining output tokens
-(known from `max_tokens`) first. Paused requests always come before new ones, most-paused first,
-so a request that keeps being set aside is resumed first once load allows (no starvation).
+Each step, `schedule()` decides in three phases and returns a `ScheduleOutput`:
+1. `_schedule_waiting`: resume paused requests, then admit waiting ones, while the policy (through the
+   controller) finds a feasible plan for the bigger batch; when none is, the policy's victim is paused.
+   A new request whose KV the pools could not hold to its last token beside the admitted ones waits, in
+   order, until one finishes (`KVManager.can_allocate`).
+2. `_schedule_running`: re-plan when the controller says so (batch change, expiry, mismatch), pausing
+   victims until the plan is feasible.
+3. `_schedule_batch`: install the plan (the KV manager allocates new requests and moves only layers whose
+   tier changed) and grow every scheduled row's KV; a shortage there is an answer, not an exception
+   (re-plan next step, or end the request that cannot be served). Then build the output.
+
+Pause-Resume. A paused request keeps its KV (its device layers are evicted lazily, only when their space is
+needed), so it sits in its own `paused` queue rather than back in `waiting` as a preempted request would in
+vLLM, and it comes back under its own gate: only after some in-flight request has completed (the paper's
+rule: without it, measurement noise flips feasibility and requests thrash), and only when a plan holds it
+without pausing anyone. Paused requests come before new ones, most-paused first, so none starves.
+
+Order of new requests: FCFS admits in arrival order; SRTF the one with the fewest remaining output tokens
+(known from `max_tokens`) first.
 """
 
 from __future__ import annotations
 
-from orbitflow.runtime.request import Request
+import logging
+import math
+from collections.abc import Callable
+
+from orbitflow.config import EngineConfig
+from orbitflow.kv.manager import KVManager
+from orbitflow.plan import Plan, PlanRequest
+from orbitflow.plan.placement import most_blocks
+from orbitflow.runtime.controller import Controller
+from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
+from orbitflow.runtime.request import Request, Status
+
+log = logging.getLogger("orbitflow.engine")
+
+NO_FIT = "request does not fit the device KV budget even fully offloaded"
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs"):
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
+    def __init__(self, config: EngineConfig, kv: KVManager, controller: Controller, num_layers: int,
+                 clock: Callable[[], float]):
+        self.config = config
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.order = config.scheduler.scheduling  # "fcfs" | "srtf"
+        self.kv = kv
+        self.controller = controller
+        self.num_layers = num_layers
+        self.block_size = config.cache.block_size
+        self.now = clock
+        self.requests: dict[str, Request] = {}  # live (not finished) requests by id
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.paused: list[Request] = []
+        self.step = 0  # steps executed so far (the step the next output is for)
+        self._just_finished: list[Request] = []  # finished since the engine last took them (`take_finished`)
+        self._installed: tuple[Plan, list] | None = None  # the plan now in place, and its request ids
+        self._batch_version = 0  # bumps on arrival, finish and pause
+        self._completions = 0  # requests finished so far (the resume gate)
+        self._admission_blocked_at: int | None = None  # version at which admission last found no room
+        self._out: ScheduleOutput | None = None  # the output being built by `schedule`
 
-    def candidates(self, waiting: list[Request], paused: list[Request]) -> list[Request]:
-        resume = sorted(paused, key=lambda r: (-r.num_pauses, r.paused_at_step or 0, r.arrival_s))
-        if self.policy == "srtf":
-            fresh = sorted(waiting, key=lambda r: (r.remaining_tokens, r.arrival_s))
+    # ---- requests in and out ----------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self._batch_version += 1
+
+    def finish_requests(self, request_ids, reason: str, error: str | None = None) -> None:
+        """End live requests (abort, error, stop): leave their queue, free their KV, stamp them. Unknown or
+        already finished ids are ignored. The engine publishes them (`take_finished`)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, reason, error)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        now = self.now()
+        for bucket in (self.waiting, self.running, self.paused):
+            if req in bucket:
+                bucket.remove(req)
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)  # a later abort of it is then a no-op
+        req.deposit.flush(now)
+        req.delivered_s = [min(d, now) for d in req.delivered_s]
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finished_s = now
+        self._completions += 1
+        self._batch_version += 1
+        self._just_finished.append(req)
+        if self._out is not None:
+            self._out.finished_ids.append(req.request_id)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call, in finishing order."""
+        done, self._just_finished = self._just_finished, []
+        return done
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.paused)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> ScheduleOutput:
+        """Decide this step: admit and resume, re-plan (pausing victims), install the plan, pick the batch."""
+        self._out = out = ScheduleOutput(step=self.step)
+        try:
+            self._schedule_waiting()
+            self._schedule_running()
+            if self.running:
+                self._schedule_batch(out)
+        finally:
+            self._out = None
+        out.plan = self.controller.plan
+        return out
+
+    def update_from_output(self, out: ScheduleOutput, result: StepResult) -> None:
+        """The step ran: its rows' KV now holds their new tokens; a decode step's measurement goes to the
+        controller (profile mismatch, EWMA refresh)."""
+        for seq in out.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is not None:
+                req.num_cached = seq.start_pos + len(seq.token_ids)
+        if out.is_decode and out.predicted_step_s is not None:
+            self.controller.observe(out.predicted_step_s, result.step_s, result.layer_compute_s, out.total_tokens,
+                                    result.link_blocks_per_s, num_requests=len(out.seqs))
+
+    def finish_step(self) -> None:
+        """After the step's outputs are processed: count it, and solve the next step's plan on the planner
+        thread now when it expires then (the batch as it will be: every request one token longer)."""
+        self.step += 1
+        if self.running and self.controller.expires_at(self.step + 1):
+            self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.step + 1)
+
+    def step_failed(self, out: ScheduleOutput, error: str) -> None:
+        """The executor raised: the step is lost, its requests end with the error, the plan is dropped."""
+        self.finish_requests([s.req_id for s in out.seqs], "error", error)
+        self.controller.forget()
+
+    # ---- admission (phase 1) ----------------------------------------------------------------------
+    def candidates(self) -> list[Request]:
+        """Paused requests first (most-paused, then longest paused), then waiting ones in policy order."""
+        resume = sorted(self.paused, key=lambda r: (-r.num_pauses, r.paused_at_step or 0, r.arrival_s))
+        if self.order == "srtf":
+            fresh = sorted(self.waiting, key=lambda r: (r.remaining_tokens, r.arrival_s))
         else:
-            fresh = sorted(waiting, key=lambda r: r.arrival_s)
+            fresh = sorted(self.waiting, key=lambda r: r.arrival_s)
         return resume + fresh
 
-    def fits(self, running: list[Request], candidate: Request) -> bool:
-        if len(running) >= self.max_num_seqs:
+    def fits(self, candidate: Request) -> bool:
+        """The batch limits (--max-num-seqs, --max-num-batched-tokens) with `candidate` added."""
+        if len(self.running) >= self.max_num_seqs:
             return False
-        if not running:  # a single request longer than the cap still runs alone
+        if not self.running:  # a single request longer than the cap still runs alone
             return True
-        tokens = sum(r.num_tokens + r.remaining_tokens for r in running)
+        tokens = sum(r.num_tokens + r.remaining_tokens for r in self.running)
         return tokens + candidate.num_tokens + candidate.remaining_tokens <= self.max_num_batched_tokens
+
+    def _schedule_waiting(self) -> None:
+        if self._admission_blocked_at == self._batch_version:
+            return  # nothing changed since admission last found no room: do not re-solve every step
+        self._admission_blocked_at = None
+        for cand in self.candidates():
+            if not self.fits(cand) or not self._may_try(cand) or not self._plan_with(cand):
+                return
+            if cand.finished:
+                continue
+            if cand.status is Status.PAUSED:
+                self.paused.remove(cand)
+                self._out.resumed_ids.append(cand.request_id)
+            else:
+                self.waiting.remove(cand)
+            cand.status = Status.RUNNING
+            self.running.append(cand)
+
+    def _may_try(self, cand: Request) -> bool:
+        """The resume gate for a paused candidate, the KV admission check for a new one; a refusal blocks
+        admission until the batch changes."""
+        if cand.status is Status.PAUSED:
+            # The paper's gate: resume only after some in-flight request has completed (and a plan then
+            # holds it). Without it, measurement noise flips feasibility and requests thrash.
+            ok = not (self.running and self._completions == cand.completions_at_pause)
+        else:
+            # Not now: it waits (FCFS order holds) until a request finishes and frees memory. add_request
+            # guaranteed that it fits an empty engine, so it cannot wait forever.
+            ok = self._kv_fits(cand)
+        if not ok:
+            self._admission_blocked_at = self._batch_version
+        return ok
+
+    def _plan_with(self, cand: Request) -> bool:
+        """Find a feasible plan for the running batch plus `cand`, pausing the policy's victims; False when
+        `cand` must keep waiting (it would be the victim, or it is a paused request and someone would be)."""
+        resuming = cand.status is Status.PAUSED
+        while True:
+            trial = self.running + [cand]
+            plan = self.controller.solve(self._plan_requests(trial), self.step, "batch")
+            if plan.feasible:
+                return True
+            if len(trial) == 1:
+                self._finish(cand, "error", error=NO_FIT)
+                return True
+            victim = self._victim(plan, trial)
+            # A paused request comes back only when a plan holds it without pausing anyone (the overload
+            # has cleared); until then nobody overtakes it, so it cannot starve.
+            if resuming or victim is cand:
+                self.controller.forget()
+                self._admission_blocked_at = self._batch_version
+                return False  # it would be paused at once: keep it waiting until load allows
+            self._pause_request(victim)
+
+    @property
+    def prefetch_slots(self) -> int:
+        """Layers of prefetch buffer each request may hold (the policy's prefetch depth)."""
+        return self.controller.ctx.cost_model.prefetch_slots
+
+    def final_blocks(self, req: Request) -> int:
+        """Blocks per layer the request's KV grows to at most."""
+        return math.ceil(req.max_total_tokens / self.block_size)
+
+    def _kv_fits(self, cand: Request) -> bool:
+        """Whether both pools together can hold `cand` to its last token while every admitted request
+        also grows to its last token, plus the largest prefetch buffer any plan could ask for (prefetch-depth
+        layers of every request). Then no plan of theirs can run the host pool dry."""
+        admitted = self.running + self.paused + [cand]
+        needed = most_blocks(sum(self.final_blocks(r) for r in admitted), self.num_layers, self.prefetch_slots)
+        return self.kv.can_allocate(needed, [r.request_id for r in admitted])
+
+    # ---- re-planning and Pause-Resume (phase 2) ---------------------------------------------------
+    def _schedule_running(self) -> None:
+        while self.running:
+            ids = [r.request_id for r in self.running]
+            trigger = self.controller.trigger(self.step, ids)
+            if trigger is None:
+                return
+            plan = self.controller.solve(self._plan_requests(self.running), self.step, trigger)
+            if plan.feasible:
+                return
+            if len(self.running) == 1:
+                self._finish(self.running[0], "error", error=NO_FIT)
+            else:
+                self._pause_request(self._victim(plan, self.running))
+
+    def _victim(self, plan: Plan, batch: list[Request]) -> Request:
+        """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a
+        capacity preemption would."""
+        if self.controller.policy.pause_resume:
+            by_id = {r.request_id: r for r in batch}
+            for rid in plan.victims:
+                if rid in by_id:
+                    return by_id[rid]
+        return batch[-1]
+
+    def _pause_request(self, req: Request) -> None:
+        """The one place a request is paused: its status, counters, the KV manager (its device layers become
+        evictable) and the plan (dropped: the batch changed)."""
+        self.running.remove(req)
+        req.status = Status.PAUSED
+        req.num_pauses += 1
+        req.paused_at_step = self.step
+        req.completions_at_pause = self._completions
+        self.paused.append(req)
+        self._out.paused_ids.append(req.request_id)
+        self._batch_version += 1
+        if req.request_id in self.kv.tables:
+            self.kv.pause(req.request_id)
+        self.controller.forget()
+
+    def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
+        """The batch as the planner sees it; also tells the planner how much of the host pool is left to
+        this batch (everything but what paused requests hold there)."""
+        now = self.now()
+        held = 0
+        for r in reqs:
+            table = self.kv.tables.get(r.request_id)
+            if table is not None:
+                held += table.host_blocks()
+        self.controller.set_host_capacity(self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held))
+        return [
+            PlanRequest(
+                request_id=r.request_id,
+                blocks_per_layer=math.ceil((r.num_tokens + ahead) / self.block_size),
+                tokens=r.num_tokens + ahead,
+                tokens_left=max(0, r.remaining_tokens - ahead),
+                deposit=float(r.deposit.balance(now)) if self.config.planner.token_deposit else 0.0,
+                slo_s=r.slo_s,
+            )
+            for r in reqs
+        ]
+
+    # ---- the batch (phase 3) ----------------------------------------------------------------------
+    def _schedule_batch(self, out: ScheduleOutput) -> None:
+        if not self._install_plan(out):
+            return
+        chunk = self.config.scheduler.chunked_prefill
+        prefilling = [r for r in self.running if not r.prefilled]
+        if prefilling and chunk is None:
+            batch = prefilling  # the paper's behaviour: decoding waits while new prompts prefill
+        elif prefilling:
+            batch = [r for r in self.running if r.prefilled] + prefilling[:1]
+        else:
+            batch = list(self.running)
+        for req in batch:
+            tokens, start, sample = req.next_input(chunk)
+            short = self.kv.grow(req.request_id, start + len(tokens))
+            if short is not None:
+                if short.tier == "host":
+                    self._finish(req, "error", error=f"out of KV memory: {short}")
+                else:
+                    self.controller.forget()
+                continue
+            out.seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids),
+                                     req.prompt_ids, req.output_ids))
+        if out.is_decode and self.controller.plan is not None:
+            # what the cost model (the simulator's) predicts for this step's batch and placement
+            out.total_tokens = sum(s.start_pos + 1 for s in out.seqs)
+            out.predicted_step_s = self.controller.predict(
+                [self.kv.tables[s.req_id].on_device for s in out.seqs],
+                [self.kv.blocks_for(s.start_pos) for s in out.seqs], out.total_tokens)
+
+    def _install_plan(self, out: ScheduleOutput) -> bool:
+        """Put the plan in force into the KV manager: allocate new requests in their rows, move only the
+        layers whose tier changed. False (and no batch this step) on a shortage."""
+        plan, ids = self.controller.plan, self.controller.plan_ids
+        if self._installed is not None and self._installed[0] is plan and self._installed[1] == ids:
+            return True  # already in place: nothing to move
+        rows = {rid: [bool(x) for x in plan.placement.mask[i]] for i, rid in enumerate(ids)}  # True = on device
+        for req in self.running:
+            if req.request_id not in self.kv.tables:
+                self.kv.allocate(req.request_id, 0, rows[req.request_id])  # no blocks yet: never short
+        running_rows = {r.request_id: rows[r.request_id] for r in self.running}
+        short = self.kv.apply_placements(running_rows)
+        if short is not None:
+            self.controller.forget()
+            if short.tier == "host":  # cannot happen after _kv_fits admitted everyone; never spin on it
+                newest = max(self.running, key=lambda r: r.arrival_s)
+                self._finish(newest, "error", error=f"KV memory exhausted: {short}")
+            else:
+                log.warning("installing the plan failed (%s); re-planning", short)
+            return False
+        out.placement = running_rows
+        self._installed = (plan, list(ids))
+        return True

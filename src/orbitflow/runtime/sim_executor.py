@@ -19,7 +19,8 @@ from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Placement
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.hardware import HardwareProfile
-from orbitflow.runtime.executor import SeqInput, StepResult
+from orbitflow.runtime.executor import Executor
+from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
 
 
 def accounting_kv(profile: HardwareProfile, device_blocks: int | None = None) -> KVManager:
@@ -34,7 +35,7 @@ def accounting_kv(profile: HardwareProfile, device_blocks: int | None = None) ->
     )
 
 
-class SimExecutor:
+class SimExecutor(Executor):
     def __init__(
         self,
         profile: HardwareProfile,
@@ -73,10 +74,12 @@ class SimExecutor:
     def link_slowdown(self, t: float) -> float:
         return max([f for start, end, f in self.contention if start <= t < end], default=1.0)
 
+    def execute(self, out: ScheduleOutput) -> StepResult:
+        return self.step(out.seqs)
+
     def step(self, seqs: list[SeqInput]) -> StepResult:
+        """Charge one batch over the placement and blocks the KV manager holds (the scheduler installed them)."""
         kv, transfer = self.kv, self.kv.transfer
-        for s in seqs:
-            kv.ensure_capacity(s.req_id, s.start_pos + len(s.token_ids))
         slowdown = self.link_slowdown(self.clock.now())
         moved = transfer.bytes_h2d + transfer.bytes_d2h
         moves = transfer.layer_moves
@@ -91,29 +94,7 @@ class SimExecutor:
         prefill_s = self.profile.prefill_s(prefill_tokens) * noise
         if prefill_tokens and self.noise_cv:
             prefill_s *= float(self._factors(1)[0])
-        compute = np.zeros(self.num_layers)
-        stall = np.zeros(self.num_layers)
-        h2d = 0
-        if decode:
-            mask = np.array([kv.tables[s.req_id].on_device for s in decode], dtype=bool)
-            blocks = [kv.blocks_for(s.start_pos) for s in decode]
-            total_tokens = sum(s.start_pos + 1 for s in decode)
-            model = self.cost_model
-            if slowdown != 1.0:
-                model = model.with_updates(link_blocks_per_s=model.link_blocks_per_s / slowdown)
-            if self.noise_cv:
-                # the same schedule as the planner's model, on perturbed compute and transfer times
-                compute = np.asarray(model.compute(total_tokens if model.depends_on_tokens else None, len(decode)))
-                compute = compute * noise
-                compute = compute * self._factors(self.num_layers)
-                xfer = np.asarray(model.transfer_s(np.asarray(blocks, dtype=float))) * self._factors(len(decode))
-                hosts = [np.flatnonzero(~row).tolist() for row in mask]
-                stall = np.asarray(edf_stalls(compute.tolist(), hosts, xfer.tolist(), slots=model.prefetch_slots))
-            else:
-                est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
-                compute = np.asarray(est.compute_per_layer_s) * noise
-                stall = np.asarray(est.stall_per_layer_s)
-            h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)
+        compute, stall, h2d = self._decode_cost(decode, slowdown, noise)
         compute[0] += prefill_s  # a prefill in the batch delays the whole step
         if prefill and decode:  # a prefill chunk beside decodes: the measured interference
             compute[0] += self.profile.mixed_step_overhead_s * noise
@@ -130,3 +111,30 @@ class SimExecutor:
             link_blocks_per_s=self.profile.link_blocks_per_s / slowdown if h2d else None,
             replacement_s=move_s,
         )
+
+    def _decode_cost(self, decode: list[SeqInput], slowdown: float, noise: float) -> tuple[np.ndarray, np.ndarray, int]:
+        """Per-layer compute and stall seconds of the decode rows under the placement in force, and the bytes
+        their host-resident layers bring over the link."""
+        kv = self.kv
+        if not decode:
+            return np.zeros(self.num_layers), np.zeros(self.num_layers), 0
+        mask = np.array([kv.tables[s.req_id].on_device for s in decode], dtype=bool)  # True = on device
+        blocks = [kv.blocks_for(s.start_pos) for s in decode]
+        total_tokens = sum(s.start_pos + 1 for s in decode)
+        model = self.cost_model
+        if slowdown != 1.0:
+            model = model.with_updates(link_blocks_per_s=model.link_blocks_per_s / slowdown)
+        if self.noise_cv:
+            # the same schedule as the planner's model, on perturbed compute and transfer times
+            compute = np.asarray(model.compute(total_tokens if model.depends_on_tokens else None, len(decode)))
+            compute = compute * noise
+            compute = compute * self._factors(self.num_layers)
+            xfer = np.asarray(model.transfer_s(np.asarray(blocks, dtype=float))) * self._factors(len(decode))
+            hosts = [np.flatnonzero(~row).tolist() for row in mask]
+            stall = np.asarray(edf_stalls(compute.tolist(), hosts, xfer.tolist(), slots=model.prefetch_slots))
+        else:
+            est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
+            compute = np.asarray(est.compute_per_layer_s) * noise
+            stall = np.asarray(est.stall_per_layer_s)
+        h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)
+        return compute, stall, h2d

@@ -1,0 +1,149 @@
+"""The scheduler alone: no model, no executor. A scripted policy decides feasibility; the test plays the
+executor's part with hand-made StepResults and checks queues, Pause-Resume and the outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from orbitflow.config import EngineConfig
+from orbitflow.kv.manager import KVManager
+from orbitflow.plan import CostModel, Placement, Plan
+from orbitflow.policies.base import PlanContext, Policy
+from orbitflow.runtime.clock import VirtualClock
+from orbitflow.runtime.controller import Controller
+from orbitflow.runtime.deposit import TokenDeposit
+from orbitflow.runtime.outputs import StepResult
+from orbitflow.runtime.request import Request, Status
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.runtime.scheduler import Scheduler
+
+LAYERS, BS = 4, 16
+
+
+class CapPolicy(Policy):
+    """Feasible while the batch has at most `cap` requests (everything on the device); otherwise the
+    victim is the request named `victim` if present, else the last one."""
+
+    name = "cap"
+    pause_resume = True
+
+    def __init__(self, cap: int, victim: str | None = None):
+        self.cap, self.victim = cap, victim
+
+    def plan(self, requests, ctx) -> Plan:
+        ids = tuple(r.request_id for r in requests)
+        if len(requests) <= self.cap:
+            placement = Placement.from_distances(LAYERS, [None] * len(requests))
+            return Plan(ids, placement, (None,) * len(ids), True, 8, None, 0.01)
+        victims = tuple(i for i in ids if i == self.victim) or ids[-1:]
+        return Plan(ids, None, None, False, 8, None, float("inf"), victims=victims)
+
+
+def make_scheduler(policy: Policy, device_blocks: int = 64, host_blocks: int = 64, **config):
+    cfg = EngineConfig.build(model="tiny", block_size=BS, device_kv_blocks=device_blocks, max_num_seqs=4, **config)
+    ctx = PlanContext(num_layers=LAYERS, block_size=BS, capacity_blocks=device_blocks,
+                      cost_model=CostModel([1e-3] * LAYERS, 1e4))
+    kv = KVManager(LAYERS, 1, 1, device_blocks, host_blocks, block_size=BS, materialize=False)
+    clock = VirtualClock()
+    return Scheduler(cfg, kv, Controller(policy, ctx, background=False), LAYERS, clock.now)
+
+
+def add(sched: Scheduler, rid: str, prompt: int = 20, max_tokens: int = 4, arrival: float = 0.0) -> Request:
+    req = Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens), arrival, 1.0,
+                  TokenDeposit(1.0))
+    sched.add_request(req)
+    return req
+
+
+def run(sched: Scheduler, out, token: int = 7) -> None:
+    """Play the executor and the engine's output processing for one step."""
+    result = StepResult(tokens=[token if s.sample else None for s in out.seqs], step_s=0.01,
+                        layer_compute_s=[0.0025] * LAYERS, layer_stall_s=[0.0] * LAYERS)
+    sched.update_from_output(out, result)
+    for seq in out.seqs:
+        if seq.sample:
+            sched.requests[seq.req_id].output_ids.append(token)
+    sched.finish_step()
+
+
+def ids(reqs):
+    return [r.request_id for r in reqs]
+
+
+def test_admits_in_order_and_the_newest_waits_when_it_would_be_the_victim():
+    sched = make_scheduler(CapPolicy(cap=2))
+    for rid in "abc":
+        add(sched, rid)
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["a", "b"] and not out.is_decode  # a prefill step
+    assert set(out.placement) == {"a", "b"} and all(all(row) for row in out.placement.values())
+    assert ids(sched.running) == ["a", "b"] and ids(sched.waiting) == ["c"] and not out.paused_ids
+    assert out.num_prefill_tokens == 40 and out.plan is sched.controller.plan
+    run(sched, out)
+    out = sched.schedule()
+    assert out.is_decode and [s.start_pos for s in out.seqs] == [20, 20] and out.placement == {}
+
+
+def test_pauses_the_policys_victim_and_resumes_it_only_after_a_completion():
+    sched = make_scheduler(CapPolicy(cap=2, victim="a"))
+    a = add(sched, "a")
+    add(sched, "b", max_tokens=2)
+    run(sched, sched.schedule())
+    add(sched, "c")
+    out = sched.schedule()  # admitting c makes the batch infeasible: the policy names a
+    assert out.paused_ids == ["a"] and a.status is Status.PAUSED and a.num_pauses == 1
+    assert ids(sched.running) == ["b", "c"] and "a" in sched.kv.tables  # a paused request keeps its KV
+    assert [s.req_id for s in out.seqs] == ["c"]  # the new prompt prefills; decoding waits
+    run(sched, out)
+    out = sched.schedule()
+    assert not out.resumed_ids and ids(sched.paused) == ["a"]  # the gate: nobody has completed yet
+    run(sched, out)
+    sched.finish_requests(["b"], "length")
+    assert [r.request_id for r in sched.take_finished()] == ["b"] and "b" not in sched.kv.tables
+    out = sched.schedule()
+    assert out.resumed_ids == ["a"] and a.status is Status.RUNNING and ids(sched.running) == ["c", "a"]
+    assert {s.req_id for s in out.seqs} == {"a", "c"} and out.is_decode
+
+
+def test_a_paused_request_is_not_resumed_when_that_would_pause_someone():
+    sched = make_scheduler(CapPolicy(cap=1, victim="b"))
+    add(sched, "a")
+    run(sched, sched.schedule())
+    add(sched, "b")
+    out = sched.schedule()  # b is the victim of its own admission: it waits, nobody is paused
+    assert ids(sched.waiting) == ["b"] and not out.paused_ids and sched.controller.plan is not None
+
+
+def test_no_output_row_asks_for_kv_the_manager_refused():
+    # The plan keeps every layer on an 8-block device: the two prompts (1 block x 4 layers each) fill it, and
+    # the first decode needs a second block per layer that neither can get.
+    sched = make_scheduler(CapPolicy(cap=2), device_blocks=8, host_blocks=32)
+    add(sched, "a", prompt=16, max_tokens=2)
+    add(sched, "b", prompt=16, max_tokens=2)
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["a", "b"] and sched.kv.usage() == (8, 0)
+    run(sched, out)
+    out = sched.schedule()
+    assert out.is_empty and sched.kv.usage() == (8, 0)  # refused: no row, nothing half-grown
+    assert sched.controller.plan is None  # dropped: the next step re-plans
+    assert all(sched.kv.tables[r].blocks_per_layer == 1 for r in "ab")
+
+
+def test_the_admission_check_holds_new_requests_until_kv_frees():
+    sched = make_scheduler(CapPolicy(cap=4), device_blocks=8, host_blocks=8)
+    add(sched, "a", prompt=16, max_tokens=16)  # grows to 2 blocks x (4 layers + 1 prefetch) = 10 of 16
+    add(sched, "b", prompt=16, max_tokens=16)  # 20 > 16: waits
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["a"] and ids(sched.waiting) == ["b"]
+    sched.finish_requests(["a"], "abort")
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["b"] and sched.kv.usage() == (4, 0)
+
+
+@pytest.mark.parametrize("order, first", [("fcfs", "long"), ("srtf", "short")])
+def test_admission_order(order, first):
+    sched = make_scheduler(CapPolicy(cap=1), scheduling=order)
+    add(sched, "long", max_tokens=8, arrival=0.0)
+    add(sched, "short", max_tokens=2, arrival=1.0)
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == [first]
