@@ -120,13 +120,98 @@ class _Bench:
         self.kv.close()
 
 
+def _measure_context(bench: _Bench, contexts, steps: int) -> tuple[float, float, float, float, list[float]]:
+    """Phase 1: decode compute of one request against its context (a + b*ctx), prefill of its prompt
+    (pa + pb*tokens), and the last layer's share beyond a middle one (LM head and sampling) per step."""
+    xs, ys, prefill, tails = [], [], [], []
+    for ctx in contexts:
+        prefill.append((ctx, bench.prefill("p", ctx).step_s))
+        results = [bench.decode(["p"]) for _ in range(steps + 1)]
+        for r in results[1:]:
+            comp = r.layer_compute_s
+            if len(comp) > 2:
+                tails.append(max(0.0, comp[-1] - float(np.median(comp[1:-1]))) / max(sum(comp), 1e-12))
+        xs.append(ctx)
+        ys.append(float(np.median([r.step_s for r in results[1:]])))
+        bench.free("p")
+    a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    if a < 0:  # noise on a busy machine: no measurable growth with context
+        a, b = 0.0, float(np.median(ys))
+    pa, pb = np.polyfit([p[0] for p in prefill], [p[1] for p in prefill], 1)
+    return float(a), float(b), float(pa), float(pb), tails
+
+
+def _measure_per_request(bench: _Bench, batch: int, per_req: int, single: int, steps: int, extra: dict) -> float:
+    """Phase 2: per-request overhead: `batch` requests of per_req tokens against one request ("s", left
+    allocated for the next phases) of batch * per_req."""
+    ids = [f"b{i}" for i in range(batch)]
+    for rid in ids:
+        bench.prefill(rid, per_req)
+    bench.prefill("s", single)
+    one, many = [], []
+    for _ in range(steps + 1):
+        one.append(bench.decode(["s"]).step_s)
+        many.append(bench.decode(ids).step_s)
+    t_one, t_many = float(np.median(one[1:])), float(np.median(many[1:]))
+    for rid in ids:
+        bench.free(rid)
+    extra.update(decode_one_of_batch_tokens_s=t_one, decode_batch_s=t_many, batch=batch)
+    return max(0.0, (t_many - t_one) / (batch - 1)) if batch > 1 else 0.0
+
+
+def _measure_mixed_step(bench: _Bench, chunk: int, steps: int, extra: dict) -> float:
+    """Phase 3: a prefill chunk beside the decode of "s", against the two run apart."""
+    from orbitflow.runtime.executor import SeqInput
+
+    mixed, apart = [], []
+    chunk_ids = [1 + (j % 100) for j in range(chunk)]
+    for i in range(steps + 1):
+        rid = f"m{i}"
+        bench.kv.allocate(rid, 0, [True] * bench.layers)
+        mixed.append(bench.run([SeqInput("s", [1], bench.pos["s"]), SeqInput(rid, chunk_ids, 0)]).step_s)
+        bench.pos["s"] += 1
+        bench.free(rid)
+        bench.kv.allocate(rid, 0, [True] * bench.layers)
+        alone = bench.run([SeqInput(rid, chunk_ids, 0)]).step_s
+        bench.free(rid)
+        apart.append(alone + bench.decode(["s"]).step_s)
+    extra.update(mixed_step_s=float(np.median(mixed[1:])), apart_s=float(np.median(apart[1:])), chunk=chunk)
+    return max(0.0, float(np.median(mixed[1:])) - float(np.median(apart[1:])))
+
+
+def _measure_moves(bench: _Bench, link: float) -> float:
+    """Phase 4: placement changes: every layer of "s" to the host and back, beyond the bytes over the link."""
+    moves = []
+    layers = bench.layers
+    layer_bytes = bench.kv.tables["s"].blocks_per_layer * bench.kv.host_pool.bytes_per_block
+    for _ in range(3):
+        for target in (False, True):
+            start = time.perf_counter()
+            bench.kv.apply_placement("s", [target] * layers)
+            moves.append((time.perf_counter() - start - layers * layer_bytes / link) / layers)
+    return max(0.0, float(np.median(moves)))
+
+
+def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict) -> float:
+    """Phase 5: the copy thread's latency per transfer, from decode steps of "s" with every layer on the host."""
+    layers = bench.layers
+    bench.kv.apply_placement("s", [False] * layers)
+    lats, stalls = [], []
+    for i in range(steps + 1):
+        r = bench.decode(["s"])
+        if i == 0 or r.stall_s <= 0:
+            continue
+        xfer = bench.kv.blocks_for(bench.pos["s"] - 1) * bench.kv.host_pool.bytes_per_block / link
+        lats.append(_fit_transfer_latency(list(r.layer_compute_s), r.stall_s, xfer, list(range(layers))))
+        stalls.append(r.stall_s)
+    extra.update(offloaded_stall_s=float(np.median(stalls)) if stalls else 0.0)
+    return float(np.median(lats)) if lats else 0.0
+
+
 def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 7, batch: int = 4,
                      chunk: int = 64) -> HardwareProfile:
     """Fit every cost of a ModelExecutor that the cost model charges (see the module docstring)."""
-    from orbitflow.runtime.executor import SeqInput
-
     kv = executor.kv
-    layers = executor.num_layers
     spare = 4 * steps + 8
     per_req = max(contexts[1] // batch, 16)
     single = per_req * batch  # the single request holding as many tokens as the batch
@@ -134,98 +219,32 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
     bench = _Bench(executor, device_tokens, single + spare)
     link = kv.transfer.link_bytes_per_s or measure_link_bytes_per_s(bench.kv)
     extra: dict = {"steps_per_point": steps}
-    xs, ys, prefill, tails = [], [], [], []
     try:
         # 0. warm-up (first calls pay for lazy initialisation), discarded.
         bench.prefill("w", contexts[0])
         for _ in range(3):
             bench.decode(["w"])
         bench.free("w")
-        # 1. decode compute of one request against its context; prefill of its prompt.
-        for ctx in contexts:
-            prefill.append((ctx, bench.prefill("p", ctx).step_s))
-            results = [bench.decode(["p"]) for _ in range(steps + 1)]
-            times = [r.step_s for r in results]
-            for r in results[1:]:
-                comp = r.layer_compute_s
-                if len(comp) > 2:  # the last layer's time beyond a middle layer's: LM head and sampling
-                    tails.append(max(0.0, comp[-1] - float(np.median(comp[1:-1]))) / max(sum(comp), 1e-12))
-            xs.append(ctx)
-            ys.append(float(np.median(times[1:])))
-            bench.free("p")
-        a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-        if a < 0:  # noise on a busy machine: no measurable growth with context
-            a, b = 0.0, float(np.median(ys))
-        pa, pb = np.polyfit([p[0] for p in prefill], [p[1] for p in prefill], 1)
-
-        # 2. per-request overhead: `batch` requests of per_req tokens against one request of batch * per_req.
-        ids = [f"b{i}" for i in range(batch)]
-        for rid in ids:
-            bench.prefill(rid, per_req)
-        bench.prefill("s", single)
-        one, many = [], []
-        for _ in range(steps + 1):
-            one.append(bench.decode(["s"]).step_s)
-            many.append(bench.decode(ids).step_s)
-        t_one, t_many = float(np.median(one[1:])), float(np.median(many[1:]))
-        per_request = max(0.0, (t_many - t_one) / (batch - 1)) if batch > 1 else 0.0
-        for rid in ids:
-            bench.free(rid)
-        extra.update(decode_one_of_batch_tokens_s=t_one, decode_batch_s=t_many, batch=batch)
-
-        # 3. mixed step: a prefill chunk beside that decode, against the two apart.
-        mixed, apart = [], []
-        for i in range(steps + 1):
-            rid = f"m{i}"
-            bench.kv.allocate(rid, 0, [True] * layers)
-            chunk_ids = [1 + (j % 100) for j in range(chunk)]
-            mixed.append(bench.run([SeqInput("s", [1], bench.pos["s"]), SeqInput(rid, chunk_ids, 0)]).step_s)
-            bench.pos["s"] += 1
-            bench.free(rid)
-            bench.kv.allocate(rid, 0, [True] * layers)
-            alone = bench.run([SeqInput(rid, chunk_ids, 0)]).step_s
-            bench.free(rid)
-            apart.append(alone + bench.decode(["s"]).step_s)
-        mixed_overhead = max(0.0, float(np.median(mixed[1:])) - float(np.median(apart[1:])))
-        extra.update(mixed_step_s=float(np.median(mixed[1:])), apart_s=float(np.median(apart[1:])), chunk=chunk)
-
-        # 4. placement changes: every layer of "s" to the host and back (bytes over the link + host work).
-        moves = []
-        layer_bytes = bench.kv.tables["s"].blocks_per_layer * bench.kv.host_pool.bytes_per_block
-        for _ in range(3):
-            for target in (False, True):
-                start = time.perf_counter()
-                bench.kv.apply_placement("s", [target] * layers)
-                moves.append((time.perf_counter() - start - layers * layer_bytes / link) / layers)
-        move_latency = max(0.0, float(np.median(moves)))
-
-        # 5. the copy thread: decode steps of "s" with every layer on the host.
-        bench.kv.apply_placement("s", [False] * layers)
-        lats, stalls = [], []
-        for i in range(steps + 1):
-            r = bench.decode(["s"])
-            if i == 0 or r.stall_s <= 0:
-                continue
-            xfer = bench.kv.blocks_for(bench.pos["s"] - 1) * bench.kv.host_pool.bytes_per_block / link
-            lats.append(_fit_transfer_latency(list(r.layer_compute_s), r.stall_s, xfer, list(range(layers))))
-            stalls.append(r.stall_s)
-        transfer_latency = float(np.median(lats)) if lats else 0.0
-        extra.update(offloaded_stall_s=float(np.median(stalls)) if stalls else 0.0)
+        a, b, pa, pb, tails = _measure_context(bench, contexts, steps)
+        per_request = _measure_per_request(bench, batch, per_req, single, steps, extra)
+        mixed_overhead = _measure_mixed_step(bench, chunk, steps, extra)
+        move_latency = _measure_moves(bench, link)
+        transfer_latency = _measure_copy_thread(bench, link, steps, extra)
         bench.free("s")
     finally:
         bench.close()
     return HardwareProfile(
         name=name,
-        num_layers=layers,
+        num_layers=executor.num_layers,
         kv_bytes_per_token_per_layer=int(kv.device_pool.bytes_per_block // kv.block_size),
-        decode_a=max(float(a), 0.0),
-        decode_b=max(float(b), 1e-5),
+        decode_a=max(a, 0.0),
+        decode_b=max(b, 1e-5),
         link_bytes_per_s=float(link),
         device_kv_blocks=kv.device_pool.num_blocks,
         host_kv_blocks=kv.host_pool.num_blocks,
         block_size=kv.block_size,
-        prefill_a=max(float(pa), 1e-7),
-        prefill_b=max(float(pb), 1e-5),
+        prefill_a=max(pa, 1e-7),
+        prefill_b=max(pb, 1e-5),
         decode_per_request_s=per_request,
         transfer_latency_s=transfer_latency,
         move_latency_s=move_latency,
