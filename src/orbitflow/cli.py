@@ -7,6 +7,7 @@ import json
 import sys
 
 from orbitflow.config import DEFAULT_MODEL, SCHEDULING_CHOICES, VICTIM_CHOICES, ConfigError, EngineConfig
+from orbitflow.parallel_config import ParallelConfigError, add_parallel_args, parallel_config
 
 
 class CLIError(Exception):
@@ -51,6 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs_default: int | None
                         "DeepSpeed 2, others 1); the capacity equation charges D layers of buffer per request")
     add_planner_budget_args(g)
     g.add_argument("--seed", type=int, default=0)
+    add_parallel_args(p)
 
 
 def add_planner_budget_args(g) -> None:
@@ -80,7 +82,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         slo_ms=args.slo_ms, slo_scale=args.slo_scale, token_deposit=args.token_deposit, alpha=args.alpha,
         window_min=args.window_min, window_max=args.window_max, victim=args.victim, seed=args.seed,
         plan_node_limit=args.plan_node_limit, plan_time_limit_ms=args.plan_time_limit_ms,
-        prefetch_slots=args.prefetch_slots,
+        prefetch_slots=args.prefetch_slots, parallel=parallel_config(args),
     )
     values.update(overrides)
     return EngineConfig(**values)
@@ -448,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (CLIError, ConfigError, ModelLoadError, PlacementError) as exc:
+    except (CLIError, ConfigError, ModelLoadError, PlacementError, ParallelConfigError) as exc:
         print(f"orbitflow {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+from orbitflow.parallel_config import ParallelConfig
+
 DEFAULT_MODEL = "smollm2-135m"
 SCHEDULING_CHOICES = ("fcfs", "srtf")
 VICTIM_CHOICES = ("largest-kv+deposit", "longest", "shortest", "random")
@@ -59,6 +61,7 @@ class EngineConfig:
     # while layer i runs; every other policy 1).
     prefetch_slots: int | None = None
     seed: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism (--tensor-parallel-size)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

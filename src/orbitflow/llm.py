@@ -50,27 +50,45 @@ class LLM:
 
         self.config = config or EngineConfig()
         cfg = self.config
+        tp = cfg.parallel.tensor_parallel_size
+        if loaded is None and tp > 1:  # the ranks load their shards; this process needs config and tokenizer
+            from orbitflow.model.tensor_parallel import load_model_meta
+
+            loaded = load_model_meta(cfg.model)
         self.loaded = loaded or load_model(cfg.model)
         mc = self.loaded.config
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        threads = cfg.resolved_compute_threads(cuda=device == "cuda")
-        if threads is not None and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
-        self.kv = KVManager(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.device_kv_blocks, cfg.host_kv_blocks,
-            block_size=cfg.block_size, device=device, link_bytes_per_s=cfg.link_bytes_per_s,
-            dtype=next(self.loaded.model.parameters()).dtype,
-        )
-        self.executor = ModelExecutor(self.loaded.model, mc, self.kv)
+        dtype = next(self.loaded.model.parameters()).dtype if self.loaded.model is not None else torch.float32
+        if tp > 1:
+            from orbitflow.runtime.tp_executor import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(
+                self.loaded.path, mc, cfg.parallel, device_kv_blocks=cfg.device_kv_blocks,
+                host_kv_blocks=cfg.host_kv_blocks, block_size=cfg.block_size, link_bytes_per_s=cfg.link_bytes_per_s,
+                dtype=dtype, compute_threads=cfg.compute_threads,
+            )
+            self.kv = self.executor.kv
+        else:
+            threads = cfg.resolved_compute_threads(cuda=device == "cuda")
+            if threads is not None and threads != torch.get_num_threads():
+                torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
+            self.kv = KVManager(
+                mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.device_kv_blocks, cfg.host_kv_blocks,
+                block_size=cfg.block_size, device=device, link_bytes_per_s=cfg.link_bytes_per_s, dtype=dtype,
+            )
+            self.executor = ModelExecutor(self.loaded.model, mc, self.kv)
         if isinstance(profile, HardwareProfile):
             self.profile = profile
+        elif profile == "measure" and tp > 1:
+            self.profile = self.executor.measure_profile(name=f"{cfg.model}@this-machine")
         elif profile == "measure":
             self.profile = profile_executor(self.executor, name=f"{cfg.model}@this-machine")
         else:  # "rough": enough to evaluate a fixed placement, no measurement
             self.profile = HardwareProfile(
                 name="rough", num_layers=mc.num_layers,
                 kv_bytes_per_token_per_layer=self.kv.device_pool.bytes_per_block // cfg.block_size,
-                decode_a=0.0, decode_b=1e-3 * mc.num_layers, link_bytes_per_s=cfg.link_bytes_per_s or 10e9,
+                decode_a=0.0, decode_b=1e-3 * mc.num_layers,
+                link_bytes_per_s=cfg.parallel.rank_link_bytes_per_s(cfg.link_bytes_per_s) or 10e9,
                 device_kv_blocks=cfg.device_kv_blocks, host_kv_blocks=cfg.host_kv_blocks, block_size=cfg.block_size,
             )
         for pool in (self.kv.device_pool, self.kv.host_pool):
