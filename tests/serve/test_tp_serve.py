@@ -1,0 +1,37 @@
+"""A tensor-parallel server (two rank processes): the openai client, per-rank /metrics, and /health on a dead rank."""
+
+import httpx
+import openai
+import pytest
+from serve.live import MODEL_NAME, live_server, make_server_llm
+
+from orbitflow.parallel_config import ParallelConfig
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_dir):
+    llm = make_server_llm(tiny_chat_dir, link_gbps=1.0,
+                          parallel=ParallelConfig(tensor_parallel_size=2, collective_timeout_s=10.0))
+    with live_server(llm) as live:
+        yield live
+
+
+def test_openai_client_metrics_per_rank_then_a_dead_rank_fails_health(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    full = client.completions.create(model=MODEL_NAME, prompt="The planets move", max_tokens=4, temperature=0)
+    assert full.usage.completion_tokens == 4 or full.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt="The planets move", max_tokens=4, temperature=0, stream=True) if c.choices)
+    assert streamed == full.choices[0].text
+
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for rank in ("0", "1"):
+        assert f'orbitflow:tp_kv_blocks_used{{rank="{rank}",tier="device"}}' in metrics
+        assert f'orbitflow:tp_link_bytes_total{{direction="h2d",rank="{rank}"}}' in metrics
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+    server.llm.executor._procs[1].kill()
+    with pytest.raises(openai.APIError):
+        client.completions.create(model=MODEL_NAME, prompt="The planets move", max_tokens=4, temperature=0)
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503 and "rank 1 died" in health.json()["status"]
