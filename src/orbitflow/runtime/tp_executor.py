@@ -30,11 +30,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -202,7 +204,7 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
             torch.cuda.set_device(device)
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.size,
                                 timeout=timedelta(seconds=spec.timeout_s))
-        config = read_model_config(__import__("pathlib").Path(spec.model_dir))
+        config = read_model_config(Path(spec.model_dir))
         local = shard_config(config, spec.size)
         model = build_shard(spec.model_dir, rank, spec.size, dtype=spec.dtype, device=device)
         kv = KVManager(local.num_layers, local.num_kv_heads, local.head_dim, spec.device_blocks, spec.host_blocks,
@@ -314,7 +316,8 @@ class TensorParallelExecutor:
 
     def _gather(self, deadline_s: float | None = None) -> list[tuple]:
         """One reply from every rank; a dead rank, an error reply or the deadline fails the group."""
-        deadline = time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
+        limit = self.deadline_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + limit
         replies: dict[int, tuple] = {}
         while len(replies) < self.size:
             waiting = {self._conns[r]: r for r in range(self.size) if r not in replies}
@@ -322,7 +325,7 @@ class TensorParallelExecutor:
             left = deadline - time.monotonic()
             if left <= 0:
                 late = sorted(waiting.values())
-                self._fail(f"tensor-parallel rank(s) {late} did not answer within {self.deadline_s:.0f} s "
+                self._fail(f"tensor-parallel rank(s) {late} did not answer within {limit:.0f} s "
                            "(hung); the group was stopped")
             ready = wait(list(waiting) + list(sentinels), timeout=left)
             for obj in ready:
@@ -433,7 +436,4 @@ class TensorParallelExecutor:
             for proc in self._procs:
                 if proc.is_alive():
                     proc.kill()
-        self._procs_closed = True
-        import shutil
-
         shutil.rmtree(self._store_dir, ignore_errors=True)
