@@ -28,6 +28,8 @@ def test_openai_client_metrics_per_rank_then_a_dead_rank_fails_health(server):
     for rank in ("0", "1"):
         assert f'orbitflow:tp_kv_blocks_used{{rank="{rank}",tier="device"}}' in metrics
         assert f'orbitflow:tp_link_bytes_total{{direction="h2d",rank="{rank}"}}' in metrics
+        # both requests have finished: every rank got its blocks back (frees reach the ranks at once)
+        assert f'orbitflow:tp_kv_blocks_used{{rank="{rank}",tier="device"}} 0.0' in metrics
     assert httpx.get(f"{server.url}/health").status_code == 200
 
     server.llm.executor._procs[1].kill()

@@ -71,6 +71,7 @@ class ShadowKV(KVManager):
         self.ops: list[tuple[str, tuple, bool]] = []
         self._depth = 0
         self.on_close = None
+        self.on_free = None  # called after a request's blocks are freed (the ranks then free theirs at once)
 
     def _record(self, name: str, *args):
         top = self._depth == 0
@@ -100,7 +101,9 @@ class ShadowKV(KVManager):
         return self._record("pause", req_id)
 
     def free(self, req_id):
-        return self._record("free", req_id)
+        self._record("free", req_id)
+        if self._depth == 0 and self.on_free is not None:
+            self.on_free()
 
     def take_ops(self) -> list[tuple[str, tuple, bool]]:
         ops, self.ops = self.ops, []
@@ -278,6 +281,7 @@ class TensorParallelExecutor:
         self.kv = ShadowKV(self.num_layers, self.shard.num_kv_heads, self.shard.head_dim, device_kv_blocks,
                            host_kv_blocks, block_size=block_size, dtype=dtype, link_bytes_per_s=rank_link)
         self.kv.on_close = self.close
+        self.kv.on_free = self._sync_quietly
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= size
         if compute_threads is None and not cuda:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -408,6 +412,16 @@ class TensorParallelExecutor:
         self._send([("sync", self.kv.take_ops())] * self.size)
         self.rank_stats = [reply[1] for reply in self._gather()]
         return self.rank_stats
+
+    def _sync_quietly(self) -> None:
+        """After a finish, ship the frees now (not with the next step, which may be long in coming when the
+        engine goes idle), so each rank's pools, and /metrics, show the blocks back. A failure is already
+        recorded and reported by the step that meets it; a request's finish must not raise."""
+        if self.failure is None:
+            try:
+                self.sync()
+            except TensorParallelFailure:
+                pass
 
     def measure_profile(self, name: str):
         """`profile_executor` on every rank at once (they run the same steps, in lock-step through the
