@@ -88,6 +88,21 @@ def test_shadow_kv_replay_reaches_the_same_state():
     shadow.close()
 
 
+def test_profile_measures_every_rank(tp2, tiny_llama):
+    """`orbitflow profile --tensor-parallel-size 2`: rank 0's profile in one rank's units (its shard of the KV
+    heads, its own link), every rank's compute, link and all-reduce figures beside it."""
+    profile = tp2.executor.measure_profile("tiny@tp2")
+    config = tiny_llama.config
+    assert profile.kv_bytes_per_token_per_layer == 2 * (config.num_kv_heads // 2) * config.head_dim * 4
+    assert profile.link_bytes_per_s == pytest.approx(0.5e9)  # --link-gbps 0.5, per rank
+    tp = profile.extra["tensor_parallel"]
+    assert tp["size"] == 2 and [r["rank"] for r in tp["per_rank"]] == [0, 1]
+    for r in tp["per_rank"]:
+        assert r["decode_b"] > 0 and r["link_bytes_per_s"] > 0
+        assert all(r[f"allreduce_{t}_tokens_s"] > 0 for t in (1, 4, 64))
+    assert tp2.executor.sync()[1].device_blocks_used == 0  # the profiler's own pools were separate
+
+
 def test_hung_rank_fails_the_step_within_the_collective_timeout(tp2):
     """Runs last on the module's executor: stop rank 1 (SIGSTOP, a hang); rank 0's all-reduce times out, the
     step's requests end with an error, every rank is stopped and the executor stays failed."""
