@@ -44,10 +44,11 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, metavar="N",
                    help="split the model over N processes launched by orbitflow (gloo on the CPU, NCCL on CUDA); "
-                        "N must divide the model's KV heads and intermediate size")
+                        "N must divide the model's KV heads and intermediate size (with `profile`: every rank's "
+                        "compute, link and all-reduce times are measured into the profile)")
     g.add_argument("--tp-link", choices=TP_LINK_CHOICES, default=d.tp_link,
                    help="per-rank: every rank has its own host link of --link-gbps; shared: the ranks share one "
-                        "(each gets 1/N of it); the planner's cost model charges the same")
+                        "(each gets 1/N of it); the planner's cost model charges each rank the rate it gets")
     g.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s, metavar="S",
                    help="a rank that dies or hangs for S seconds fails the requests in flight and /health")
 
