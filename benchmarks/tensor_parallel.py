@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import sys
 import time
 from datetime import UTC, datetime
@@ -151,7 +152,7 @@ def main() -> None:
     print("\n".join(prof_lines))
     if args.md:
         load = os.getloadavg() if hasattr(os, "getloadavg") else None
-        cmd = "python " + " ".join(["benchmarks/tensor_parallel.py", *sys.argv[1:]])
+        cmd = "python " + shlex.join(["benchmarks/tensor_parallel.py", *sys.argv[1:]])
         text = [
             "## Tensor parallelism", "",
             f"`{cmd}` on {platform.machine()} ({os.cpu_count()} CPUs, {platform.system()}), "
