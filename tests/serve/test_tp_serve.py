@@ -32,8 +32,12 @@ def test_openai_client_metrics_per_rank_then_a_dead_rank_fails_health(server):
         assert f'orbitflow:tp_kv_blocks_used{{rank="{rank}",tier="device"}} 0.0' in metrics
     assert httpx.get(f"{server.url}/health").status_code == 200
 
-    server.llm.executor._procs[1].kill()
+    proc = server.llm.executor._procs[1]
+    proc.kill()
+    proc.join(10)
+    health = httpx.get(f"{server.url}/health")  # seen while idle, before any request meets the dead rank
+    assert health.status_code == 503 and "rank 1 died" in health.json()["status"]
     with pytest.raises(openai.APIError):
         client.completions.create(model=MODEL_NAME, prompt="The planets move", max_tokens=4, temperature=0)
-    health = httpx.get(f"{server.url}/health")
-    assert health.status_code == 503 and "rank 1 died" in health.json()["status"]
+    assert httpx.get(f"{server.url}/health").status_code == 503
+    assert not any(p.is_alive() for p in server.llm.executor._procs)  # the failing step stopped rank 0 too

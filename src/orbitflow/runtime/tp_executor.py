@@ -44,6 +44,7 @@ import torch
 from orbitflow.kv.manager import KVManager
 from orbitflow.kv.pool import OutOfBlocks
 from orbitflow.model.config import ModelConfig
+from orbitflow.model.errors import ModelLoadError
 from orbitflow.model.tensor_parallel import check_tp_size, shard_config
 from orbitflow.parallel_config import ParallelConfig
 from orbitflow.runtime.executor import SeqInput, StepResult
@@ -273,7 +274,8 @@ class TensorParallelExecutor:
         self.shard = shard_config(model_config, size)
         self.num_layers = model_config.num_layers
         self.block_size = block_size
-        self.failure: str | None = None
+        self._failure: str | None = None
+        self._stopped = False
         # A rank that hangs makes its peers' collective time out; past that (and a margin for the step's own
         # compute), the driver stops waiting for the ranks at all.
         self.deadline_s = 4 * parallel.collective_timeout_s + 30.0
@@ -305,13 +307,27 @@ class TensorParallelExecutor:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        replies = self._gather(startup_timeout_s)
+        try:
+            replies = self._gather(startup_timeout_s)
+        except TensorParallelFailure as exc:  # a usage-level error for the CLI (bad model files, no memory, ...)
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            raise ModelLoadError(str(exc)) from exc
         self.rank_stats: list[RankStats] = [reply[1] for reply in replies]
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group cannot run steps any more (None while it can). A rank that died while the engine was
+        idle counts at once, so /health reports it before the next request meets it."""
+        if self._failure is None:
+            dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+            if dead:
+                self._failure = f"tensor-parallel rank {dead[0]} died (exit code {self._procs[dead[0]].exitcode})"
+        return self._failure
 
     # ---- messaging ------------------------------------------------------------------------------------
     def _send(self, messages: list) -> None:
         if self.failure is not None:
-            raise TensorParallelFailure(self.failure)
+            self._fail(self.failure)
         for rank, (conn, message) in enumerate(zip(self._conns, messages)):
             try:
                 conn.send(message)
@@ -361,13 +377,16 @@ class TensorParallelExecutor:
         return f"tensor-parallel {error}"
 
     def _fail(self, message: str) -> None:
-        if self.failure is None:
-            self.failure = message
-            log.error("%s", message)
+        """Record the first failure, stop every rank (once) and raise."""
+        if self._failure is None:
+            self._failure = message
+        if not self._stopped:
+            log.error("%s", self._failure)
             self._stop_ranks(graceful=False)
-        raise TensorParallelFailure(message)
+        raise TensorParallelFailure(self._failure)
 
     def _stop_ranks(self, graceful: bool) -> None:
+        self._stopped = True
         for conn, proc in zip(self._conns, self._procs):
             if graceful and proc.is_alive():
                 try:
@@ -417,7 +436,7 @@ class TensorParallelExecutor:
         """After a finish, ship the frees now (not with the next step, which may be long in coming when the
         engine goes idle), so each rank's pools, and /metrics, show the blocks back. A failure is already
         recorded and reported by the step that meets it; a request's finish must not raise."""
-        if self.failure is None:
+        if self._failure is None:
             try:
                 self.sync()
             except TensorParallelFailure:
@@ -443,11 +462,9 @@ class TensorParallelExecutor:
                                                    f"({self.parallel.tp_link} link), one rank's shard")
 
     def close(self) -> None:
-        if self._procs and self.failure is None:
-            self.failure = "the tensor-parallel executor was closed"
-            self._stop_ranks(graceful=True)
-        elif self._procs:
-            for proc in self._procs:
-                if proc.is_alive():
-                    proc.kill()
+        if not self._stopped:
+            graceful = self.failure is None
+            if self._failure is None:
+                self._failure = "the tensor-parallel executor was closed"
+            self._stop_ranks(graceful=graceful)
         shutil.rmtree(self._store_dir, ignore_errors=True)
