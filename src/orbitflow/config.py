@@ -200,12 +200,47 @@ class ServerConfig(_Validated):
                 raise ConfigError(f"{flag} must be positive, got {value}")
 
 
+TP_LINK_CHOICES = ("shared", "per-rank")
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Validated):
+    """How the engine spreads one model over several processes (tensor parallelism)."""
+
+    # Ranks the model is split over (Megatron-style: heads and MLP units). 1: no parallelism, no extra processes.
+    tensor_parallel_size: int = option(
+        1, "split the model over N processes launched by orbitflow (gloo on the CPU, NCCL on CUDA); N must divide "
+           "the model's KV heads and intermediate size (with `profile`: every rank's compute, link and all-reduce "
+           "times are measured into the profile)", type=int, check="count?", metavar="N")
+    # How the ranks reach host memory: one link each (a PCIe slot per GPU) or one shared link (a PCIe switch).
+    tp_link: str = option(
+        "per-rank", "per-rank: every rank has its own host link of --link-gbps; shared: the ranks share one (each "
+                    "gets 1/N of it); the planner's cost model charges each rank the rate it gets",
+        choices=TP_LINK_CHOICES)
+    # A collective that waits longer than this (a rank died or hangs) fails the step, the requests in flight and
+    # /health, instead of hanging the server.
+    collective_timeout_s: float = option(
+        60.0, "a rank that dies or hangs for S seconds fails the requests in flight and /health", type=float,
+        check="positive", flag="--collective-timeout", metavar="S")
+
+    def _cross_check(self) -> None:
+        if self.tensor_parallel_size is None:
+            raise ConfigError("--tensor-parallel-size must be an integer >= 1, got None")
+
+    def rank_link_bytes_per_s(self, link_bytes_per_s: float | None) -> float | None:
+        """The throttle of one rank's link: the whole link per rank, or an equal share of one shared link."""
+        if link_bytes_per_s is None or self.tp_link == "per-rank":
+            return link_bytes_per_s
+        return link_bytes_per_s / self.tensor_parallel_size
+
+
 # EngineConfig's fields, in order: (field name, concern class, --help group title).
 ENGINE_CONCERNS = (
     ("model", ModelRunConfig, "model"),
     ("cache", CacheConfig, "KV cache"),
     ("scheduler", SchedulerConfig, "scheduling"),
     ("planner", PlannerConfig, "SLO and placement control"),
+    ("parallel", ParallelConfig, "tensor parallelism"),
 )
 
 
@@ -218,6 +253,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def build(cls, **flat) -> EngineConfig:

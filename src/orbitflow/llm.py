@@ -51,27 +51,27 @@ class LLM:
         self.config = config or EngineConfig()
         cfg = self.config
         cache = cfg.cache
+        tp = cfg.parallel.tensor_parallel_size
+        if loaded is None and tp > 1:  # the ranks load their shards; this process needs config and tokenizer
+            from orbitflow.model.tensor_parallel import load_model_meta
+
+            loaded = load_model_meta(cfg.model.name)
         self.loaded = loaded or load_model(cfg.model.name)
         mc = self.loaded.config
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        threads = cfg.resolved_compute_threads(cuda=device == "cuda")
-        if threads is not None and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
-        self.kv = KVManager(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.device_kv_blocks, cache.host_kv_blocks,
-            block_size=cache.block_size, device=device, link_bytes_per_s=cache.link_bytes_per_s,
-            dtype=next(self.loaded.model.parameters()).dtype,
-        )
-        self.executor = ModelExecutor(self.loaded.model, mc, self.kv)
+        self.executor = self._build_executor(mc)
+        self.kv = self.executor.kv
         if isinstance(profile, HardwareProfile):
             self.profile = profile
+        elif profile == "measure" and tp > 1:
+            self.profile = self.executor.measure_profile(name=f"{cfg.model.name}@this-machine")
         elif profile == "measure":
             self.profile = profile_executor(self.executor, name=f"{cfg.model.name}@this-machine")
         else:  # "rough": enough to evaluate a fixed placement, no measurement
             self.profile = HardwareProfile(
                 name="rough", num_layers=mc.num_layers,
                 kv_bytes_per_token_per_layer=self.kv.device_pool.bytes_per_block // cache.block_size,
-                decode_a=0.0, decode_b=1e-3 * mc.num_layers, link_bytes_per_s=cache.link_bytes_per_s or 10e9,
+                decode_a=0.0, decode_b=1e-3 * mc.num_layers,
+                link_bytes_per_s=cfg.parallel.rank_link_bytes_per_s(cache.link_bytes_per_s) or 10e9,
                 device_kv_blocks=cache.device_kv_blocks, host_kv_blocks=cache.host_kv_blocks,
                 block_size=cache.block_size,
             )
@@ -91,6 +91,30 @@ class LLM:
             default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
         )
         self._ids = itertools.count()
+
+    def _build_executor(self, mc):
+        """One ModelExecutor over this process's KV pools, or (--tensor-parallel-size N > 1) the driver of N
+        rank processes, each with its shard of the model and of both KV pools."""
+        cfg, cache = self.config, self.config.cache
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = self.loaded.model
+        dtype = next(model.parameters()).dtype if model is not None else torch.float32
+        if cfg.parallel.tensor_parallel_size > 1:
+            from orbitflow.runtime.tp_executor import TensorParallelExecutor
+
+            return TensorParallelExecutor(
+                self.loaded.path, mc, cfg.parallel, device_kv_blocks=cache.device_kv_blocks,
+                host_kv_blocks=cache.host_kv_blocks, block_size=cache.block_size,
+                link_bytes_per_s=cache.link_bytes_per_s, dtype=dtype, compute_threads=cfg.model.compute_threads,
+            )
+        threads = cfg.resolved_compute_threads(cuda=device == "cuda")
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
+        kv = KVManager(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.device_kv_blocks, cache.host_kv_blocks,
+            block_size=cache.block_size, device=device, link_bytes_per_s=cache.link_bytes_per_s, dtype=dtype,
+        )
+        return ModelExecutor(model, mc, kv)
 
     @property
     def tokenizer(self):

@@ -411,6 +411,9 @@ def _add_service_routes(app: FastAPI, server: OpenAIServer, auth: tuple[int, ...
             return JSONResponse({"status": "engine not running"}, status_code=503)
         if server.engine.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        failure = getattr(server.llm.executor, "failure", None)  # a tensor-parallel rank died or hung
+        if failure is not None:
+            return JSONResponse({"status": f"executor failed: {failure}"}, status_code=503)
         stuck = server.engine.stalled(server.watchdog_s)
         if stuck is not None:
             return JSONResponse({"status": f"engine stalled: its loop has not advanced for {stuck:.0f} s "

@@ -53,10 +53,31 @@ class _EngineCollector:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _rank_metrics(engine.executor)
         records = engine.controller.records
         yield GaugeMetricFamily("orbitflow:plan_optimality_gap",
                                 "Certified relative gap of the latest plan to the best possible one (0: optimal)",
                                 value=records[-1].gap if records else 0.0)
+
+
+def _rank_metrics(executor) -> Iterator[Metric]:
+    """Per-rank KV pool use and link bytes of a tensor-parallel executor (as of its last step)."""
+    ranks = getattr(executor, "rank_stats", None)
+    if not ranks:
+        return
+    blocks = GaugeMetricFamily("orbitflow:tp_kv_blocks_used", "KV blocks in use on one tensor-parallel rank",
+                               labels=["rank", "tier"])
+    pool_bytes = GaugeMetricFamily("orbitflow:tp_kv_bytes_used", "KV bytes in use on one tensor-parallel rank "
+                                   "(its shard of the KV heads)", labels=["rank", "tier"])
+    link = CounterMetricFamily("orbitflow:tp_link_bytes", "KV bytes moved over one rank's host link",
+                               labels=["rank", "direction"])
+    for r in ranks:
+        for tier, used in (("device", r.device_blocks_used), ("host", r.host_blocks_used)):
+            blocks.add_metric([str(r.rank), tier], used)
+            pool_bytes.add_metric([str(r.rank), tier], used * r.block_bytes)
+        link.add_metric([str(r.rank), "h2d"], r.bytes_h2d)
+        link.add_metric([str(r.rank), "d2h"], r.bytes_d2h)
+    yield from (blocks, pool_bytes, link)
 
 
 class ServerMetrics:

@@ -1,0 +1,471 @@
+"""Tensor parallelism in the engine: the engine's executor role, played by a driver over N rank processes.
+
+The engine process (the "driver") keeps everything that decides: the scheduler, the controller and the
+planner run once, there. It holds a *shadow* KV manager: the real manager's block accounting over Hkv/N heads
+(one rank's shard) without storage, so the engine, the planner and /metrics see exactly the blocks and bytes of
+one rank. Every call of the engine that changes the KV state (allocate, grow, apply placements, i.e. the
+evictions and moves, pause, free) is recorded on the shadow as it happens.
+
+The ranks are processes that orbitflow starts itself (``torch.multiprocessing`` spawn, no torchrun), joined in one
+``torch.distributed`` group (gloo on the CPU, NCCL on CUDA) whose collectives time out after
+``collective_timeout_s``. Each rank owns its model shard (`orbitflow.model.tensor_parallel`), its shard of both
+KV pools and its own link (a KV manager with its own transfer engine: copy thread and throttle on the CPU,
+copy stream on CUDA), under an ordinary `ModelExecutor`.
+
+Per step the driver broadcasts to every rank: the recorded KV operations since the last step (each rank replays
+them, so its block table is the shadow's), the prefetch depth and the batch (`SeqInput`s: token ids, positions,
+sampling inputs; each rank derives the prefetch lists from the placement in its replayed table, exactly as the
+driver's shadow would). Every rank runs the step; the forward all-reduces after attention and after the MLP.
+Only rank 0 computes logits and samples: the sampled tokens (with logprobs) come back from rank 0, the other
+ranks send back only their timings and counters (per-rank KV use and link bytes, for /metrics).
+
+Faults: a rank that dies is seen at once (its process sentinel); a rank that hangs makes the others' next
+collective time out, and they report it; the driver itself never waits longer than a deadline. Any of these
+fails the step (its requests end with an error), stops every rank and marks the executor failed: later steps
+fail at once, and /health reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from orbitflow.config import ParallelConfig
+from orbitflow.kv.manager import KVManager
+from orbitflow.kv.pool import Shortage
+from orbitflow.model.config import ModelConfig
+from orbitflow.model.errors import ModelLoadError
+from orbitflow.model.tensor_parallel import check_tp_size, shard_config
+from orbitflow.runtime.executor import Executor
+from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
+
+log = logging.getLogger("orbitflow.tensor_parallel")
+
+# Ops of the KV manager that change its state; the shadow records them, the ranks replay them in order.
+_RECORDED_OPS = ("allocate", "grow", "apply_placements", "pause", "free")
+
+
+class TensorParallelFailure(RuntimeError):
+    """A rank died, hung past the collective timeout, or failed a step: the group is unusable."""
+
+
+class ShadowKV(KVManager):
+    """One rank's KV accounting without storage, recording every state-changing call for the ranks to replay.
+
+    A call made inside another recorded call (allocate grows the request) is not recorded twice. A call that
+    ran short (allocate's None, a Shortage) is recorded too, with the mark: it may have changed some state
+    before stopping (placement moves go in rounds), and a rank replaying it must end in the same state and
+    run short the same way.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, materialize=False, **kwargs)
+        self.ops: list[tuple[str, tuple, bool]] = []
+        self._depth = 0
+        self.on_close = None
+        self.on_free = None  # called after a request's blocks are freed (the ranks then free theirs at once)
+
+    def _record(self, name: str, *args):
+        top = self._depth == 0
+        self._depth += 1
+        try:
+            result = getattr(super(), name)(*args)
+        finally:
+            self._depth -= 1
+        if top:
+            self.ops.append((name, args, _ran_short(name, result)))
+        return result
+
+    def allocate(self, req_id, num_tokens, on_device):
+        return self._record("allocate", req_id, num_tokens, list(on_device))
+
+    def grow(self, req_id, num_tokens):
+        return self._record("grow", req_id, num_tokens)
+
+    def apply_placements(self, rows):
+        return self._record("apply_placements", {rid: list(row) for rid, row in rows.items()})
+
+    def pause(self, req_id):
+        return self._record("pause", req_id)
+
+    def free(self, req_id):
+        self._record("free", req_id)
+        if self._depth == 0 and self.on_free is not None:
+            self.on_free()
+
+    def take_ops(self) -> list[tuple[str, tuple, bool]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def close(self) -> None:
+        super().close()
+        if self.on_close is not None:
+            self.on_close()
+
+
+def _ran_short(name: str, result) -> bool:
+    """Whether a KV manager call ran short of blocks (its answer, not an error: see KVManager)."""
+    return isinstance(result, Shortage) or (name == "allocate" and result is None)
+
+
+def replay(kv: KVManager, ops: list[tuple[str, tuple, bool]]) -> None:
+    """Apply the shadow's recorded ops to a rank's KV manager; a divergence (an op running short here but not
+    on the shadow, or the reverse) raises."""
+    for name, args, short in ops:
+        if name not in _RECORDED_OPS:
+            raise ValueError(f"unknown KV op {name!r}")
+        if _ran_short(name, getattr(kv, name)(*args)) != short:
+            side = "the driver's shadow" if short else "this rank"
+            raise RuntimeError(f"KV op {name}{args!r} ran short on {side} only")
+
+
+@dataclass
+class RankStats:
+    """What one rank reports after each step: its KV pools and link counters (cumulative)."""
+
+    rank: int
+    device_blocks_used: int = 0
+    host_blocks_used: int = 0
+    block_bytes: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    step_s: float = 0.0
+    stall_s: float = 0.0
+
+
+@dataclass
+class _WorkerSpec:
+    model_dir: str
+    size: int
+    init_method: str
+    backend: str
+    timeout_s: float
+    device_blocks: int
+    host_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    link_bytes_per_s: float | None  # this rank's throttle
+    threads: int | None
+    cuda: bool
+
+
+# ---- the rank process -----------------------------------------------------------------------------------
+def _rank_stats(rank: int, kv: KVManager, result: StepResult | None = None) -> RankStats:
+    device_used, host_used = kv.usage()
+    return RankStats(rank, device_used, host_used, kv.device_pool.bytes_per_block, kv.transfer.bytes_h2d,
+                     kv.transfer.bytes_d2h, result.step_s if result else 0.0, result.stall_s if result else 0.0)
+
+
+def _measure_allreduce(hidden: int, dtype: torch.dtype, device, repeats: int = 15) -> dict[str, float]:
+    """Median seconds of one all-reduce of a [tokens, hidden] activation, for a few token counts (the decode
+    step of 1 and 4 requests, a prefill chunk)."""
+    import torch.distributed as dist
+
+    out = {}
+    for tokens in (1, 4, 64):
+        x = torch.ones(tokens, hidden, dtype=dtype, device=device)
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        out[f"allreduce_{tokens}_tokens_s"] = float(np.median(times))
+    return out
+
+
+def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from orbitflow.model.loader import read_model_config
+    from orbitflow.model.tensor_parallel import build_shard
+    from orbitflow.runtime.executor import ModelExecutor
+
+    kv = None
+    try:
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
+        device = torch.device(f"cuda:{rank}") if spec.cuda else torch.device("cpu")
+        if spec.cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.size,
+                                timeout=timedelta(seconds=spec.timeout_s))
+        config = read_model_config(Path(spec.model_dir))
+        local = shard_config(config, spec.size)
+        model = build_shard(spec.model_dir, rank, spec.size, dtype=spec.dtype, device=device)
+        kv = KVManager(local.num_layers, local.num_kv_heads, local.head_dim, spec.device_blocks, spec.host_blocks,
+                       block_size=spec.block_size, dtype=spec.dtype, device=device,
+                       link_bytes_per_s=spec.link_bytes_per_s)
+        executor = ModelExecutor(model, local, kv)
+        conn.send(("ok", _rank_stats(rank, kv)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver, which fails cleanly
+        conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
+        return
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the driver is gone
+                break
+            kind = message[0]
+            if kind == "stop":
+                break
+            try:
+                replay(kv, message[1])
+                if kind == "step":
+                    _, _, slots, seqs = message
+                    kv.transfer.prefetch_slots = slots
+                    result = executor.step(seqs)
+                    conn.send(("ok", result, _rank_stats(rank, kv, result)))
+                elif kind == "sync":
+                    conn.send(("ok", _rank_stats(rank, kv)))
+                elif kind == "profile":
+                    from orbitflow.runtime.profiler import profile_executor
+
+                    profile = profile_executor(executor, name=message[2])
+                    allreduce = _measure_allreduce(local.hidden_size, spec.dtype, device)
+                    conn.send(("ok", profile, allreduce))
+                else:
+                    raise ValueError(f"unknown message {kind!r}")
+            except BaseException as exc:  # noqa: BLE001 - the group's state is unknown now: report and stop
+                detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                conn.send(("error", f"rank {rank}: {detail}"))
+                break
+    finally:
+        if kv is not None:
+            kv.close()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly; the process ends anyway
+            pass
+
+
+# ---- the driver -----------------------------------------------------------------------------------------
+class TensorParallelExecutor(Executor):
+    """The engine's executor over `parallel.tensor_parallel_size` rank processes (see the module docstring)."""
+
+    def __init__(self, model_dir, model_config: ModelConfig, parallel: ParallelConfig, *, device_kv_blocks: int,
+                 host_kv_blocks: int, block_size: int, link_bytes_per_s: float | None,
+                 dtype: torch.dtype = torch.float32, compute_threads: int | None = None,
+                 startup_timeout_s: float = 600.0) -> None:
+        size = parallel.tensor_parallel_size
+        check_tp_size(model_config, size)
+        self.size = size
+        self.parallel = parallel
+        self.config = model_config
+        self.shard = shard_config(model_config, size)
+        self.num_layers = model_config.num_layers
+        self.block_size = block_size
+        self._failure: str | None = None
+        self._stopped = False
+        # A rank that hangs makes its peers' collective time out; past that (and a margin for the step's own
+        # compute), the driver stops waiting for the ranks at all.
+        self.deadline_s = 4 * parallel.collective_timeout_s + 30.0
+        rank_link = parallel.rank_link_bytes_per_s(link_bytes_per_s)
+        self.kv = ShadowKV(self.num_layers, self.shard.num_kv_heads, self.shard.head_dim, device_kv_blocks,
+                           host_kv_blocks, block_size=block_size, dtype=dtype, link_bytes_per_s=rank_link)
+        self.kv.on_close = self.close
+        self.kv.on_free = self._sync_quietly
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= size
+        if compute_threads is None and not cuda:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            compute_threads = max(1, cores // size)
+        self._store_dir = tempfile.mkdtemp(prefix="orbitflow-tp-")
+        spec = _WorkerSpec(
+            model_dir=str(model_dir), size=size, init_method=f"file://{self._store_dir}/store",
+            backend="nccl" if cuda else "gloo", timeout_s=parallel.collective_timeout_s,
+            device_blocks=device_kv_blocks, host_blocks=host_kv_blocks, block_size=block_size, dtype=dtype,
+            link_bytes_per_s=rank_link, threads=compute_threads, cuda=cuda,
+        )
+        self.backend = spec.backend
+        ctx = mp.get_context("spawn")
+        self._conns = []
+        self._procs = []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"orbitflow-tp-rank{rank}",
+                               daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            replies = self._gather(startup_timeout_s)
+        except TensorParallelFailure as exc:  # a usage-level error for the CLI (bad model files, no memory, ...)
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            raise ModelLoadError(str(exc)) from exc
+        self.rank_stats: list[RankStats] = [reply[1] for reply in replies]
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group cannot run steps any more (None while it can). A rank that died while the engine was
+        idle counts at once, so /health reports it before the next request meets it."""
+        if self._failure is None:
+            dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+            if dead:
+                self._failure = f"tensor-parallel rank {dead[0]} died (exit code {self._procs[dead[0]].exitcode})"
+        return self._failure
+
+    # ---- messaging ------------------------------------------------------------------------------------
+    def _send(self, messages: list) -> None:
+        if self.failure is not None:
+            self._fail(self.failure)
+        for rank, (conn, message) in enumerate(zip(self._conns, messages)):
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionError, OSError) as exc:
+                self._fail(f"tensor-parallel rank {rank} is gone ({type(exc).__name__})")
+
+    def _gather(self, deadline_s: float | None = None) -> list[tuple]:
+        """One reply from every rank; a dead rank, an error reply or the deadline fails the group."""
+        limit = self.deadline_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + limit
+        replies: dict[int, tuple] = {}
+        while len(replies) < self.size:
+            waiting = {self._conns[r]: r for r in range(self.size) if r not in replies}
+            sentinels = {self._procs[r].sentinel: r for r in range(self.size)}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = sorted(waiting.values())
+                self._fail(f"tensor-parallel rank(s) {late} did not answer within {limit:.0f} s "
+                           "(hung); the group was stopped")
+            ready = wait(list(waiting) + list(sentinels), timeout=left)
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting[obj]
+                    try:
+                        reply = obj.recv()
+                    except (EOFError, OSError):
+                        continue  # its sentinel says why
+                    if reply[0] == "error":
+                        self._fail(self._cause(reply[1]))
+                    replies[rank] = reply
+            for obj in ready:
+                if obj in sentinels and not self._procs[sentinels[obj]].is_alive():
+                    rank = sentinels[obj]
+                    if rank in replies and len(replies) == self.size:
+                        continue
+                    code = self._procs[rank].exitcode
+                    self._fail(f"tensor-parallel rank {rank} died (exit code {code})")
+        return [replies[r] for r in range(self.size)]
+
+    def _cause(self, error: str) -> str:
+        """What to report for a rank's error: a peer that died is the cause (the error is its consequence)."""
+        time.sleep(0.2)  # a dead peer's process may take a moment to be reaped
+        dead = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
+        if dead:
+            codes = ", ".join(f"rank {r} (exit code {self._procs[r].exitcode})" for r in dead)
+            return f"tensor-parallel rank {dead[0]} died: {codes}; then {error}"
+        return f"tensor-parallel {error}"
+
+    def _fail(self, message: str) -> None:
+        """Record the first failure, stop every rank (once) and raise."""
+        if self._failure is None:
+            self._failure = message
+        if not self._stopped:
+            log.error("%s", self._failure)
+            self._stop_ranks(graceful=False)
+        raise TensorParallelFailure(self._failure)
+
+    def _stop_ranks(self, graceful: bool) -> None:
+        self._stopped = True
+        for conn, proc in zip(self._conns, self._procs):
+            if graceful and proc.is_alive():
+                try:
+                    conn.send(("stop", []))
+                except (BrokenPipeError, ConnectionError, OSError):
+                    pass
+        for proc in self._procs:
+            if graceful:
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+
+    # ---- the executor interface ---------------------------------------------------------------------------
+    def execute(self, out: ScheduleOutput) -> StepResult:
+        return self.step(out.seqs)
+
+    def step(self, seqs: list[SeqInput]) -> StepResult:
+        ops = self.kv.take_ops()
+        slots = self.kv.transfer.prefetch_slots
+        # Only rank 0 samples: the others get the batch without sampling inputs (and without the token histories
+        # that penalties read).
+        silent = [replace(s, sample=False, prompt_ids=(), output_ids=()) for s in seqs]
+        self._send([("step", ops, slots, seqs)] + [("step", ops, slots, silent)] * (self.size - 1))
+        replies = self._gather()
+        results: list[StepResult] = [reply[1] for reply in replies]
+        self.rank_stats = [reply[2] for reply in replies]
+        lead = results[0]
+        slowest = max(results, key=lambda r: r.step_s)
+        rates = [r.link_blocks_per_s for r in results if r.link_blocks_per_s is not None]
+        return replace(
+            lead,
+            step_s=slowest.step_s,
+            layer_compute_s=slowest.layer_compute_s,
+            layer_stall_s=[max(r.layer_stall_s[i] for r in results) for i in range(self.num_layers)],
+            bytes_h2d=sum(r.bytes_h2d for r in results),
+            bytes_d2h=sum(r.bytes_d2h for r in results),
+            link_blocks_per_s=min(rates) if rates else None,
+        )
+
+    def sync(self) -> list[RankStats]:
+        """Send the KV ops recorded since the last step to every rank and return their pools' state."""
+        self._send([("sync", self.kv.take_ops())] * self.size)
+        self.rank_stats = [reply[1] for reply in self._gather()]
+        return self.rank_stats
+
+    def _sync_quietly(self) -> None:
+        """After a finish, ship the frees now (not with the next step, which may be long in coming when the
+        engine goes idle), so each rank's pools, and /metrics, show the blocks back. A failure is already
+        recorded and reported by the step that meets it; a request's finish must not raise."""
+        if self._failure is None:
+            try:
+                self.sync()
+            except TensorParallelFailure:
+                pass
+
+    def measure_profile(self, name: str):
+        """`profile_executor` on every rank at once (they run the same steps, in lock-step through the
+        all-reduces), plus an all-reduce micro-benchmark. Returns rank 0's profile, in one rank's units (its
+        shard's block bytes, its own link), with every rank's figures in ``extra["tensor_parallel"]``."""
+        self._send([("profile", self.kv.take_ops(), name)] * self.size)
+        replies = self._gather()
+        profile, _ = replies[0][1], replies[0][2]
+        per_rank = []
+        for rank, (_, p, allreduce) in enumerate(replies):
+            per_rank.append({"rank": rank, "decode_a": p.decode_a, "decode_b": p.decode_b,
+                             "decode_per_request_s": p.decode_per_request_s, "prefill_a": p.prefill_a,
+                             "prefill_b": p.prefill_b, "link_bytes_per_s": p.link_bytes_per_s,
+                             "transfer_latency_s": p.transfer_latency_s, **allreduce})
+        extra = dict(profile.extra)
+        extra["tensor_parallel"] = {"size": self.size, "tp_link": self.parallel.tp_link, "backend": self.backend,
+                                    "per_rank": per_rank}
+        return replace(profile, extra=extra, notes=f"{profile.notes}; tensor parallel x{self.size} "
+                                                   f"({self.parallel.tp_link} link), one rank's shard")
+
+    def close(self) -> None:
+        if not self._stopped:
+            graceful = self.failure is None
+            if self._failure is None:
+                self._failure = "the tensor-parallel executor was closed"
+            self._stop_ranks(graceful=graceful)
+        shutil.rmtree(self._store_dir, ignore_errors=True)

@@ -1,0 +1,152 @@
+"""Tensor parallelism in the engine: TP=2 over gloo (two rank processes) against one process, token for token."""
+
+import os
+import signal
+import time
+
+import pytest
+from tiny_models import make_llm
+
+from orbitflow.policies.base import PlanContext, default_slo_s
+from orbitflow.policies.fixed import FixedPlacementPolicy
+from orbitflow.runtime.clock import WallClock
+from orbitflow.runtime.engine import Engine
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.runtime.tp_executor import TensorParallelFailure
+
+PROMPTS = [list(range(1, 70, 4)), [1, 7, 3, 8], [1] + list(range(90, 130))]
+PLACEMENTS = ["none", "all", "distance:2", "random:3"]
+SAMPLING = SamplingParams(max_tokens=12, ignore_eos=True)
+TIMEOUT_S = 8.0
+
+
+def _swap_engine(llm, policy) -> None:
+    """A fresh engine with another placement policy over the same executor (the rank processes stay up)."""
+    llm.engine.controller.close()
+    ctx = PlanContext.from_profile(llm.config, llm.profile, policy)
+    llm.kv.transfer.prefetch_slots = ctx.cost_model.prefetch_slots
+    llm.engine = Engine(llm.config, llm.executor, policy, ctx, WallClock(), default_slo_s(llm.config, llm.profile),
+                        llm.tokenizer.eos_token_ids, None)
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_llama):
+    llm = make_llm(tiny_llama, policy=FixedPlacementPolicy("none"), max_num_seqs=3, link_gbps=0.5,
+                   tensor_parallel_size=2, collective_timeout=TIMEOUT_S)
+    yield llm
+    llm.close()
+
+
+def test_tp2_token_identical_to_tp1_under_every_placement(tiny_llama, tp2):
+    for placement in PLACEMENTS:
+        one = make_llm(tiny_llama, policy=FixedPlacementPolicy(placement), max_num_seqs=3, compute_threads=1)
+        expected = [r.output_ids for r in one.generate(PROMPTS, SAMPLING)]
+        one.close()
+        _swap_engine(tp2, FixedPlacementPolicy(placement))
+        before = [r.bytes_h2d for r in tp2.executor.rank_stats]
+        got = [r.output_ids for r in tp2.generate(PROMPTS, SAMPLING)]
+        assert got == expected, placement
+        assert tp2.kv.usage() == (0, 0)  # the shadow's pools: every block back
+        ranks = tp2.executor.sync()
+        assert [(r.device_blocks_used, r.host_blocks_used) for r in ranks] == [(0, 0), (0, 0)], placement
+        moved = [r.bytes_h2d - b for r, b in zip(ranks, before)]
+        if placement != "none":  # each rank moved its own shard (half the KV heads) over its own link
+            assert moved[0] == moved[1] > 0, placement
+        else:
+            assert moved == [0, 0]
+
+
+def test_shadow_kv_replay_reaches_the_same_state():
+    """The ranks' KV managers follow the driver's shadow through allocation, growth, moves, pauses, evictions
+    and frees, including an op that fails part-way (placement moves go in rounds)."""
+    from orbitflow.kv.manager import KVManager
+    from orbitflow.runtime.tp_executor import ShadowKV, replay
+
+    shadow = ShadowKV(4, 1, 8, 20, 40, block_size=4)
+    rank = KVManager(4, 1, 8, 20, 40, block_size=4)
+    shadow.allocate("a", 9, [True, True, False, False])
+    shadow.allocate("b", 5, [True] * 4)
+    shadow.grow("a", 13)
+    shadow.apply_placements({"a": [False, True, True, False]})
+    shadow.pause("b")
+    shadow.allocate("c", 8, [True] * 4)  # evicts paused b's device layers to make room
+    assert shadow.apply_placements({"a": [True] * 4, "c": [True] * 4}) is not None  # runs short part-way
+    shadow.free("b")
+    ops = shadow.take_ops()
+    assert [name for name, _, _ in ops] == ["allocate", "allocate", "grow", "apply_placements", "pause",
+                                            "allocate", "apply_placements", "free"]
+    replay(rank, ops)
+    assert rank.usage() == shadow.usage()
+    for rid in ("a", "c"):
+        assert rank.tables[rid].on_device == shadow.tables[rid].on_device
+        assert rank.tables[rid].blocks_per_layer == shadow.tables[rid].blocks_per_layer
+    assert "b" not in rank.tables and rank.paused == shadow.paused
+    rank.close()
+    shadow.close()
+
+
+def test_profile_measures_every_rank(tp2, tiny_llama):
+    """`orbitflow profile --tensor-parallel-size 2`: rank 0's profile in one rank's units (its shard of the KV
+    heads, its own link), every rank's compute, link and all-reduce figures beside it."""
+    profile = tp2.executor.measure_profile("tiny@tp2")
+    config = tiny_llama.config
+    assert profile.kv_bytes_per_token_per_layer == 2 * (config.num_kv_heads // 2) * config.head_dim * 4
+    assert profile.link_bytes_per_s == pytest.approx(0.5e9)  # --link-gbps 0.5, per rank
+    tp = profile.extra["tensor_parallel"]
+    assert tp["size"] == 2 and [r["rank"] for r in tp["per_rank"]] == [0, 1]
+    for r in tp["per_rank"]:
+        assert r["decode_b"] > 0 and r["link_bytes_per_s"] > 0
+        assert all(r[f"allreduce_{t}_tokens_s"] > 0 for t in (1, 4, 64))
+    assert tp2.executor.sync()[1].device_blocks_used == 0  # the profiler's own pools were separate
+
+
+def test_hung_rank_fails_the_step_within_the_collective_timeout(tp2):
+    """Runs last on the module's executor: stop rank 1 (SIGSTOP, a hang); rank 0's all-reduce times out, the
+    step's requests end with an error, every rank is stopped and the executor stays failed."""
+    os.kill(tp2.executor._procs[1].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel"):
+        tp2.generate(PROMPTS[:1], SAMPLING)
+    assert time.monotonic() - start < TIMEOUT_S + 15.0
+    assert tp2.executor.failure is not None
+    assert not any(p.is_alive() for p in tp2.executor._procs)
+    with pytest.raises(TensorParallelFailure):
+        tp2.executor.step([])
+
+
+def test_smollm2_tp3_token_identical_to_tp1():
+    """SmolLM2-135M split over 3 ranks (its 3 KV heads, one per rank), 16 greedy tokens, with offloading."""
+    from orbitflow.config import EngineConfig
+    from orbitflow.llm import LLM
+    from orbitflow.model.loader import load_model
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    sampling = SamplingParams(max_tokens=16)
+    outputs = {}
+    loaded = load_model("smollm2-135m")
+    for tp in (1, 3):
+        config = EngineConfig.build(max_num_seqs=2, device_kv_blocks=4096, compute_threads=1,
+                                    tensor_parallel_size=tp)
+        llm = LLM(config, policy=FixedPlacementPolicy("distance:3"), profile="rough", loaded=loaded)
+        try:
+            outputs[tp] = [r.output_ids for r in llm.generate(prompts, sampling)]
+            assert llm.kv.usage() == (0, 0)
+            if tp == 3:  # a killed rank: the next step's requests fail at once (its process sentinel)
+                llm.executor._procs[2].kill()
+                start = time.monotonic()
+                with pytest.raises(RuntimeError, match="tensor-parallel rank 2 died"):
+                    llm.generate(prompts[:1], sampling)
+                assert time.monotonic() - start < 10.0
+                assert not any(p.is_alive() for p in llm.executor._procs)
+        finally:
+            llm.close()
+    assert outputs[3] == outputs[1]
+    assert all(len(o) == 16 for o in outputs[1])
+
+
+def test_tp_size_must_divide_the_kv_heads(tiny_llama):
+    from orbitflow.model.tensor_parallel import TensorParallelError, check_tp_size
+
+    check_tp_size(tiny_llama.config, 2)
+    with pytest.raises(TensorParallelError, match="--tensor-parallel-size 3 does not divide the model's KV heads"):
+        make_llm(tiny_llama, tensor_parallel_size=3)
