@@ -13,26 +13,26 @@ def make_engine(rate=None):
 def test_prefetch_order_is_earliest_needed_layer_first_one_slot_per_request():
     engine, device, host = make_engine()
     order = []
-    original = engine._copy
+    original = engine._issue
 
     def recording_copy(src, src_ids, dst, dst_ids):
         if src is host and dst is device:
             order.append(tuple(src_ids))
         return original(src, src_ids, dst, dst_ids)
 
-    engine._copy = recording_copy
+    engine._issue = recording_copy
     r0 = {layer: host.allocate(2) for layer in (2, 5)}
     r1 = {layer: host.allocate(3) for layer in (1, 2)}
     engine.start_step({0: [(2, r0[2]), (5, r0[5])], 1: [(1, r1[1]), (2, r1[2])]})
     engine.wait_layer(1, [1])
-    engine.release(1, 1)  # request 1 consumed layer 1: its layer-2 fetch may start
+    engine.release(1, 1, after=engine.device.record_compute())  # request 1 consumed layer 1: its layer 2 may start
     engine.wait_layer(2, [0, 1])
     staged = engine.staged(0, 2)
     assert staged is not None and len(staged) == 2
-    engine.release(0, 2)
-    engine.release(1, 2)
+    engine.release(0, 2, after=engine.device.record_compute())
+    engine.release(1, 2, after=engine.device.record_compute())
     engine.wait_layer(5, [0])
-    engine.release(0, 5)
+    engine.release(0, 5, after=engine.device.record_compute())
     engine.end_step()
     # layer 1 (request 1) before layer 2 (request 0); request 1's layer 2 only after its slot was freed
     assert order == [tuple(r1[1]), tuple(r0[2]), tuple(r1[2]), tuple(r0[5])]
@@ -75,13 +75,13 @@ def test_depth_two_lets_the_next_layer_land_before_this_one_is_consumed():
     engine.start_step({0: [(layer, ids[layer]) for layer in (0, 1, 2)]})
     engine.wait_layer(0, [0])
     engine.wait_layer(1, [0])  # at depth 1 this would wait forever: layer 0 is not released yet
-    assert (0, 2) not in engine._done  # the third fetch waits for a free slot
+    assert (0, 2) not in engine._issued  # the third fetch waits for a free slot
     assert float(device.storage[:, engine.staged(0, 1)].mean()) == 2.0
-    engine.release(0, 0)
+    engine.release(0, 0, after=engine.device.record_compute())
     engine.wait_layer(2, [0])
     assert float(device.storage[:, engine.staged(0, 2)].mean()) == 3.0
-    engine.release(0, 1)
-    engine.release(0, 2)
+    engine.release(0, 1, after=engine.device.record_compute())
+    engine.release(0, 2, after=engine.device.record_compute())
     engine.end_step()
     assert device.num_used == 0
     engine.close()

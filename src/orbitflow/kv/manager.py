@@ -192,7 +192,10 @@ class KVManager:
     def write(self, req_id: object, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of tokens start..start+n-1 of one layer into that layer's tier."""
         table = self.tables[req_id]
-        pool = self.pool(table.on_device[layer])
+        if not table.on_device[layer]:  # device-to-host: an async copy fenced by its event, never a sync
+            self.transfer.write_host(table.blocks[layer], start, k, v)
+            return
+        pool = self.device_pool
         k, v = k.to(pool.storage.device, pool.storage.dtype), v.to(pool.storage.device, pool.storage.dtype)
         pool.write(table.blocks[layer], start, k, v)
 

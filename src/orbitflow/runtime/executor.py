@@ -9,7 +9,6 @@ prefetched by the transfer engine in the planner's `edf` order and consumed from
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -85,7 +84,7 @@ class ModelExecutor:
     def _decode_writes(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
         """Per layer, for a decode step: the rows whose KV of that layer is on the device and the (block,
         offset) slots their new tokens go to, so each layer writes them in one indexed op."""
-        bs, device = self.block_size, self.device
+        bs, h2d = self.block_size, self.kv.transfer.device.h2d  # index tensors built without a host sync
         writes: list[tuple | None] = []
         for layer in range(self.num_layers):
             rows = [b for b, t in enumerate(tables) if t.on_device[layer]]
@@ -93,9 +92,9 @@ class ModelExecutor:
                 writes.append(None)
                 continue
             writes.append((
-                None if len(rows) == len(seqs) else torch.tensor(rows, device=device),
-                torch.tensor([tables[b].blocks[layer][seqs[b].start_pos // bs] for b in rows], device=device),
-                torch.tensor([seqs[b].start_pos % bs for b in rows], device=device),
+                None if len(rows) == len(seqs) else h2d(rows),
+                h2d([tables[b].blocks[layer][seqs[b].start_pos // bs] for b in rows]),
+                h2d([seqs[b].start_pos % bs for b in rows]),
             ))
         return writes
 
@@ -123,8 +122,6 @@ class ModelExecutor:
         for s in seqs:
             bounds.append(bounds[-1] + len(s.token_ids))
         totals = [s.start_pos + len(s.token_ids) for s in seqs]
-        entered = [0.0] * self.num_layers
-        stalls = [0.0] * self.num_layers
         bytes_h2d, bytes_d2h, busy = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
 
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
@@ -133,14 +130,17 @@ class ModelExecutor:
         pool = kv.device_pool
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            entered[layer] = time.perf_counter()
+            transfer.clock.enter(layer)
             # The previous layer has run: its prefetch slots free up (RELEASE) and those requests' next
             # fetches may start. (Releasing right after attention would overlap more, but the planner's
-            # `edf` model, and the paper's example, free a slot when its layer has finished.)
-            for b, fetched_layer in consumed:
-                transfer.release(b, fetched_layer)
-            consumed.clear()
-            stalls[layer] = transfer.wait_layer(layer, host_users[layer])
+            # `edf` model, and the paper's example, free a slot when its layer has finished.) The slots are
+            # fenced by a compute-stream event after the kernels that read them: the copy stream waits on it.
+            if consumed:
+                fence = transfer.device.record_compute()
+                for b, fetched_layer in consumed:
+                    transfer.release(b, fetched_layer, after=fence)
+                consumed.clear()
+            transfer.wait_layer(layer, host_users[layer])
             written = decode_writes[layer] if decode_writes is not None else None
             if written is not None:
                 row_index, slot_blocks, slot_offsets = written
@@ -164,23 +164,20 @@ class ModelExecutor:
                 outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
             return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
-        positions = torch.tensor(
-            [p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
-            dtype=torch.long, device=self.device,
-        )
+        input_ids = transfer.device.h2d([t for s in seqs for t in s.token_ids])
+        positions = transfer.device.h2d([p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))])
         gc_was_enabled = gc.isenabled()
         if self.hold_gc:
             gc.disable()
-        start = time.perf_counter()
-        transfer.start_step(fetches)
+        transfer.start_step(fetches)  # starts the step's clock
         try:
             with torch.inference_mode():
                 hidden = self.model(input_ids, positions, attention)
-                last = torch.tensor([bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample], dtype=torch.long)
+                last = [bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample]
                 samples: list[Sample | None] = [None] * len(seqs)
-                if len(last):
-                    logits = self.model.compute_logits(hidden[last.to(hidden.device)])
+                if last:
+                    # The step's one host sync: the logits come to the host once, sampling runs there.
+                    logits = transfer.device.to_host(self.model.compute_logits(hidden[transfer.device.h2d(last)]))
                     sampled = iter(range(len(last)))
                     for b, s in enumerate(seqs):
                         if s.sample:  # never raises: a request whose sampling fails gets Sample.error
@@ -190,15 +187,12 @@ class ModelExecutor:
             transfer.end_step()
             if gc_was_enabled:
                 gc.enable()
-        end = time.perf_counter()
-        boundaries = entered[1:] + [end]
-        compute = [boundaries[l] - entered[l] - stalls[l] for l in range(self.num_layers)]
-        compute[0] += entered[0] - start  # embedding and the first projections
+        compute, stalls, step_s = transfer.clock.resolve(self.num_layers)  # CUDA: event times, after the sync
         device_used, host_used = kv.usage()
         moved, busy = transfer.bytes_h2d - bytes_h2d, transfer.busy_s - busy
         return StepResult(
             tokens=tokens,
-            step_s=end - start,
+            step_s=step_s,
             layer_compute_s=compute,
             layer_stall_s=stalls,
             bytes_h2d=moved,
