@@ -222,3 +222,20 @@ def test_strict_mode_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("ORBITFLOW_STRICT_ASYNC_DELAY_S", "soon")
     with pytest.raises(ValueError, match="ORBITFLOW_STRICT_ASYNC_DELAY_S"):
         StrictAsync.from_env()
+
+
+def test_scattered_copies_are_per_run_slice_copies_and_keep_the_data():
+    from orbitflow.kv.transfer import _runs
+
+    assert _runs([4, 5, 6], [10, 11, 12]) == [(4, 10, 3)]
+    assert _runs([4, 5, 9, 10, 2], [0, 1, 2, 3, 4]) == [(4, 0, 2), (9, 2, 2), (2, 4, 1)]
+    assert _runs([], []) == []
+    engine, device, host = make_engine()
+    src = [7, 3, 4, 20]
+    for i, b in enumerate(src):
+        host.storage[0, b], host.storage[1, b] = float(i), float(-i)
+    dst = [1, 2, 9, 5]
+    engine.move_to_device(src, dst)
+    for i, b in enumerate(dst):
+        assert float(device.storage[0, b].mean()) == i and float(device.storage[1, b].mean()) == -i
+    engine.close()

@@ -197,29 +197,44 @@ class AsyncDevice:
         self.sync_reasons[reason] += 1
         if self.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
-            return
+        else:
+            self.host_sync_cpu()
+
+    def host_sync_cpu(self) -> None:
+        """CPU: the queued kernels have run (strict mode's lagging compute events complete)."""
         with self._lock:
             lagging, self._lagging = self._lagging, []
         for event in lagging:  # the queued kernels have run: their events complete now
             event._due = 0.0
 
     def to_host(self, tensor: torch.Tensor, reason: str = "sampled tokens") -> torch.Tensor:
-        """The one sync a decode step makes: wait for the compute stream, then read `tensor` on the host."""
-        self.host_sync(reason)
-        return tensor.to("cpu")
+        """The one sync a decode step makes: `tensor` read on the host once the compute stream reaches it (CUDA:
+        the blocking copy is the sync itself)."""
+        self.host_syncs += 1
+        self.sync_reasons[reason] += 1
+        if self.is_cuda:
+            return tensor.to("cpu")
+        self.host_sync_cpu()
+        return tensor
 
     # ---- host-to-device data without a sync --------------------------------------------------------
     def h2d(self, data, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """A small tensor (token ids, positions, block indices) on the device it indexes. CUDA: built in pinned
         memory and copied non-blocking on the current stream (a pageable copy would sync the stream)."""
-        if not self.is_cuda:
-            return torch.tensor(data, dtype=dtype)
-        return torch.tensor(data, dtype=dtype).pin_memory().to(self.device, non_blocking=True)
+        return device_index(data, self.device, dtype)
 
     def poison(self, tensor: torch.Tensor) -> None:
         """Strict mode: fill memory that was just freed (or not yet written) with garbage."""
         if self.strict.enabled and tensor.numel() and tensor.is_floating_point():
             tensor.fill_(float("nan"))
+
+
+def device_index(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`torch.tensor(data)` on `device` without a host sync: on CUDA built in pinned memory and copied
+    non-blocking on the current stream (a copy from pageable memory synchronizes the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 class LayerClock:
@@ -229,6 +244,8 @@ class LayerClock:
 
     def __init__(self, device: AsyncDevice):
         self.device = device
+        self._wall_start = time.perf_counter()
+        self._wall_end: float | None = None
         self._start = self._stamp()
         self._enter: dict[int, object] = {}
         self._stall: dict[int, tuple[object, object] | float] = {}
@@ -253,15 +270,24 @@ class LayerClock:
         self._stall[layer] = (begin, end)
         return 0.0 if self.device.is_cuda else end - begin
 
+    def mark_gpu_end(self) -> None:
+        """CUDA: the step's GPU timeline ends here (just before its one sync, so its events have completed
+        when `resolve` reads them). CPU: the step ends at `end` as before."""
+        if self.device.is_cuda and self._end is None:
+            self._end = self._stamp()
+
     def end(self) -> None:
-        self._end = self._stamp()
+        """The step is over (host time): its wall-clock span ends; on the CPU its last layer's too."""
+        self._wall_end = time.perf_counter()
+        if self._end is None:
+            self._end = self._stamp()
 
     def _elapsed(self, a, b) -> float:
         return a.elapsed_time(b) / 1000.0 if self.device.is_cuda else b - a
 
     def resolve(self, num_layers: int) -> tuple[list[float], list[float], float]:
-        """(compute per layer, stall per layer, step time); call after the step's sync."""
-        if self._end is None:
+        """(compute per layer, stall per layer, step wall time); call after the step's sync and `end`."""
+        if self._wall_end is None:
             self.end()
         stalls = [self._elapsed(*self._stall[l]) if l in self._stall else 0.0 for l in range(num_layers)]
         entered = [self._enter.get(l) for l in range(num_layers)]
@@ -273,4 +299,4 @@ class LayerClock:
             compute[l] = self._elapsed(entered[l], nxt) - stalls[l]
         if entered and entered[0] is not None:
             compute[0] += self._elapsed(self._start, entered[0])  # embedding and the first projections
-        return compute, stalls, self._elapsed(self._start, self._end)
+        return compute, stalls, self._wall_end - self._wall_start

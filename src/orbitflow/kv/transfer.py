@@ -77,6 +77,7 @@ class TransferEngine:
         self.overflow_blocks = 0
         self._busy_s = 0.0  # time the link spent moving prefetches (for the controller's bandwidth estimate)
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: resolved lazily
+        self._busy_lock = threading.Lock()
         self.overflow_blocks_peak = 0
         self.clock = LayerClock(self.device)
         # Fences: per tier, the serial of the last event each block must wait for before reuse.
@@ -110,8 +111,9 @@ class TransferEngine:
     def busy_s(self) -> float:
         """Seconds the link has spent on prefetches (CUDA: copy-stream event time, counted once complete)."""
         if self._busy_events:
-            done = [pair for pair in self._busy_events if pair[1].query()]
-            self._busy_events = [pair for pair in self._busy_events if not pair[1].query()]
+            with self._busy_lock:
+                done = [pair for pair in self._busy_events if pair[1].query()]
+                self._busy_events = [pair for pair in self._busy_events if pair not in done]
             self._busy_s += sum(a.elapsed_time(b) for a, b in done) / 1000.0
         return self._busy_s
 
@@ -150,12 +152,10 @@ class TransferEngine:
                     events.append(event)
             return events
 
-    def _wait_fences(self, pool: BlockPool, ids: list[int], stream: str, host_read: bool = False) -> None:
-        """Protocol step: `stream` waits on the fences of `ids` (a host-side read waits on the host)."""
+    def _wait_fences(self, pool: BlockPool, ids: list[int], stream: str) -> None:
+        """Protocol step: `stream` waits on the fences of `ids` (CUDA: stream-side; CPU: its thread blocks)."""
         for event in self._fences(pool, ids):
-            if host_read:
-                self.device.worker_host_wait(event, stream)
-            elif stream == "compute":
+            if stream == "compute":
                 self.device.compute_wait(event)
             else:
                 self.device.copy_wait(event, stream)
@@ -166,31 +166,19 @@ class TransferEngine:
             for event in self._fences(pool, ids):
                 self.device.check_ready(event, stream, f"{what} ({pool.tier} blocks {ids[:4]}...)")
 
-    def _wait_and_check(self, pool: BlockPool, ids: list[int], stream: str, what: str, host_read=False) -> None:
-        self._wait_fences(pool, ids, stream, host_read)
+    def _wait_and_check(self, pool: BlockPool, ids: list[int], stream: str, what: str) -> None:
+        self._wait_fences(pool, ids, stream)
         self._check_fences(pool, ids, stream, what)
 
     # ---- data movement ----------------------------------------------------------------------------
     def _issue(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> None:
-        """Issue one copy on the current stream (CUDA: asynchronous). A run is one slice copy; a scattered
-        host source is gathered into pinned memory first (a gather from pinned memory would land in
-        pageable memory and make the copy synchronous); indices live on the device they index."""
-        n = len(src_ids)
-        if is_run(src_ids):
-            data = src.storage[:, src_ids[0]:src_ids[0] + n]
-        elif src.storage.device.type == "cpu":
-            data = torch.empty((2, n, *src.storage.shape[2:]), dtype=src.storage.dtype, pin_memory=self.is_cuda)
-            torch.index_select(src.storage, 1, torch.tensor(src_ids, dtype=torch.long), out=data)
-        else:
-            data = src.storage.index_select(1, self.device.h2d(src_ids))
-        if is_run(dst_ids):
-            dst.storage[:, dst_ids[0]:dst_ids[0] + n].copy_(data, non_blocking=True)
-        elif dst.storage.device.type != "cpu":
-            index = self.device.h2d(dst_ids)
-            dst.storage.index_copy_(1, index, data.to(dst.storage.device, non_blocking=True))
-        else:  # scattered host destination: one async copy per block, never a host-side scatter
-            for j, block in enumerate(dst_ids):
-                dst.storage[:, block].copy_(data[:, j], non_blocking=True)
+        """Issue one copy on the current stream (CUDA: asynchronous): per maximal run that is consecutive on
+        both sides, one slice copy per plane (K, V). Each slice is contiguous, so a pinned host side is copied
+        by DMA directly: no gather (which would read host memory on the host, and land in pageable memory that
+        makes the copy synchronous), no index tensor, no host-side read of memory a copy may still write."""
+        for s0, d0, m in _runs(src_ids, dst_ids):
+            for plane in (0, 1):
+                dst.storage[plane, d0:d0 + m].copy_(src.storage[plane, s0:s0 + m], non_blocking=True)
 
     def _move(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> int:
         """A placement move, called from the step loop's thread. It runs on the copy stream after every
@@ -200,14 +188,13 @@ class TransferEngine:
         nbytes = len(src_ids) * src.bytes_per_block
         if not self.materialized:  # accounting only: the simulator charges the time itself
             return nbytes
-        host_side_gather = self.is_cuda and src.storage.device.type == "cpu" and not is_run(src_ids)
         after_compute = self.device.record_compute()
         with self._link:
             start = time.perf_counter()
             if self.is_cuda:
                 with torch.cuda.stream(self.stream):
                     self.device.copy_wait(after_compute)
-                    self._wait_and_check(src, src_ids, "copy", "move reads", host_read=host_side_gather)
+                    self._wait_and_check(src, src_ids, "copy", "move reads")
                     self._wait_and_check(dst, dst_ids, "copy", "move writes")
                     self._issue(src, src_ids, dst, dst_ids)
                 event = self.device.record_copy()
@@ -281,6 +268,12 @@ class TransferEngine:
             time.sleep(self.device.delay())
             self.host_pool.write(ids, start, k, v)
             event.complete()
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The step's one host sync: `tensor` (the logits) read on the host. On CUDA the step's GPU timeline
+        ends here (`clock`), so every timing event has completed when the step resolves it."""
+        self.clock.mark_gpu_end()
+        return self.device.to_host(tensor)
 
     def synchronize(self) -> None:
         """Wait until every issued copy has landed (tests and inspection; never in the step loop)."""
@@ -413,7 +406,6 @@ class TransferEngine:
         wait on its fence and on the host blocks' pending writes, fill its first blocks, record the copy event
         and hand it to the compute stream (`_issued`)."""
         n = len(fetch.host_blocks)
-        host_side_gather = self.is_cuda and not is_run(fetch.host_blocks)
         try:
             staging = self.device_pool.allocate(fetch.capacity, placement="first")
         except OutOfBlocks:
@@ -427,12 +419,14 @@ class TransferEngine:
             start = time.perf_counter()
             if self.is_cuda:
                 with torch.cuda.stream(self.stream):
-                    begin = torch.cuda.Event(enable_timing=True)
+                    self._fill(fetch, staging, n, prepare_only=True)  # the stream waits on the fences
+                    begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
                     begin.record(self.stream)
-                    self._fill(fetch, staging, n, host_side_gather)
+                    self._fill(fetch, staging, n)
                     end = torch.cuda.Event(enable_timing=True)
                     end.record(self.stream)
-                self._busy_events.append((begin, end))
+                with self._busy_lock:
+                    self._busy_events.append((begin, end))
                 event = self.device.record_copy()
                 self._hand_over(fetch, event)
                 if self.link_bytes_per_s:  # an emulated slow link must know when the copy ended
@@ -440,22 +434,21 @@ class TransferEngine:
                     self._throttle(n * self.host_pool.bytes_per_block, start)
             elif self.device.strict.enabled:  # the copy lands late: the event is handed over before it does
                 event = self.device.record_copy()
-                self._fill(fetch, staging, n, False, prepare_only=True)
+                self._fill(fetch, staging, n, prepare_only=True)
                 self._hand_over(fetch, event)
                 time.sleep(self.device.delay())
-                self._fill(fetch, staging, n, False)
+                self._fill(fetch, staging, n)
                 event.complete()
                 self._throttle(n * self.host_pool.bytes_per_block, start)
                 self._busy_s += time.perf_counter() - start
             else:
-                self._fill(fetch, staging, n, False)
+                self._fill(fetch, staging, n)
                 self._throttle(n * self.host_pool.bytes_per_block, start)
                 self._busy_s += time.perf_counter() - start
                 self._hand_over(fetch, self.device.done_event())
         self.bytes_h2d += n * self.host_pool.bytes_per_block
 
-    def _fill(self, fetch: _Fetch, staging: list[int] | None, n: int, host_side_gather: bool,
-              prepare_only: bool = False) -> None:
+    def _fill(self, fetch: _Fetch, staging: list[int] | None, n: int, prepare_only: bool = False) -> None:
         """Wait on the fences, take the slot (or a scratch tensor when the pool is full) and, unless
         `prepare_only`, copy the host blocks into it."""
         if fetch.staging is None and fetch.scratch is None:
@@ -471,7 +464,7 @@ class TransferEngine:
                 with self._cond:
                     self.overflow_blocks += fetch.capacity
                     self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
-            self._wait_and_check(self.host_pool, fetch.host_blocks, "copy", "prefetch reads", host_side_gather)
+            self._wait_and_check(self.host_pool, fetch.host_blocks, "copy", "prefetch reads")
         if prepare_only:
             return
         if fetch.staging is not None:
@@ -530,3 +523,16 @@ class _ScratchPool:
     def __init__(self, storage: torch.Tensor, like: BlockPool):
         self.storage = storage
         self.bytes_per_block = like.bytes_per_block
+
+
+def _runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal stretches where both id lists go up by one."""
+    if is_run(src_ids) and is_run(dst_ids):  # the usual case
+        return [(src_ids[0], dst_ids[0], len(src_ids))] if src_ids else []
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(src_ids, dst_ids):
+        if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs

@@ -177,7 +177,7 @@ class ModelExecutor:
                 samples: list[Sample | None] = [None] * len(seqs)
                 if last:
                     # The step's one host sync: the logits come to the host once, sampling runs there.
-                    logits = transfer.device.to_host(self.model.compute_logits(hidden[transfer.device.h2d(last)]))
+                    logits = transfer.to_host(self.model.compute_logits(hidden[transfer.device.h2d(last)]))
                     sampled = iter(range(len(last)))
                     for b, s in enumerate(seqs):
                         if s.sample:  # never raises: a request whose sampling fails gets Sample.error
