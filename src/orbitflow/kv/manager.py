@@ -108,7 +108,7 @@ class KVManager:
             run = pool.allocate(len(old) + need)
             if is_run(run):  # relocate: one copy inside the device tier, then the run grows again
                 pool.storage[:, run[0]:run[0] + len(old)] = pool.storage[:, old[0]:old[0] + len(old)]
-                pool.free(old)
+                self.transfer.free_after_compute(pool, old)  # the copy above may still be queued
                 table.blocks[layer] = run
                 return
             pool.free(run)

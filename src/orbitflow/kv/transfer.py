@@ -212,6 +212,13 @@ class TransferEngine:
             self._throttle(nbytes, start)
         return nbytes
 
+    def free_after_compute(self, pool: BlockPool, ids: list[int]) -> None:
+        """Free blocks that kernels queued on the compute stream may still read (e.g. the source of a
+        relocation): fenced by a compute event, so a copy that reuses them waits for those kernels."""
+        if self.materialized and ids:
+            self._fence(pool, ids, self.device.record_compute())
+        pool.free(ids)
+
     def move_to_host(self, device_ids: list[int], host_ids: list[int]) -> None:
         self.layer_moves += 1
         self.bytes_d2h += self._move(self.device_pool, device_ids, self.host_pool, host_ids)
