@@ -87,3 +87,19 @@ def test_strict_pause_resume_and_abort(tiny_llama, strict):
         assert llm.kv.usage() == (0, 0)
     finally:
         llm.close()
+
+
+def test_strict_catches_the_executor_releasing_a_slot_without_its_fence(tiny_llama, strict, monkeypatch):
+    """The race the protocol removes: the executor frees a staging slot while the kernels that read it may
+    still be queued. Drop the fence the executor passes, and the first decode step with a prefetch fails."""
+    from orbitflow.kv.transfer import TransferEngine
+
+    release = TransferEngine.release
+    monkeypatch.setattr(TransferEngine, "release", lambda self, b, layer, after: release(self, b, layer, None))
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("all"), max_num_seqs=1)
+    try:
+        with pytest.raises(Exception, match="released without a compute-stream event"):
+            llm.generate(prompts(1, 20), SamplingParams(max_tokens=4))
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
