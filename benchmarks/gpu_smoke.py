@@ -70,7 +70,7 @@ def hf_reference(model_dir, prompts, max_tokens, dtype) -> list[list[int]]:
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                              min_new_tokens=max_tokens, pad_token_id=0)
+                              pad_token_id=0)
             out.append(gen[0, len(p):].tolist())
     del hf
     torch.cuda.empty_cache()
@@ -100,7 +100,7 @@ def check_identity(loaded, model_dir, prompts, args, dtype) -> list[dict]:
     for spec in args.placements.split(","):
         llm = make_llm(loaded, spec, args, "rough")
         try:
-            reqs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+            reqs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens))  # both stop at EOS
             outs = [r.output_ids for r in reqs]
             leaked = llm.kv.usage() != (0, 0)
         finally:
