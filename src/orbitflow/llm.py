@@ -53,6 +53,7 @@ class LLM:
         self.loaded = loaded or load_model(cfg.model)
         mc = self.loaded.config
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.loaded.model.to(device)  # the weights live where the KV and the kernels are (no-op on the CPU)
         threads = cfg.resolved_compute_threads(cuda=device == "cuda")
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
