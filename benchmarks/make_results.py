@@ -63,7 +63,8 @@ LINKS = (
 ABLATION_STEPS = ("batch-uniform", "+request-wise", "+pause-resume")
 FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"), ("planner", "Planner speed"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"), ("serving", "Serving"),
-             ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"))
+             ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
+             ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"))
 OTHER_STAGES = {
     "planner": ["benchmarks/planner.py", "--md", "docs/results/planner.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],

@@ -99,6 +99,8 @@ class LLM:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = self.loaded.model
         dtype = next(model.parameters()).dtype if model is not None else torch.float32
+        if model is not None:
+            model.to(device)  # the weights live where the KV and the kernels are (no-op on the CPU)
         if cfg.parallel.tensor_parallel_size > 1:
             from orbitflow.runtime.tp_executor import TensorParallelExecutor
 

@@ -13,26 +13,26 @@ def make_engine(rate=None):
 def test_prefetch_order_is_earliest_needed_layer_first_one_slot_per_request():
     engine, device, host = make_engine()
     order = []
-    original = engine._copy
+    original = engine._issue
 
     def recording_copy(src, src_ids, dst, dst_ids):
         if src is host and dst is device:
             order.append(tuple(src_ids))
         return original(src, src_ids, dst, dst_ids)
 
-    engine._copy = recording_copy
+    engine._issue = recording_copy
     r0 = {layer: host.allocate(2) for layer in (2, 5)}
     r1 = {layer: host.allocate(3) for layer in (1, 2)}
     engine.start_step({0: [(2, r0[2]), (5, r0[5])], 1: [(1, r1[1]), (2, r1[2])]})
     engine.wait_layer(1, [1])
-    engine.release(1, 1)  # request 1 consumed layer 1: its layer-2 fetch may start
+    engine.release(1, 1, after=engine.device.record_compute())  # request 1 consumed layer 1: its layer 2 may start
     engine.wait_layer(2, [0, 1])
     staged = engine.staged(0, 2)
     assert staged is not None and len(staged) == 2
-    engine.release(0, 2)
-    engine.release(1, 2)
+    engine.release(0, 2, after=engine.device.record_compute())
+    engine.release(1, 2, after=engine.device.record_compute())
     engine.wait_layer(5, [0])
-    engine.release(0, 5)
+    engine.release(0, 5, after=engine.device.record_compute())
     engine.end_step()
     # layer 1 (request 1) before layer 2 (request 0); request 1's layer 2 only after its slot was freed
     assert order == [tuple(r1[1]), tuple(r0[2]), tuple(r1[2]), tuple(r0[5])]
@@ -75,13 +75,167 @@ def test_depth_two_lets_the_next_layer_land_before_this_one_is_consumed():
     engine.start_step({0: [(layer, ids[layer]) for layer in (0, 1, 2)]})
     engine.wait_layer(0, [0])
     engine.wait_layer(1, [0])  # at depth 1 this would wait forever: layer 0 is not released yet
-    assert (0, 2) not in engine._done  # the third fetch waits for a free slot
+    assert (0, 2) not in engine._issued  # the third fetch waits for a free slot
     assert float(device.storage[:, engine.staged(0, 1)].mean()) == 2.0
-    engine.release(0, 0)
+    engine.release(0, 0, after=engine.device.record_compute())
     engine.wait_layer(2, [0])
     assert float(device.storage[:, engine.staged(0, 2)].mean()) == 3.0
-    engine.release(0, 1)
-    engine.release(0, 2)
+    engine.release(0, 1, after=engine.device.record_compute())
+    engine.release(0, 2, after=engine.device.record_compute())
     engine.end_step()
     assert device.num_used == 0
+    engine.close()
+
+
+# ---- strict async emulation: each protocol step, removed, is a race that strict mode catches ---------------
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from orbitflow.kv.events import AsyncRaceError, StrictAsync  # noqa: E402
+
+LATE = StrictAsync(enabled=True, max_delay_s=0.2)  # copies and queued kernels complete 0.1-0.2 s late
+
+
+def strict_engine():
+    device = BlockPool("device", 64, BS, H, D)
+    host = BlockPool("host", 64, BS, H, D)
+    return TransferEngine(device, host, strict=LATE), device, host
+
+
+def fill_host(host, layers, blocks=2):
+    ids = {layer: host.allocate(blocks) for layer in layers}
+    for layer, b in ids.items():
+        host.storage[:, b] = float(layer + 1)
+    return ids
+
+
+def test_strict_release_needs_a_compute_event_recorded_after_the_last_read():
+    engine, device, host = strict_engine()
+    ids = fill_host(host, [0])
+    engine.start_step({0: [(0, ids[0])]})
+    before_read = engine.device.record_compute()
+    engine.wait_layer(0, [0])
+    engine.staged(0, 0)  # READ
+    with pytest.raises(AsyncRaceError, match="released without a compute-stream event"):
+        engine.release(0, 0, after=None)  # protocol step removed: no fence at all
+    with pytest.raises(AsyncRaceError, match="after its last read"):
+        engine.release(0, 0, after=before_read)  # a fence that does not cover the read
+    engine.release(0, 0, after=engine.device.record_compute())  # the protocol: accepted
+    engine.end_step()
+    assert device.num_used == 0
+    engine.close()
+
+
+def test_strict_read_before_the_copy_event_raises_and_would_read_garbage(monkeypatch):
+    engine, device, host = strict_engine()
+    ids = fill_host(host, [0, 1])
+    engine.start_step({0: [(0, ids[0])], 1: [(1, ids[1])]})
+    engine.wait_layer(0, [0])  # the protocol: the compute stream waits on the copy event
+    assert float(device.storage[:, engine.staged(0, 0)].mean()) == 1.0
+    monkeypatch.setattr(engine.device, "compute_wait", lambda event: None)  # remove the wait
+    engine.wait_layer(1, [1])  # returns once the copy is issued; it lands 0.1-0.2 s later
+    slot = engine._fetches[(1, 1)].staging
+    with pytest.raises(AsyncRaceError, match="read of staged KV"):
+        engine.staged(1, 1)
+    assert torch.isnan(device.storage[:, slot]).all()  # what a kernel would have read: the poisoned slot
+    monkeypatch.undo()
+    engine.end_step()
+    assert device.num_used == 0
+    engine.close()
+
+
+def test_strict_slot_refill_waits_for_the_kernels_that_read_it(monkeypatch):
+    """Depth 1: the request's second fetch reuses the first one's slot; the copy stream must wait on the
+    release fence (a compute event whose kernels are still queued) before refilling it."""
+    engine, device, host = strict_engine()
+    ids = fill_host(host, [0, 1])
+    engine.start_step({0: [(0, ids[0]), (1, ids[1])]})
+    engine.wait_layer(0, [0])
+    first_slot = list(engine.staged(0, 0))
+    engine.release(0, 0, after=engine.device.record_compute())
+    engine.wait_layer(1, [0])  # the protocol: the refill waited on the fence
+    assert list(engine.staged(0, 1)) == first_slot  # the same blocks were reused
+    assert float(device.storage[:, first_slot].mean()) == 2.0
+    engine.release(0, 1, after=engine.device.record_compute())
+    engine.end_step()
+
+    engine.device.host_sync("test: the previous step's kernels are done")
+    original = engine._wait_fences  # remove the fence wait for device blocks only
+    monkeypatch.setattr(engine, "_wait_fences",
+                        lambda pool, *a, **k: None if pool is device else original(pool, *a, **k))
+    engine.start_step({0: [(0, ids[0]), (1, ids[1])]})
+    engine.wait_layer(0, [0])
+    engine.staged(0, 0)
+    engine.release(0, 0, after=engine.device.record_compute())
+    with pytest.raises(RuntimeError, match="KV prefetch failed") as caught:
+        engine.wait_layer(1, [0])
+    assert isinstance(caught.value.__cause__, AsyncRaceError) and "slot refill" in str(caught.value.__cause__)
+    engine.end_step()
+    assert device.num_used == 0
+    engine.close()
+
+
+def test_strict_prefetch_of_host_blocks_waits_for_their_device_to_host_write(monkeypatch):
+    engine, device, host = strict_engine()
+    for remove_wait in (False, True):
+        ids = host.allocate(2)
+        k = torch.full((2 * BS, H, D), 5.0)
+        engine.write_host(ids, 0, k, k + 1)  # lands 0.1-0.2 s late
+        if remove_wait:
+            original = engine._wait_fences
+            monkeypatch.setattr(engine, "_wait_fences",
+                                lambda pool, *a, wait=original, **kw: None if pool is host else wait(pool, *a, **kw))
+        engine.start_step({0: [(0, ids)]})
+        if remove_wait:
+            with pytest.raises(RuntimeError, match="KV prefetch failed") as caught:
+                engine.wait_layer(0, [0])
+            assert "prefetch reads" in str(caught.value.__cause__)
+        else:
+            engine.wait_layer(0, [0])
+            slot = engine.staged(0, 0)
+            assert float(device.storage[0, slot].mean()) == 5.0 and float(device.storage[1, slot].mean()) == 6.0
+            engine.release(0, 0, after=engine.device.record_compute())
+        engine.end_step()
+        engine.synchronize()
+        host.free(ids)
+    assert device.num_used == 0 and host.num_used == 0
+    engine.close()
+
+
+def test_placement_moves_wait_for_pending_host_writes_and_fence_what_they_free():
+    engine, device, host = strict_engine()
+    ids = host.allocate(2)
+    k = torch.full((2 * BS, H, D), 7.0)
+    engine.write_host(ids, 0, k, k)
+    dst = device.allocate(2)
+    engine.move_to_device(ids, dst)  # the copy waits on the pending write's event, so the data is there
+    assert float(device.storage[:, dst].mean()) == 7.0
+    engine.close()
+
+
+def test_strict_mode_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ORBITFLOW_STRICT_ASYNC", "1")
+    assert StrictAsync.from_env().enabled
+    monkeypatch.setenv("ORBITFLOW_STRICT_ASYNC", "0")
+    assert not StrictAsync.from_env().enabled
+    monkeypatch.setenv("ORBITFLOW_STRICT_ASYNC", "1")
+    monkeypatch.setenv("ORBITFLOW_STRICT_ASYNC_DELAY_S", "soon")
+    with pytest.raises(ValueError, match="ORBITFLOW_STRICT_ASYNC_DELAY_S"):
+        StrictAsync.from_env()
+
+
+def test_scattered_copies_are_per_run_slice_copies_and_keep_the_data():
+    from orbitflow.kv.transfer import _runs
+
+    assert _runs([4, 5, 6], [10, 11, 12]) == [(4, 10, 3)]
+    assert _runs([4, 5, 9, 10, 2], [0, 1, 2, 3, 4]) == [(4, 0, 2), (9, 2, 2), (2, 4, 1)]
+    assert _runs([], []) == []
+    engine, device, host = make_engine()
+    src = [7, 3, 4, 20]
+    for i, b in enumerate(src):
+        host.storage[0, b], host.storage[1, b] = float(i), float(-i)
+    dst = [1, 2, 9, 5]
+    engine.move_to_device(src, dst)
+    for i, b in enumerate(dst):
+        assert float(device.storage[0, b].mean()) == i and float(device.storage[1, b].mean()) == -i
     engine.close()

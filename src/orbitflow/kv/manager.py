@@ -123,7 +123,7 @@ class KVManager:
             run = pool.allocate(len(old) + need)
             if is_run(run):  # relocate: one copy inside the device tier, then the run grows again
                 pool.storage[:, run[0]:run[0] + len(old)] = pool.storage[:, old[0]:old[0] + len(old)]
-                pool.free(old)
+                self.transfer.free_after_compute(pool, old)  # the copy above may still be queued
                 table.blocks[layer] = run
                 return
             pool.free(run)
@@ -214,7 +214,10 @@ class KVManager:
     def write(self, req_id: object, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of tokens start..start+n-1 of one layer into that layer's tier."""
         table = self.tables[req_id]
-        pool = self.pool(table.on_device[layer])
+        if not table.on_device[layer]:  # device-to-host: an async copy fenced by its event, never a sync
+            self.transfer.write_host(table.blocks[layer], start, k, v)
+            return
+        pool = self.device_pool
         k, v = k.to(pool.storage.device, pool.storage.dtype), v.to(pool.storage.device, pool.storage.dtype)
         pool.write(table.blocks[layer], start, k, v)
 

@@ -21,6 +21,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from orbitflow.kv.events import device_index
+
 
 @dataclass(frozen=True)
 class Shortage:
@@ -160,7 +162,7 @@ class BlockPool:
             first = ids[0] if ids else 0
             kv = self.storage[:, first:first + nblocks]
             return kv[0].view(-1, *heads)[:num_tokens], kv[1].view(-1, *heads)[:num_tokens]
-        index = torch.tensor(ids, dtype=torch.long, device=self.storage.device)
+        index = device_index(ids, self.storage.device)
         kv = self.storage.index_select(1, index)
         return kv[0].view(-1, *heads)[:num_tokens], kv[1].view(-1, *heads)[:num_tokens]
 
@@ -178,7 +180,7 @@ class BlockPool:
             kv[1].view(-1, *heads)[offset:offset + n] = v
             return
         positions = torch.arange(start, start + n)
-        block_ids = torch.tensor(ids, dtype=torch.long)[positions // bs].to(self.storage.device)
-        offsets = (positions % bs).to(self.storage.device)
+        block_ids = device_index(torch.tensor(ids, dtype=torch.long)[positions // bs].tolist(), self.storage.device)
+        offsets = device_index((positions % bs).tolist(), self.storage.device)
         self.storage[0, block_ids, offsets] = k
         self.storage[1, block_ids, offsets] = v

@@ -10,27 +10,41 @@ Within a decode step the schedule is the one the planner's `edf` cost model assu
 
 Staging slots are carved from the device pool, so fetched KV counts against the device budget. A slot is
 one run of blocks sized for the cached tokens plus the step's new ones: the executor appends the new K/V to
-it and attention reads it as a view, so the staged copy is the only copy. A slot's life has three marked
-points: ACQUIRE (`_stage`, copy thread: allocate and fill), READ (`staged`, compute thread, after
-`wait_layer`) and RELEASE (`release` once the layer has run, or `end_step`). The
-capacity equation reserves one layer's worth of host KV for them (the paper's prefetch buffer); when
-prefetching ahead needs more than the pool has free at that moment, the slot overflows into a scratch
-tensor rather than waiting (waiting could deadlock against a slot that is only consumed later). The
-overflow is counted (`overflow_blocks_peak`), so the budget is never exceeded silently.
-On CUDA the copies run on a dedicated stream and completion is an event; on the CPU (every machine
-here) a copy thread does them, sleeping so that each copy lasts bytes / link rate.
+it and attention reads it as a view, so the staged copy is the only copy. The capacity equation reserves one
+layer's worth of host KV for them (the paper's prefetch buffer); when prefetching ahead needs more than the
+pool has free at that moment, the slot overflows into a scratch tensor rather than waiting (waiting could
+deadlock against a slot that is only consumed later). The overflow is counted (`overflow_blocks_peak`), so
+the budget is never exceeded silently.
+
+Every access follows the event-ordered protocol of kv/events.py, the same code on CUDA and the CPU:
+- ACQUIRE (copy worker, `_stage`): take a slot, wait on its *fence* (the compute-stream event recorded after
+  the kernels that last read those blocks) and on the fences of the host blocks it reads (their pending
+  device-to-host writes), copy, record the copy event;
+- READ (`wait_layer`, then `staged`): the compute stream waits on the copy event, then reads the slot;
+- RELEASE (`release(b, layer, after=event)`): the slot returns to the pool fenced by `after`, a compute-stream
+  event recorded after the last kernel that read it; the next ACQUIRE of those blocks waits on it.
+- Device-to-host writes of host-resident layers (`write_host`) run on their own stream after a compute event
+  and fence the host blocks they write; placement moves (`move_to_host`/`move_to_device`) order themselves
+  after the compute stream and make it wait on them, so nothing in the step loop syncs the host.
+On CUDA the copies run on dedicated streams (host memory is pinned; gathers go into pinned buffers; index
+tensors live on the device they index). On the CPU a copy worker thread does the prefetches, sleeping so that
+each copy lasts bytes / link rate; device-to-host writes are synchronous, or, in strict emulation, done late
+by a worker of their own.
 """
 
 from __future__ import annotations
 
 import heapq
+import queue
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from orbitflow.kv.events import AsyncDevice, AsyncRaceError, Event, LayerClock, StrictAsync
 from orbitflow.kv.pool import BlockPool, OutOfBlocks, is_run
 
 
@@ -42,30 +56,41 @@ class _Fetch:
     capacity: int  # blocks the slot holds: the cached ones plus room for this step's new tokens
     staging: list[int] | None = None  # device-pool block ids, or None when `scratch` holds the data
     scratch: torch.Tensor | None = None
-    event: object | None = None  # torch.cuda.Event on CUDA
+    event: Event | None = None  # the copy event (set when the copy has been issued)
+    read_serial: int = 0  # the device's event serial at the last READ: a release fence must be newer
 
 
 class TransferEngine:
-    def __init__(self, device_pool: BlockPool, host_pool: BlockPool, link_bytes_per_s: float | None = None):
+    def __init__(self, device_pool: BlockPool, host_pool: BlockPool, link_bytes_per_s: float | None = None,
+                 strict: StrictAsync | None = None):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.link_bytes_per_s = link_bytes_per_s
         self.prefetch_slots = 1  # prefetch depth: fetches of one request that may be in flight at once
         self.materialized = device_pool.storage is not None
-        self.is_cuda = self.materialized and device_pool.storage.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device_pool.storage.device) if self.is_cuda else None
+        self.device = AsyncDevice(device_pool.storage.device if self.materialized else "cpu", strict)
+        self.is_cuda = self.device.is_cuda
+        self.stream = self.device.copy_stream
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.layer_moves = 0  # placement changes (move_to_host / move_to_device calls), for the simulator's charge
         self.overflow_blocks = 0
-        self.busy_s = 0.0  # time the link spent moving prefetches (for the controller's bandwidth estimate)
+        self._busy_s = 0.0  # time the link spent moving prefetches (for the controller's bandwidth estimate)
+        self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: resolved lazily
+        self._busy_lock = threading.Lock()
         self.overflow_blocks_peak = 0
+        self.clock = LayerClock(self.device)
+        # Fences: per tier, the serial of the last event each block must wait for before reuse.
+        self._fence_serial = {pool.tier: np.zeros(pool.address_blocks, dtype=np.int64)
+                              for pool in (device_pool, host_pool)}
+        self._fence_events: dict[int, Event] = {}
+        self._fence_lock = threading.Lock()
         self._link = threading.Lock()  # one transfer on the link at a time
         self._cond = threading.Condition()
         self._ready: list[tuple[int, int, int]] = []  # heap of (layer, batch_index, seq)
         self._pending: dict[int, list[_Fetch]] = {}  # batch_index -> its remaining fetches, in layer order
         self._fetches: dict[tuple[int, int], _Fetch] = {}  # (batch_index, layer) -> fetch of this step
-        self._done: set[tuple[int, int]] = set()
+        self._issued: set[tuple[int, int]] = set()  # fetches whose copy event exists
         self._in_flight = 0
         self._error: BaseException | None = None
         self._seq = 0
@@ -76,62 +101,216 @@ class TransferEngine:
             sys.setswitchinterval(0.001)
         self._thread = threading.Thread(target=self._run, name="orbitflow-kv-copy", daemon=True)
         self._thread.start()
+        self._d2h_queue: queue.SimpleQueue | None = None
+        if self.materialized and self.device.strict.enabled:  # strict: device-to-host writes land late
+            self._d2h_queue = queue.SimpleQueue()
+            self._d2h_thread = threading.Thread(target=self._run_d2h, name="orbitflow-kv-d2h", daemon=True)
+            self._d2h_thread.start()
 
-    # ---- link primitives -------------------------------------------------------------------------
-    def _copy(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> int:
-        """Copy blocks between pools, holding the link for bytes / rate. Returns bytes moved."""
+    @property
+    def busy_s(self) -> float:
+        """Seconds the link has spent on prefetches (CUDA: copy-stream event time, counted once complete)."""
+        if self._busy_events:
+            with self._busy_lock:
+                done = [pair for pair in self._busy_events if pair[1].query()]
+                self._busy_events = [pair for pair in self._busy_events if pair not in done]
+            self._busy_s += sum(a.elapsed_time(b) for a, b in done) / 1000.0
+        return self._busy_s
+
+    @busy_s.setter
+    def busy_s(self, value: float) -> None:
+        self._busy_s = value
+
+    # ---- fences ----------------------------------------------------------------------------------
+    def _fence(self, pool: BlockPool, ids: list[int], event: Event) -> None:
+        """Blocks `ids` of `pool` may be reused (or read, for a write) only after `event`."""
+        if not ids or (event.cuda is None and event.query()):
+            return
+        with self._fence_lock:
+            arr = self._fence_serial[pool.tier]
+            if is_run(ids):
+                arr[ids[0]:ids[0] + len(ids)] = event.serial
+            else:
+                arr[ids] = event.serial
+            self._fence_events[event.serial] = event
+
+    def _fences(self, pool: BlockPool, ids: list[int]) -> list[Event]:
+        """The pending events that order access to `ids` (completed ones are dropped)."""
+        if not ids or not self._fence_events:
+            return []
+        with self._fence_lock:
+            arr = self._fence_serial[pool.tier]
+            serials = arr[ids[0]:ids[0] + len(ids)] if is_run(ids) else arr[ids]
+            events = []
+            for serial in np.unique(serials).tolist():
+                event = self._fence_events.get(serial)
+                if event is None:
+                    continue
+                if event.query():
+                    del self._fence_events[serial]
+                else:
+                    events.append(event)
+            return events
+
+    def _wait_fences(self, pool: BlockPool, ids: list[int], stream: str) -> None:
+        """Protocol step: `stream` waits on the fences of `ids` (CUDA: stream-side; CPU: its thread blocks)."""
+        for event in self._fences(pool, ids):
+            if stream == "compute":
+                self.device.compute_wait(event)
+            else:
+                self.device.copy_wait(event, stream)
+
+    def _check_fences(self, pool: BlockPool, ids: list[int], stream: str, what: str) -> None:
+        """Strict mode: every fence of `ids` has completed before `stream` touches them."""
+        if self.device.strict.enabled:
+            for event in self._fences(pool, ids):
+                self.device.check_ready(event, stream, f"{what} ({pool.tier} blocks {ids[:4]}...)")
+
+    def _wait_and_check(self, pool: BlockPool, ids: list[int], stream: str, what: str) -> None:
+        self._wait_fences(pool, ids, stream)
+        self._check_fences(pool, ids, stream, what)
+
+    # ---- data movement ----------------------------------------------------------------------------
+    def _issue(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> None:
+        """Issue one copy on the current stream (CUDA: asynchronous): per maximal run that is consecutive on
+        both sides, one slice copy per plane (K, V). Each slice is contiguous, so a pinned host side is copied
+        by DMA directly: no gather (which would read host memory on the host, and land in pageable memory that
+        makes the copy synchronous), no index tensor, no host-side read of memory a copy may still write."""
+        for s0, d0, m in _runs(src_ids, dst_ids):
+            for plane in (0, 1):
+                dst.storage[plane, d0:d0 + m].copy_(src.storage[plane, s0:s0 + m], non_blocking=True)
+
+    def _move(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> int:
+        """A placement move, called from the step loop's thread. It runs on the copy stream after every
+        kernel queued so far (they wrote the source, or read the destination's old contents), and the compute
+        stream waits on it, so freeing the source and using the destination are ordered without a host sync.
+        Returns bytes moved."""
         nbytes = len(src_ids) * src.bytes_per_block
         if not self.materialized:  # accounting only: the simulator charges the time itself
             return nbytes
+        after_compute = self.device.record_compute()
         with self._link:
             start = time.perf_counter()
-            if is_run(src_ids) and is_run(dst_ids):  # the usual case: one slice copy, no temporary
-                n, s0, d0 = len(src_ids), src_ids[0], dst_ids[0]
-                src_view, dst_view = src.storage[:, s0:s0 + n], dst.storage[:, d0:d0 + n]
-                if self.is_cuda:
-                    with torch.cuda.stream(self.stream):
-                        dst_view.copy_(src_view, non_blocking=True)
-                    self.stream.synchronize()
-                else:
-                    dst_view.copy_(src_view)
-            else:
-                src_index = torch.tensor(src_ids, dtype=torch.long, device=src.storage.device)
-                dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.storage.device)
-                if self.is_cuda:
-                    with torch.cuda.stream(self.stream):
-                        data = src.storage.index_select(1, src_index).to(dst.storage.device, non_blocking=True)
-                        dst.storage.index_copy_(1, dst_index, data)
-                    self.stream.synchronize()
-                else:
-                    dst.storage.index_copy_(1, dst_index, src.storage.index_select(1, src_index))
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    self.device.copy_wait(after_compute)
+                    self._wait_and_check(src, src_ids, "copy", "move reads")
+                    self._wait_and_check(dst, dst_ids, "copy", "move writes")
+                    self._issue(src, src_ids, dst, dst_ids)
+                event = self.device.record_copy()
+                self.device.compute_wait(event)
+                if self.link_bytes_per_s:  # an emulated slow link must know when the copy ended
+                    self.device.host_sync("throttled link emulation")
+            else:  # the step loop's thread is the copy stream here: the copy is done when it returns
+                self.device.copy_wait(after_compute)
+                self._wait_and_check(src, src_ids, "copy", "move reads")
+                self._wait_and_check(dst, dst_ids, "copy", "move writes")
+                self._issue(src, src_ids, dst, dst_ids)
+                event = self.device.done_event()
+            self._fence(src, src_ids, event)
+            self._fence(dst, dst_ids, event)
             self._throttle(nbytes, start)
-            self.busy_s += time.perf_counter() - start
         return nbytes
+
+    def free_after_compute(self, pool: BlockPool, ids: list[int]) -> None:
+        """Free blocks that kernels queued on the compute stream may still read (e.g. the source of a
+        relocation): fenced by a compute event, so a copy that reuses them waits for those kernels."""
+        if self.materialized and ids:
+            self._fence(pool, ids, self.device.record_compute())
+        pool.free(ids)
 
     def move_to_host(self, device_ids: list[int], host_ids: list[int]) -> None:
         self.layer_moves += 1
-        self.bytes_d2h += self._copy(self.device_pool, device_ids, self.host_pool, host_ids)
+        self.bytes_d2h += self._move(self.device_pool, device_ids, self.host_pool, host_ids)
 
     def move_to_device(self, host_ids: list[int], device_ids: list[int]) -> None:
         self.layer_moves += 1
-        self.bytes_h2d += self._copy(self.host_pool, host_ids, self.device_pool, device_ids)
+        self.bytes_h2d += self._move(self.host_pool, host_ids, self.device_pool, device_ids)
+
+    def write_host(self, ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V [n, kv_heads, head_dim] (on the device) of tokens start..start+n-1 into host blocks
+        `ids`: a device-to-host copy on its own stream after the compute event that produced them, fencing the
+        host blocks it writes (a prefetch that reads them waits on it). No host sync (the old `.to('cpu')`)."""
+        pool = self.host_pool
+        k, v = k.to(dtype=pool.storage.dtype), v.to(dtype=pool.storage.dtype)
+        n, bs = k.shape[0], pool.block_size
+        span = ids[start // bs:(start + n - 1) // bs + 1]
+        if not self.is_cuda and self._d2h_queue is None:  # CPU: the copy is a synchronous memcpy
+            pool.write(ids, start, k.to("cpu"), v.to("cpu"))
+            return
+        produced = self.device.record_compute()
+        if self.is_cuda:
+            stream = self.device.d2h_stream
+            with torch.cuda.stream(stream):
+                self.device.copy_wait(produced, "d2h")
+                self._host_write_async(ids, start, k, v)
+            k.record_stream(stream)  # the caching allocator must not reuse them before the copy read them
+            v.record_stream(stream)
+            event = self.device.record_copy("d2h")
+        else:  # strict emulation: the d2h worker writes them late
+            event = self.device.record_copy("d2h")
+            self._d2h_queue.put((produced, ids, start, k.clone(), v.clone(), event))
+        self._fence(pool, span, event)
+
+    def _host_write_async(self, ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Non-blocking copies of tokens start.. into (pinned) host blocks, one per block they fall in."""
+        storage, bs, n = self.host_pool.storage, self.host_pool.block_size, k.shape[0]
+        i = 0
+        while i < n:
+            pos = start + i
+            block, offset = ids[pos // bs], pos % bs
+            m = min(bs - offset, n - i)
+            storage[0, block, offset:offset + m].copy_(k[i:i + m], non_blocking=True)
+            storage[1, block, offset:offset + m].copy_(v[i:i + m], non_blocking=True)
+            i += m
+
+    def _run_d2h(self) -> None:
+        """Strict emulation's device-to-host stream: in order, late."""
+        while True:
+            item = self._d2h_queue.get()
+            if item is None:
+                return
+            produced, ids, start, k, v, event = item
+            self.device.copy_wait(produced, "d2h")
+            time.sleep(self.device.delay())
+            self.host_pool.write(ids, start, k, v)
+            event.complete()
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The step's one host sync: `tensor` (the logits) read on the host. On CUDA the step's GPU timeline
+        ends here (`clock`), so every timing event has completed when the step resolves it."""
+        self.clock.mark_gpu_end()
+        return self.device.to_host(tensor)
+
+    def synchronize(self) -> None:
+        """Wait until every issued copy has landed (tests and inspection; never in the step loop)."""
+        with self._fence_lock:
+            events = list(self._fence_events.values())
+        for event in events:
+            if event.cuda is not None:
+                event.cuda.synchronize()
+            else:
+                event._block()
+        if self.is_cuda:
+            self.device.host_sync("synchronize")
 
     # ---- per-step prefetch schedule --------------------------------------------------------------
     def start_step(self, fetches: dict[int, list[tuple[int, list[int]]]]) -> None:
         """fetches[batch_index] = [(layer, host_block_ids) or (layer, host_block_ids, capacity_blocks), ...] in
-        layer order; a slot holds `capacity_blocks` (default: as many as it fetches)."""
+        layer order; a slot holds `capacity_blocks` (default: as many as it fetches). Starts the step's clock."""
         with self._cond:
             assert not self._pending and not self._fetches, "previous step was not finished"
             self._error = None
+            self.clock = LayerClock(self.device)
             for b, items in fetches.items():
-                queue = [_Fetch(b, item[0], item[1], max(len(item[1]), item[2] if len(item) > 2 else 0))
-                         for item in items if item[1]]
-                if not queue:
+                queue_ = [_Fetch(b, item[0], item[1], max(len(item[1]), item[2] if len(item) > 2 else 0))
+                          for item in items if item[1]]
+                if not queue_:
                     continue
-                self._pending[b] = queue
-                for f in queue:
+                self._pending[b] = queue_
+                for f in queue_:
                     self._fetches[(b, f.layer)] = f
-                for f in queue[: self.prefetch_slots]:
+                for f in queue_[: self.prefetch_slots]:
                     self._push_ready(f)
             self._cond.notify_all()
 
@@ -140,84 +319,172 @@ class TransferEngine:
         heapq.heappush(self._ready, (fetch.layer, fetch.batch_index, self._seq))
 
     def wait_layer(self, layer: int, batch_indices: list[int]) -> float:
-        """Block until the fetches of `layer` for these requests have landed; returns the stall (s)."""
+        """Make the compute stream wait until the fetches of `layer` for these requests have landed; returns
+        the stall in seconds where the host knows it (CPU; on CUDA it is GPU time, in `clock`)."""
         keys = [(b, layer) for b in batch_indices if (b, layer) in self._fetches]
         if not keys:
             return 0.0
-        start = time.perf_counter()
+        begin = self.clock.wait_begin()
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or all(k in self._done for k in keys))
+            self._cond.wait_for(lambda: self._error is not None or all(k in self._issued for k in keys))
             if self._error is not None:
                 raise RuntimeError("KV prefetch failed") from self._error
-        if self.is_cuda:
-            for k in keys:
-                torch.cuda.current_stream().wait_event(self._fetches[k].event)
-        return time.perf_counter() - start
+        for k in keys:
+            self.device.compute_wait(self._fetches[k].event)  # protocol: wait on the copy event
+        return self.clock.wait_end(layer, begin)
 
     def staged(self, batch_index: int, layer: int) -> list[int] | torch.Tensor:
         """READ point: where a landed fetch lives (valid until its `release`): device-pool block ids (a run,
         read as a view), or a scratch tensor of blocks [2, capacity, block_size, heads, dim]."""
         fetch = self._fetches[(batch_index, layer)]
-        return fetch.scratch if fetch.scratch is not None else fetch.staging
+        self.device.check_ready(fetch.event, "compute", f"read of staged KV (request {batch_index}, layer {layer})")
+        fetch.read_serial = self.device._serial
+        if fetch.scratch is not None:
+            if self.is_cuda:  # allocated on the copy stream, read on the compute stream
+                fetch.scratch.record_stream(torch.cuda.current_stream(self.device.device))
+            return fetch.scratch
+        return fetch.staging
 
-    def release(self, batch_index: int, layer: int) -> None:
-        """RELEASE point: the fetched layer has been consumed: free its slot and let the request's next fetch
-        start."""
+    def release(self, batch_index: int, layer: int, after: Event | None) -> None:
+        """RELEASE point: the fetched layer has been consumed: its slot returns to the pool fenced by `after`,
+        a compute-stream event recorded after the last kernel that read it (`device.record_compute()`), and the
+        request's next fetch may start."""
         with self._cond:
-            fetch = self._fetches.pop((batch_index, layer), None)
+            fetch = self._fetches.get((batch_index, layer))
             if fetch is None:
                 return
-            self._done.discard((batch_index, layer))
-            self._free_slot(fetch)
-            queue = self._pending.get(batch_index)
-            if queue and queue[0] is fetch:
-                queue.pop(0)
-                if len(queue) >= self.prefetch_slots:
-                    self._push_ready(queue[self.prefetch_slots - 1])
-                elif not queue:
+            if self.device.strict.enabled and (
+                    after is None or after.stream != "compute" or after.serial <= fetch.read_serial):
+                raise AsyncRaceError(
+                    f"staging slot of request {batch_index}, layer {layer} released without a compute-stream "
+                    f"event recorded after its last read (got {after!r}): the copy stream could refill it "
+                    "while a kernel that reads it is still queued")
+            del self._fetches[(batch_index, layer)]
+            self._issued.discard((batch_index, layer))
+            self._free_slot(fetch, after)
+            pending = self._pending.get(batch_index)
+            if pending and pending[0] is fetch:
+                pending.pop(0)
+                if len(pending) >= self.prefetch_slots:
+                    self._push_ready(pending[self.prefetch_slots - 1])
+                elif not pending:
                     del self._pending[batch_index]
             self._cond.notify_all()
 
     def end_step(self) -> None:
-        """Finish the step: cancel what has not started, wait for what is in flight, free every slot."""
+        """Finish the step: cancel what has not started, wait for what is in flight, free every slot, fenced by
+        a compute event after everything queued (also on the exception path)."""
         with self._cond:
             self._ready.clear()
             self._pending.clear()
             self._cond.wait_for(lambda: self._in_flight == 0)
+            for key, fetch in self._fetches.items():
+                if key in self._issued and fetch.event is not None and "compute" not in fetch.event.waited:
+                    self.device.compute_wait(fetch.event)  # never consumed: compute reuse waits for the copy
+            after = self.device.record_compute() if self._fetches and self.materialized else None
             for fetch in self._fetches.values():
-                self._free_slot(fetch)
+                self._free_slot(fetch, after)
             self._fetches.clear()
-            self._done.clear()
+            self._issued.clear()
+        self.clock.end()
+        if len(self._fence_events) > 256:  # drop completed fences now and then
+            with self._fence_lock:
+                self._fence_events = {s: e for s, e in self._fence_events.items() if not e.query()}
 
-    def _free_slot(self, fetch: _Fetch) -> None:
+    def _free_slot(self, fetch: _Fetch, after: Event | None) -> None:
+        if fetch.staging:
+            if after is not None:
+                self._fence(self.device_pool, fetch.staging, after)
+            if self.device.strict.enabled and self.materialized:  # a freed slot is garbage at once
+                self.device.poison(self._slot_view(fetch.staging))
         self.device_pool.free(fetch.staging or [])
         fetch.staging = None
         if fetch.scratch is not None:
+            self.device.poison(fetch.scratch)
             self.overflow_blocks -= fetch.capacity
             fetch.scratch = None
 
+    def _slot_view(self, ids: list[int]) -> torch.Tensor:
+        storage = self.device_pool.storage
+        return storage[:, ids[0]:ids[0] + len(ids)] if is_run(ids) else storage[:, ids[0]:ids[0] + 0]
+
     def _stage(self, fetch: _Fetch) -> None:
-        """ACQUIRE point: allocate the request's slot (the lowest free run, so its pages stay warm) and fill
-        its first blocks from the host."""
+        """ACQUIRE point (copy worker): take the request's slot (the lowest free run, so its pages stay warm),
+        wait on its fence and on the host blocks' pending writes, fill its first blocks, record the copy event
+        and hand it to the compute stream (`_issued`)."""
         n = len(fetch.host_blocks)
         try:
-            fetch.staging = self.device_pool.allocate(fetch.capacity, placement="first")
-            self.bytes_h2d += self._copy(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging[:n])
-            return
+            staging = self.device_pool.allocate(fetch.capacity, placement="first")
         except OutOfBlocks:
-            pass
-        index = torch.tensor(fetch.host_blocks, dtype=torch.long)
+            staging = None
+        if not self.materialized:
+            fetch.staging = staging
+            self.bytes_h2d += n * self.host_pool.bytes_per_block
+            self._hand_over(fetch, self.device.done_event())
+            return
         with self._link:
             start = time.perf_counter()
-            src = self.host_pool.storage
-            fetch.scratch = src.new_empty((2, fetch.capacity, *src.shape[2:]), device=self.device_pool.storage.device)
-            fetch.scratch[:, :n] = src.index_select(1, index)
-            self._throttle(n * self.host_pool.bytes_per_block, start)
-            self.busy_s += time.perf_counter() - start
+            if self.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    self._fill(fetch, staging, n, prepare_only=True)  # the stream waits on the fences
+                    begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
+                    begin.record(self.stream)
+                    self._fill(fetch, staging, n)
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record(self.stream)
+                with self._busy_lock:
+                    self._busy_events.append((begin, end))
+                event = self.device.record_copy()
+                self._hand_over(fetch, event)
+                if self.link_bytes_per_s:  # an emulated slow link must know when the copy ended
+                    self.device.worker_host_wait(event)
+                    self._throttle(n * self.host_pool.bytes_per_block, start)
+            elif self.device.strict.enabled:  # the copy lands late: the event is handed over before it does
+                event = self.device.record_copy()
+                self._fill(fetch, staging, n, prepare_only=True)
+                self._hand_over(fetch, event)
+                time.sleep(self.device.delay())
+                self._fill(fetch, staging, n)
+                event.complete()
+                self._throttle(n * self.host_pool.bytes_per_block, start)
+                self._busy_s += time.perf_counter() - start
+            else:
+                self._fill(fetch, staging, n)
+                self._throttle(n * self.host_pool.bytes_per_block, start)
+                self._busy_s += time.perf_counter() - start
+                self._hand_over(fetch, self.device.done_event())
         self.bytes_h2d += n * self.host_pool.bytes_per_block
+
+    def _fill(self, fetch: _Fetch, staging: list[int] | None, n: int, prepare_only: bool = False) -> None:
+        """Wait on the fences, take the slot (or a scratch tensor when the pool is full) and, unless
+        `prepare_only`, copy the host blocks into it."""
+        if fetch.staging is None and fetch.scratch is None:
+            if staging is not None:
+                fetch.staging = staging  # owned by the fetch from here on (freed by release or end_step)
+                self._wait_and_check(self.device_pool, staging, "copy", "slot refill")
+                self.device.poison(self._slot_view(staging))  # strict: the slot holds garbage until the copy lands
+            else:
+                src = self.host_pool.storage
+                fetch.scratch = torch.empty((2, fetch.capacity, *src.shape[2:]), dtype=src.dtype,
+                                            device=self.device_pool.storage.device)
+                self.device.poison(fetch.scratch)
+                with self._cond:
+                    self.overflow_blocks += fetch.capacity
+                    self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
+            self._wait_and_check(self.host_pool, fetch.host_blocks, "copy", "prefetch reads")
+        if prepare_only:
+            return
+        if fetch.staging is not None:
+            self._issue(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging[:n])
+        else:
+            target = _ScratchPool(fetch.scratch, self.host_pool)
+            self._issue(self.host_pool, fetch.host_blocks, target, list(range(n)))
+
+    def _hand_over(self, fetch: _Fetch, event: Event) -> None:
         with self._cond:
-            self.overflow_blocks += fetch.capacity
-            self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
+            fetch.event = event
+            self._issued.add((fetch.batch_index, fetch.layer))
+            self._cond.notify_all()
 
     def _throttle(self, nbytes: int, start: float) -> None:
         if self.link_bytes_per_s:
@@ -230,6 +497,9 @@ class TransferEngine:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
+        if self._d2h_queue is not None:
+            self._d2h_queue.put(None)
+            self._d2h_thread.join(timeout=5)
 
     # ---- copy thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -245,11 +515,6 @@ class TransferEngine:
                 self._in_flight += 1
             try:
                 self._stage(fetch)
-                if self.is_cuda:
-                    fetch.event = torch.cuda.Event()
-                    fetch.event.record(self.stream)
-                with self._cond:
-                    self._done.add((b, layer))
             except BaseException as exc:  # surfaced to the waiting compute thread
                 with self._cond:
                     self._error = exc
@@ -257,3 +522,24 @@ class TransferEngine:
                 with self._cond:
                     self._in_flight -= 1
                     self._cond.notify_all()
+
+
+class _ScratchPool:
+    """A scratch tensor of blocks seen as a pool, so `_issue` fills it like a slot."""
+
+    def __init__(self, storage: torch.Tensor, like: BlockPool):
+        self.storage = storage
+        self.bytes_per_block = like.bytes_per_block
+
+
+def _runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal stretches where both id lists go up by one."""
+    if is_run(src_ids) and is_run(dst_ids):  # the usual case
+        return [(src_ids[0], dst_ids[0], len(src_ids))] if src_ids else []
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(src_ids, dst_ids):
+        if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs

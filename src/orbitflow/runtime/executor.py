@@ -9,9 +9,8 @@ prefetched by the transfer engine in the planner's `edf` order and consumed from
 from __future__ import annotations
 
 import gc
-import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +53,7 @@ class ModelExecutor(Executor):
     def _decode_writes(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
         """Per layer, for a decode step: the rows whose KV of that layer is on the device and the (block,
         offset) slots their new tokens go to, so each layer writes them in one indexed op."""
-        bs, device = self.block_size, self.device
+        bs, h2d = self.block_size, self.kv.transfer.device.h2d  # index tensors built without a host sync
         writes: list[tuple | None] = []
         for layer in range(self.num_layers):
             rows = [b for b, t in enumerate(tables) if t.on_device[layer]]
@@ -62,9 +61,9 @@ class ModelExecutor(Executor):
                 writes.append(None)
                 continue
             writes.append((
-                None if len(rows) == len(seqs) else torch.tensor(rows, device=device),
-                torch.tensor([tables[b].blocks[layer][seqs[b].start_pos // bs] for b in rows], device=device),
-                torch.tensor([seqs[b].start_pos % bs for b in rows], device=device),
+                None if len(rows) == len(seqs) else h2d(rows),
+                h2d([tables[b].blocks[layer][seqs[b].start_pos // bs] for b in rows]),
+                h2d([seqs[b].start_pos % bs for b in rows]),
             ))
         return writes
 
@@ -85,8 +84,7 @@ class ModelExecutor(Executor):
         gc_was_enabled = gc.isenabled()
         if self.hold_gc:
             gc.disable()
-        start = time.perf_counter()
-        self._start_prefetches(st)
+        self._start_prefetches(st)  # starts the step's clock
         try:
             with torch.inference_mode():
                 hidden = self._run_layers(st)
@@ -95,7 +93,7 @@ class ModelExecutor(Executor):
             transfer.end_step()
             if gc_was_enabled:
                 gc.enable()
-        return self._result(st, samples, start, time.perf_counter(), before)
+        return self._result(st, samples, before)
 
     def _bind_placement(self, seqs: list[SeqInput]) -> _StepState:
         """The step's view of the placement in force: each row's block table, the host-resident layers to
@@ -116,7 +114,7 @@ class ModelExecutor(Executor):
         # A pure decode step writes the device-resident rows of a layer in one op.
         decode_writes = self._decode_writes(seqs, tables) if all(s.is_decode for s in seqs) else None
         return _StepState(seqs, tables, fetches, host_users, bounds, [s.start_pos + len(s.token_ids) for s in seqs],
-                          decode_writes, [0.0] * self.num_layers, [0.0] * self.num_layers)
+                          decode_writes)
 
     def _start_prefetches(self, st: _StepState) -> None:
         """Hand the step's prefetch list to the transfer engine (fetches run while the layers compute)."""
@@ -129,18 +127,21 @@ class ModelExecutor(Executor):
 
         kv, transfer, pool = self.kv, self.kv.transfer, self.kv.device_pool
         seqs, tables, host_users, bounds, totals = st.seqs, st.tables, st.host_users, st.bounds, st.totals
-        entered, stalls, decode_writes = st.entered, st.stalls, st.decode_writes
+        decode_writes = st.decode_writes
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            entered[layer] = time.perf_counter()
+            transfer.clock.enter(layer)
             # The previous layer has run: its prefetch slots free up (RELEASE) and those requests' next
             # fetches may start. (Releasing right after attention would overlap more, but the planner's
-            # `edf` model, and the paper's example, free a slot when its layer has finished.)
-            for b, fetched_layer in consumed:
-                transfer.release(b, fetched_layer)
-            consumed.clear()
-            stalls[layer] = transfer.wait_layer(layer, host_users[layer])
+            # `edf` model, and the paper's example, free a slot when its layer has finished.) The slots are
+            # fenced by a compute-stream event after the kernels that read them: the copy stream waits on it.
+            if consumed:
+                fence = transfer.device.record_compute()
+                for b, fetched_layer in consumed:
+                    transfer.release(b, fetched_layer, after=fence)
+                consumed.clear()
+            transfer.wait_layer(layer, host_users[layer])
             written = decode_writes[layer] if decode_writes is not None else None
             if written is not None:
                 row_index, slot_blocks, slot_offsets = written
@@ -164,39 +165,33 @@ class ModelExecutor(Executor):
                 outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
             return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
-        positions = torch.tensor(
-            [p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
-            dtype=torch.long, device=self.device,
-        )
+        input_ids = transfer.device.h2d([t for s in seqs for t in s.token_ids])
+        positions = transfer.device.h2d([p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))])
         return self.model(input_ids, positions, attention)
 
     def _sample(self, st: _StepState, hidden: torch.Tensor) -> list[Sample | None]:
         """One Sample per row that asked for a token (None elsewhere); never raises for one request's
         sampling failure (it comes back as Sample.error)."""
-        seqs, bounds = st.seqs, st.bounds
-        last = torch.tensor([bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample], dtype=torch.long)
+        seqs, bounds, transfer = st.seqs, st.bounds, self.kv.transfer
+        last = [bounds[b + 1] - 1 for b, s in enumerate(seqs) if s.sample]
         samples: list[Sample | None] = [None] * len(seqs)
-        if len(last):
-            logits = self.model.compute_logits(hidden[last.to(hidden.device)])
+        if last:
+            # The step's one host sync: the logits come to the host once, sampling runs there.
+            logits = transfer.to_host(self.model.compute_logits(hidden[transfer.device.h2d(last)]))
             sampled = iter(range(len(last)))
             for b, s in enumerate(seqs):
                 if s.sample:
                     samples[b] = sample(logits[next(sampled)], s.sampling, s.prompt_ids, s.output_ids)
         return samples
 
-    def _result(self, st: _StepState, samples: list[Sample | None], start: float, end: float,
-                before: tuple[int, int, float]) -> StepResult:
+    def _result(self, st: _StepState, samples: list[Sample | None], before: tuple[int, int, float]) -> StepResult:
         kv, transfer = self.kv, self.kv.transfer
-        entered, stalls = st.entered, st.stalls
-        boundaries = entered[1:] + [end]
-        compute = [boundaries[l] - entered[l] - stalls[l] for l in range(self.num_layers)]
-        compute[0] += entered[0] - start  # embedding and the first projections
+        compute, stalls, step_s = transfer.clock.resolve(self.num_layers)  # CUDA: event times, after the sync
         device_used, host_used = kv.usage()
         moved, busy = transfer.bytes_h2d - before[0], transfer.busy_s - before[2]
         return StepResult(
             tokens=[None if x is None else x.token for x in samples],
-            step_s=end - start,
+            step_s=step_s,
             layer_compute_s=compute,
             layer_stall_s=stalls,
             bytes_h2d=moved,
@@ -220,5 +215,3 @@ class _StepState:
     bounds: list[int]  # row b's new tokens are hidden[bounds[b]:bounds[b + 1]]
     totals: list[int]  # per row: tokens in its KV after this step
     decode_writes: list | None  # per layer, for a pure decode step (see `_decode_writes`)
-    entered: list[float] = field(default_factory=list)  # per layer: when its attention started
-    stalls: list[float] = field(default_factory=list)  # per layer: seconds waited for fetches

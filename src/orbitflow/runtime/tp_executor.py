@@ -188,7 +188,8 @@ def _measure_allreduce(hidden: int, dtype: torch.dtype, device, repeats: int = 1
     return out
 
 
-def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
+def _start_rank(rank: int, spec: _WorkerSpec):
+    """Join the process group, load this rank's shard and its KV pools; returns (executor, shard config)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -197,59 +198,71 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
     from orbitflow.model.tensor_parallel import build_shard
     from orbitflow.runtime.executor import ModelExecutor
 
-    kv = None
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    device = torch.device(f"cuda:{rank}") if spec.cuda else torch.device("cpu")
+    if spec.cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.size,
+                            timeout=timedelta(seconds=spec.timeout_s))
+    config = read_model_config(Path(spec.model_dir))
+    local = shard_config(config, spec.size)
+    model = build_shard(spec.model_dir, rank, spec.size, dtype=spec.dtype, device=device)
+    kv = KVManager(local.num_layers, local.num_kv_heads, local.head_dim, spec.device_blocks, spec.host_blocks,
+                   block_size=spec.block_size, dtype=spec.dtype, device=device,
+                   link_bytes_per_s=spec.link_bytes_per_s)
+    return ModelExecutor(model, local, kv), local
+
+
+def _serve_rank(rank: int, spec: _WorkerSpec, conn, executor, local) -> None:
+    """Answer the driver's messages (replay its KV ops, then step, sync or profile) until it stops or a
+    message fails (the group's state is unknown then: report and stop)."""
+    kv = executor.kv
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the driver is gone
+            return
+        kind = message[0]
+        if kind == "stop":
+            return
+        try:
+            replay(kv, message[1])
+            if kind == "step":
+                _, _, slots, seqs = message
+                kv.transfer.prefetch_slots = slots
+                result = executor.step(seqs)
+                conn.send(("ok", result, _rank_stats(rank, kv, result)))
+            elif kind == "sync":
+                conn.send(("ok", _rank_stats(rank, kv)))
+            elif kind == "profile":
+                from orbitflow.runtime.profiler import profile_executor
+
+                profile = profile_executor(executor, name=message[2])
+                allreduce = _measure_allreduce(local.hidden_size, spec.dtype, executor.device)
+                conn.send(("ok", profile, allreduce))
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+        except BaseException as exc:  # noqa: BLE001 - reported to the driver, which fails cleanly
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            conn.send(("error", f"rank {rank}: {detail}"))
+            return
+
+
+def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
+    import torch.distributed as dist
+
+    executor = None
     try:
-        if spec.threads is not None:
-            torch.set_num_threads(spec.threads)
-        device = torch.device(f"cuda:{rank}") if spec.cuda else torch.device("cpu")
-        if spec.cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.size,
-                                timeout=timedelta(seconds=spec.timeout_s))
-        config = read_model_config(Path(spec.model_dir))
-        local = shard_config(config, spec.size)
-        model = build_shard(spec.model_dir, rank, spec.size, dtype=spec.dtype, device=device)
-        kv = KVManager(local.num_layers, local.num_kv_heads, local.head_dim, spec.device_blocks, spec.host_blocks,
-                       block_size=spec.block_size, dtype=spec.dtype, device=device,
-                       link_bytes_per_s=spec.link_bytes_per_s)
-        executor = ModelExecutor(model, local, kv)
-        conn.send(("ok", _rank_stats(rank, kv)))
+        executor, local = _start_rank(rank, spec)
+        conn.send(("ok", _rank_stats(rank, executor.kv)))
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which fails cleanly
         conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
         return
     try:
-        while True:
-            try:
-                message = conn.recv()
-            except EOFError:  # the driver is gone
-                break
-            kind = message[0]
-            if kind == "stop":
-                break
-            try:
-                replay(kv, message[1])
-                if kind == "step":
-                    _, _, slots, seqs = message
-                    kv.transfer.prefetch_slots = slots
-                    result = executor.step(seqs)
-                    conn.send(("ok", result, _rank_stats(rank, kv, result)))
-                elif kind == "sync":
-                    conn.send(("ok", _rank_stats(rank, kv)))
-                elif kind == "profile":
-                    from orbitflow.runtime.profiler import profile_executor
-
-                    profile = profile_executor(executor, name=message[2])
-                    allreduce = _measure_allreduce(local.hidden_size, spec.dtype, device)
-                    conn.send(("ok", profile, allreduce))
-                else:
-                    raise ValueError(f"unknown message {kind!r}")
-            except BaseException as exc:  # noqa: BLE001 - the group's state is unknown now: report and stop
-                detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                conn.send(("error", f"rank {rank}: {detail}"))
-                break
+        _serve_rank(rank, spec, conn, executor, local)
     finally:
-        if kv is not None:
-            kv.close()
+        executor.kv.close()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly; the process ends anyway
