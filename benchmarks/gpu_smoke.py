@@ -87,8 +87,8 @@ def make_llm(loaded, spec: str, args, profile):
     from orbitflow.policies import FixedPlacementPolicy
 
     blocks = args.prompts * (-(-(args.context + args.max_tokens) // 16)) * loaded.config.num_layers
-    config = EngineConfig(model=loaded.name, device_kv_blocks=blocks + 4 * loaded.config.num_layers,
-                          host_kv_blocks=blocks + 64, max_num_seqs=args.prompts)
+    config = EngineConfig.build(model=loaded.name, device_kv_blocks=blocks + 4 * loaded.config.num_layers,
+                                host_kv_blocks=blocks + 64, max_num_seqs=args.prompts)
     return LLM(config, policy=FixedPlacementPolicy(spec), profile=profile, loaded=loaded)
 
 

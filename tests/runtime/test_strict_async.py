@@ -5,7 +5,7 @@ freed slots are poisoned, a read before its event raises). The whole suite runs 
 
 import pytest
 import torch
-from orbitflow.sim.profiles import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile
 from tiny_models import hf_greedy, make_llm
 
 from orbitflow.policies import FixedPlacementPolicy
