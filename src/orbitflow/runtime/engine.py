@@ -265,13 +265,20 @@ class Engine:
     def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
         """The batch as the planner sees it; also tells the planner how much of the host pool is left to
         this batch (everything but what paused requests hold there)."""
+        requests, host_capacity = self.plan_inputs(reqs, ahead)
+        self.controller.ctx.host_capacity_blocks = host_capacity
+        return requests
+
+    def plan_inputs(self, reqs: list[Request], ahead: int = 0) -> tuple[list[PlanRequest], int]:
+        """The planner's view of `reqs` and the host blocks left to them, changing nothing (the replica
+        state's what-if asks the planner about a batch the engine is not running)."""
         now = self.clock.now()
         held = 0
         for r in reqs:
             table = self.kv.tables.get(r.request_id)
             if table is not None:
                 held += table.host_blocks()
-        self.controller.ctx.host_capacity_blocks = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
+        host_capacity = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
         return [
             PlanRequest(
                 request_id=r.request_id,
@@ -282,7 +289,7 @@ class Engine:
                 slo_s=r.slo_s,
             )
             for r in reqs
-        ]
+        ], host_capacity
 
     def _admit(self) -> None:
         if self._admission_blocked_at == self._batch_version:
@@ -335,6 +342,10 @@ class Engine:
 
     def _final_blocks(self, req: Request) -> int:
         return math.ceil(req.max_total_tokens / self.block_size)
+
+    def fits_memory(self, cand: Request) -> bool:
+        """Whether admission's memory rule lets `cand` in now (read-only; the replica state's what-if)."""
+        return self._memory_for(cand)
 
     def _memory_for(self, cand: Request) -> bool:
         """Whether both pools together can hold `cand` to its last token while every admitted request
