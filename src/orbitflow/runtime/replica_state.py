@@ -108,3 +108,29 @@ def _what_if(engine, prompt_tokens: int, max_tokens: int, slo_s: float | None) -
 def _current_step_s(engine) -> float:
     plan = engine.controller.plan
     return float(plan.predicted_step_s) if plan is not None else 0.0
+
+
+# ---- a what-if table: the planner's answers for a grid of request sizes ----------------------------------
+# A router that cannot ask a replica per request (Ray Serve's routers read the replicas' periodic routing stats)
+# looks the request up here: the smallest grid point at least as long in prompt and in output, so the answer
+# errs on the safe side; a request beyond the grid is not known feasible.
+PROMPT_GRID = (128, 512, 2048, 8192, 32768)
+OUTPUT_GRID = (64, 512, 4096)
+
+
+def what_if_table(engine, max_len: int) -> list[tuple[int, int, WhatIf]]:
+    """`what_if` at every grid point that fits in `max_len` tokens (prompt + output), smallest first."""
+    out = []
+    for p in PROMPT_GRID:
+        for o in OUTPUT_GRID:
+            if p + o <= max_len:
+                out.append((p, o, what_if(engine, p, o)))
+    return out
+
+
+def lookup_what_if(table, prompt_tokens: int, max_tokens: int) -> WhatIf | None:
+    """The answer of the smallest grid point covering the request (None: no point does)."""
+    covering = [(p, o, w) for p, o, w in table if p >= prompt_tokens and o >= max_tokens]
+    if not covering:
+        return None
+    return min(covering, key=lambda t: (t[0] + t[1], t[0]))[2]

@@ -88,6 +88,15 @@ def add_serve_parser(
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     g.add_argument("--watchdog-s", type=float, default=60.0, metavar="S",
                    help="/health answers 503 when the engine loop has not advanced for S seconds with work pending")
+    c = p.add_argument_group("cluster (Ray Serve; pip install 'orbitflow[cluster]')")
+    c.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas behind this API on Ray Serve (default: one engine in this process)")
+    c.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 'auto' or 'ray://head:10001'); default: start Ray on this machine")
+    c.add_argument("--router", default="slo-aware", choices=("slo-aware", "least-loaded", "round-robin"),
+                   help="how requests pick a replica: slo-aware (power of two choices by the replicas' planned "
+                        "SLO headroom, else least loaded), least-loaded, or round-robin")
+    c.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each engine replica")
     add_engine_args(p)
 
     def handler(args: argparse.Namespace) -> int:
@@ -97,6 +106,10 @@ def add_serve_parser(
                             ("--watchdog-s", args.watchdog_s)):
             if value <= 0:
                 raise ConfigError(f"{flag} must be positive, got {value}")
+        if args.replicas is not None:
+            return _run_replicas(args, engine_config(args, max_queue_len=args.max_queue_len))
+        if args.ray_address is not None:
+            raise ConfigError("--ray-address needs --replicas N")
         run_server(engine_config(args, max_queue_len=args.max_queue_len), host=args.host, port=args.port,
                    api_key=args.api_key, served_model_name=args.served_model_name,
                    shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
@@ -105,3 +118,17 @@ def add_serve_parser(
 
     p.set_defaults(func=handler)
     return p
+
+
+def _run_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
+    """`serve --replicas N`: the same API on N engine replicas (serve/cluster.py, on Ray Serve)."""
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    try:
+        from orbitflow.serve.cluster import run_cluster
+    except ImportError as exc:
+        raise ConfigError(f"--replicas needs Ray Serve ({exc}): pip install 'orbitflow[cluster]'") from None
+    run_cluster(config, args.replicas, args.ray_address, args.host, args.port, args.router,
+                served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                watchdog_s=args.watchdog_s, replica_cpus=args.replica_cpus)
+    return 0
