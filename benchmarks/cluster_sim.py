@@ -91,7 +91,8 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         cells = [_cell(r[m], fmts[m]) for m in METRICS]
         fb = _cell(r["fallbacks"], ".0f") if r["router"] == "slo-aware" else "-"
-        out.append(f"| {r['replicas']} | {r['router']} | " + " | ".join(cells) + f" | {_cell(r['pauses'], '.0f')} | {fb} |")
+        pauses = _cell(r["pauses"], ".0f")
+        out.append(f"| {r['replicas']} | {r['router']} | " + " | ".join(cells) + f" | {pauses} | {fb} |")
     return out
 
 

@@ -59,7 +59,7 @@ DEFAULT_STATS_PERIOD_S = 0.5
 class EngineReplica:
     """One engine, as a Ray Serve replica (the deployment's class; Serve constructs it)."""
 
-    def __init__(self, config: EngineConfig, watchdog_s: float = 60.0) -> None:
+    def __init__(self, config: EngineConfig, watchdog_s: float = 60.0, profile="measure") -> None:
         from orbitflow.llm import LLM
         from orbitflow.serve.api import max_len_of
         from orbitflow.serve.async_engine import AsyncEngine
@@ -67,7 +67,7 @@ class EngineReplica:
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.llm = LLM(config, profile="measure")
+        self.llm = LLM(config, profile=profile)  # "measure": the SLO derives from this node's decode step
         self.engine = AsyncEngine(self.llm.engine, self.llm.tokenizer)
         self.engine.start()
         self.watchdog_s = watchdog_s
@@ -138,7 +138,10 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
         self.rule = Router(policy, seed)
         self._sent: dict = defaultdict(int)  # replica id -> requests sent since its stats' stamp
         self._stamp: dict = {}
-        _ROUTERS.append(self)
+        # Serve may load this class by value (its own copy of this module's globals): register in the module
+        import orbitflow.serve.cluster as this_module
+
+        this_module._ROUTERS.append(self)
 
     def _view(self, replica) -> tuple[ReplicaState, list]:
         stats = replica.routing_stats or {}
@@ -174,15 +177,12 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
             return answer or WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
 
         chosen = self.rule.choose([(rid, views[rid][0]) for rid in by_id], what_if)
+        self._sent[chosen] += 1  # counted now: requests routed at once must not all see the same state
         rest = [r for rid, r in by_id.items() if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
-    def on_request_routed(self, pending_request, replica_id, result) -> None:
-        self._sent[replica_id] += 1
-
     def replica_stats(self) -> list[dict]:
         return [r.routing_stats for r in self.curr_replicas.values() if r.routing_stats]
-
 
 
 # ---- the ingress: the project's API over the replicas ------------------------------------------------------
@@ -296,15 +296,13 @@ class ClusterIngress:
 
         info = await self.handle.info.remote()
         tokenizer = Tokenizer.from_dir(info["model_dir"], extra_eos_token_ids=info["eos_token_ids"])
-        remote = RemoteEngine(self.handle)
-        metrics = ServerMetrics(collector=_ClusterCollector(None))
+        metrics = ServerMetrics(collector=_ClusterCollector())
         routed = Counter("orbitflow:cluster_requests_routed", "Requests each replica took", ["replica"],
                          registry=metrics.registry)
+        remote = RemoteEngine(self.handle, on_routed=lambda replica: routed.labels(replica).inc())
         server = OpenAIServer(self.model_name, tokenizer, remote, metrics, WallClock(), info["max_len"],
                               info["vocab_size"], self.watchdog_s)
-        _count_routed(remote, routed)
         return serve_app(server, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
-
 
 
 # ---- building and running the application -------------------------------------------------------------------
@@ -312,8 +310,9 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
                       served_model_name: str | None = None, api_key: str | None = None,
                       max_body_bytes: int = 8 * 1024 * 1024, watchdog_s: float = 60.0,
                       replica_cpus: float = 1.0, stats_period_s: float = DEFAULT_STATS_PERIOD_S,
-                      health_check_period_s: float = 2.0, seed: int = 0):
-    """The Ray Serve application (bound ingress) of `replicas` engine replicas routed by `router`."""
+                      health_check_period_s: float = 2.0, seed: int = 0, profile="measure"):
+    """The Ray Serve application (bound ingress) of `replicas` engine replicas routed by `router`. ``profile``:
+    how each replica gets its hardware profile ("measure" on its node, "rough", or a HardwareProfile)."""
     if replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {replicas}")
     if router not in ROUTERS:
@@ -331,8 +330,8 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
     )
     ingress = serve.deployment(ClusterIngress, name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=1_000_000)
-    return ingress.bind(engine.bind(config, watchdog_s), served_model_name or config.model, api_key, max_body_bytes,
-                        watchdog_s)
+    return ingress.bind(engine.bind(config, watchdog_s, profile), served_model_name or config.model, api_key,
+                        max_body_bytes, watchdog_s)
 
 
 def start_cluster(app, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
