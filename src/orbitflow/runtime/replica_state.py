@@ -92,7 +92,8 @@ def _what_if(engine, prompt_tokens: int, max_tokens: int, slo_s: float | None) -
     )
     ahead = list(engine.paused) + list(engine.waiting)
     batch = list(engine.running) + ahead + [cand]
-    if len(batch) > engine.config.max_num_seqs:
+    # requests still in the engine's inbox (not taken in yet) count toward the batch limit too
+    if len(engine.running) + len(engine.paused) + engine.num_queued() + 1 > engine.config.max_num_seqs:
         return WhatIf(False, _current_step_s(engine), -math.inf, "batch full")
     if not engine.fits_memory(cand):
         return WhatIf(False, _current_step_s(engine), -math.inf, "memory")

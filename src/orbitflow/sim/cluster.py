@@ -37,6 +37,7 @@ class ClusterResult:
     fallbacks: int  # slo-aware decisions where no sampled replica had a feasible plan
     rejected: int
     wall_s: float
+    blocks_in_use: int = 0  # device + host KV blocks still held once every replica ran dry (0: no leak)
 
 
 def _advance(engine: Engine, until_s: float) -> None:
@@ -99,7 +100,8 @@ def simulate_cluster(
         solver_time_s=sum(e.controller.solver_time_s for e in engines), rejected=rejected,
         pauses=sum(e.stats.pauses for e in engines), prefetch_slots=engines[0].controller.ctx.cost_model.prefetch_slots,
     )
+    blocks_in_use = sum(sum(e.kv.usage()) for e in engines)
     for engine in engines:
         engine.close()
     return ClusterResult(router, num_replicas, metrics, routed, rule.fallbacks, rejected,
-                         time.perf_counter() - start)
+                         time.perf_counter() - start, blocks_in_use)
