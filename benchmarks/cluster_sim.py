@@ -96,6 +96,32 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def reading(rows: list[dict]) -> list[str]:
+    """Per replica count: where SLO-aware routing wins, ties (95% CIs overlap) or loses, and how often it fell
+    back to least-loaded because neither sampled replica had a feasible plan."""
+    out = []
+    for n in sorted({r["replicas"] for r in rows}):
+        slo = next((r for r in rows if r["replicas"] == n and r["router"] == "slo-aware"), None)
+        if slo is None:
+            continue
+        verdicts = []
+        for metric, higher in (("tbt_attainment", True), ("tpot_attainment", True), ("throughput_rpm", True),
+                               ("p95_ttft_s", False)):
+            for other in (r for r in rows if r["replicas"] == n and r["router"] != "slo-aware"):
+                a, b = slo[metric], other[metric]
+                if a["mean"] is None or b["mean"] is None:
+                    continue
+                if abs(a["mean"] - b["mean"]) <= (a["ci95"] or 0) + (b["ci95"] or 0):
+                    continue  # the intervals overlap: no call
+                wins = (a["mean"] > b["mean"]) == higher
+                verdicts.append(f"{'wins' if wins else 'loses'} on {HEADERS[metric]} vs {other['router']}")
+        share = slo["fallbacks"]["mean"] / slo["requests"] if slo["requests"] else 0.0
+        text = "; ".join(verdicts) if verdicts else "no difference outside the 95% CIs on any metric"
+        out.append(f"- {n} replicas: SLO-aware {text}. In {share:.0%} of its decisions neither sampled replica "
+                   "had a feasible plan (a full batch, memory, or the SLO), so it routed as least-loaded.")
+    return out
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -146,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", type=Path, default=None, help="write the Markdown fragment here")
     ap.add_argument("--plot", type=Path, default=None, help="write the plot here")
     ap.add_argument("--json", type=Path, default=None, help="write every run's metrics here")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="re-render the table, plot and fragment from a previous run's --json (no simulation)")
     args = ap.parse_args(argv)
     if args.quick:
         args.replicas, args.seeds = "4", 2
@@ -160,22 +188,34 @@ def main(argv: list[str] | None = None) -> int:
     jobs.sort(key=lambda j: -j[1])  # the big clusters first
     start = time.perf_counter()
     runs = []
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = [pool.submit(_job, j) for j in jobs]
-        for fut in tqdm(as_completed(futures), total=len(futures), desc="cluster runs", unit="run"):
-            runs.append(fut.result())
-    elapsed = time.perf_counter() - start
+    commit_of_runs = None
+    cmd = "python benchmarks/cluster_sim.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    saved: dict = {}
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        runs, elapsed = saved["runs"], float(saved.get("elapsed_s", 0.0))
+        machine = saved.get("machine", machine)
+        commit_of_runs = saved.get("commit")
+    else:
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            futures = [pool.submit(_job, j) for j in jobs]
+            for fut in tqdm(as_completed(futures), total=len(futures), desc="cluster runs", unit="run"):
+                runs.append(fut.result())
+        elapsed = time.perf_counter() - start
     rows = summarize(runs)
     lines = table(rows)
     print("\n".join(lines))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+                                         "elapsed_s": elapsed, "machine": machine, "command": cmd,
+                                         "commit": commit}, indent=1))
     if args.plot:
         plot(rows, args.plot)
     if args.md:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        cmd = "python benchmarks/cluster_sim.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        produced = (f"Runs by `{saved.get('command', '?')}` at commit {commit_of_runs}, re-rendered by `{cmd}`"
+                    if args.from_json else f"Command: `{cmd}`")
         md = [
             "Routers compared on the cluster simulator (`orbitflow.sim.cluster`): N replicas of the simulated "
             "engine (the one `orbitflow simulate` runs: real scheduler, planner, Token-Deposit and Pause-Resume "
@@ -195,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             "",
             *lines,
             "",
+            *reading(rows),
+            "",
             f"![cluster routers](results/{args.plot.name if args.plot else 'cluster.png'})",
             "",
-            f"Command: `{cmd}` ({len(runs)} runs, {elapsed / 60:.1f} min, commit {commit}, "
+            f"{produced} ({len(runs)} runs, {elapsed / 60:.1f} min, commit {commit}, "
             f"{datetime.date.today().isoformat()}; machine: {machine}).",
         ]
         args.md.parent.mkdir(parents=True, exist_ok=True)
