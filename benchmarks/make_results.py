@@ -64,12 +64,14 @@ ABLATION_STEPS = ("batch-uniform", "+request-wise", "+pause-resume")
 FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"), ("planner", "Planner speed"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"), ("serving", "Serving"),
              ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
-             ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"))
+             ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),
+             ("cluster", "Scale-out: routers on a simulated cluster"))
 OTHER_STAGES = {
     "planner": ["benchmarks/planner.py", "--md", "docs/results/planner.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--md", "docs/results/sim_fidelity.md"],
     "tensor_parallel": ["benchmarks/tensor_parallel.py", "--md", "docs/results/tensor_parallel.md"],
+    "cluster": ["benchmarks/cluster_sim.py", "--md", "docs/results/cluster.md", "--plot", "docs/results/cluster.png"],
 }
 LABEL = {"orbitflow": "OrbitFlow", "deepspeed": "DeepSpeed", "flexgen": "FlexGen", "flexgen+": "FlexGen+",
          "slo-aware": "SLO-aware", "dynamic": "Dynamic", "batch-uniform": "Batch-Uniform",

@@ -200,6 +200,28 @@ class ServerConfig(_Validated):
                 raise ConfigError(f"{flag} must be positive, got {value}")
 
 
+ROUTER_CHOICES = ("slo-aware", "least-loaded", "round-robin")
+
+
+@dataclass(frozen=True)
+class ClusterConfig(_Validated):
+    """`orbitflow serve --replicas N`: engine replicas behind one API on Ray Serve (serve/cluster.py)."""
+
+    replicas: int | None = option(
+        None, "serve N engine replicas behind this API on Ray Serve (default: one engine in this process)",
+        type=int, check="count?", metavar="N")
+    ray_address: str | None = option(
+        None, "join this Ray cluster (e.g. 'auto' or 'ray://head:10001'); default: start Ray on this machine")
+    router: str = option(
+        "slo-aware", "how requests pick a replica: slo-aware (power of two choices by the replicas' planned SLO "
+                     "headroom, else least loaded), least-loaded, or round-robin", choices=ROUTER_CHOICES)
+    replica_cpus: float = option(1.0, "CPUs Ray reserves for each engine replica", type=float, check="positive")
+
+    def _cross_check(self) -> None:
+        if self.ray_address is not None and self.replicas is None:
+            raise ConfigError("--ray-address needs --replicas N")
+
+
 TP_LINK_CHOICES = ("shared", "per-rank")
 
 

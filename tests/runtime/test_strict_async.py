@@ -5,9 +5,9 @@ freed slots are poisoned, a read before its event raises). The whole suite runs 
 
 import pytest
 import torch
-from orbitflow.plan.hardware import HardwareProfile
 from tiny_models import hf_greedy, make_llm
 
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.policies import FixedPlacementPolicy
 from orbitflow.runtime.sampling import SamplingParams
 

@@ -176,7 +176,7 @@ class Engine:
                 f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
                 f"exceeds the model's context length of {self.max_model_len} tokens"
             )
-        # What admission asks of an empty engine (`Scheduler._kv_fits`): every layer plus the prefetch buffer.
+        # What admission asks of an empty engine (`Scheduler.kv_fits`): every layer plus the prefetch buffer.
         # A request that passes waits until memory frees up; one that does not could never be admitted.
         blocks = most_blocks(self.scheduler.final_blocks(req), self.num_layers, self.prefetch_slots)
         capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks

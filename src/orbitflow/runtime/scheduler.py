@@ -188,7 +188,7 @@ class Scheduler:
         else:
             # Not now: it waits (FCFS order holds) until a request finishes and frees memory. add_request
             # guaranteed that it fits an empty engine, so it cannot wait forever.
-            ok = self._kv_fits(cand)
+            ok = self.kv_fits(cand)
         if not ok:
             self._admission_blocked_at = self._batch_version
         return ok
@@ -223,7 +223,7 @@ class Scheduler:
         """Blocks per layer the request's KV grows to at most."""
         return math.ceil(req.max_total_tokens / self.block_size)
 
-    def _kv_fits(self, cand: Request) -> bool:
+    def kv_fits(self, cand: Request) -> bool:
         """Whether both pools together can hold `cand` to its last token while every admitted request
         also grows to its last token, plus the largest prefetch buffer any plan could ask for (prefetch-depth
         layers of every request). Then no plan of theirs can run the host pool dry."""
@@ -274,13 +274,20 @@ class Scheduler:
     def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
         """The batch as the planner sees it; also tells the planner how much of the host pool is left to
         this batch (everything but what paused requests hold there)."""
+        requests, host_capacity = self.plan_inputs(reqs, ahead)
+        self.controller.set_host_capacity(host_capacity)
+        return requests
+
+    def plan_inputs(self, reqs: list[Request], ahead: int = 0) -> tuple[list[PlanRequest], int]:
+        """The planner's view of `reqs` `ahead` steps on, and the host blocks left to them; changes nothing
+        (the replica state's what-if asks the planner about a batch the engine is not running)."""
         now = self.now()
         held = 0
         for r in reqs:
             table = self.kv.tables.get(r.request_id)
             if table is not None:
                 held += table.host_blocks()
-        self.controller.set_host_capacity(self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held))
+        host_capacity = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
         return [
             PlanRequest(
                 request_id=r.request_id,
@@ -291,7 +298,7 @@ class Scheduler:
                 slo_s=r.slo_s,
             )
             for r in reqs
-        ]
+        ], host_capacity
 
     # ---- the batch (phase 3) ----------------------------------------------------------------------
     def _schedule_batch(self, out: ScheduleOutput) -> None:
@@ -337,7 +344,7 @@ class Scheduler:
         short = self.kv.apply_placements(running_rows)
         if short is not None:
             self.controller.forget()
-            if short.tier == "host":  # cannot happen after _kv_fits admitted everyone; never spin on it
+            if short.tier == "host":  # cannot happen after kv_fits admitted everyone; never spin on it
                 newest = max(self.running, key=lambda r: r.arrival_s)
                 self._finish(newest, "error", error=f"KV memory exhausted: {short}")
             else:

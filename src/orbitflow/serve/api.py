@@ -53,24 +53,30 @@ class Delta:
 
 
 class OpenAIServer:
-    """What the routes share: the engine bridge, the tokenizer, the limits and the metrics."""
+    """What the routes share: the engine bridge, the tokenizer, the limits and the metrics.
 
-    def __init__(self, llm, model_name: str, watchdog_s: float = DEFAULT_WATCHDOG_S) -> None:
+    ``engine`` is anything with AsyncEngine's serving surface (`generate`, `start`, `shutdown`, `running`,
+    `draining`, `stalled`): the local engine thread, or (serve/cluster.py) the engine replicas of a Ray
+    Serve deployment. :meth:`local` builds it over an in-process LLM.
+    """
+
+    def __init__(self, model_name: str, tokenizer, engine, metrics: ServerMetrics, clock, max_len: int,
+                 vocab_size: int, watchdog_s: float = DEFAULT_WATCHDOG_S, llm=None) -> None:
         self.llm = llm
         self.model_name = model_name
-        self.tokenizer = llm.tokenizer
-        self.engine = AsyncEngine(llm.engine, llm.tokenizer)
-        self.metrics = ServerMetrics(llm.engine)
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.metrics = metrics
+        self.clock = clock
+        self.max_len = max_len
+        self.vocab_size = vocab_size
         self.created = int(time.time())
         self.watchdog_s = watchdog_s
-        engine = llm.engine
-        kv = engine.kv
-        # The longest sequence (prompt + output) the engine accepts: the context, and the KV both tiers hold
-        # (every layer plus the policy's prefetch buffer, as admission counts it).
-        kv_blocks = kv.device_pool.num_blocks + kv.host_pool.num_blocks
-        kv_tokens = kv_blocks // (engine.num_layers + engine.prefetch_slots) * engine.block_size
-        self.max_len = min(engine.max_model_len or kv_tokens, kv_tokens)
-        self.vocab_size = llm.loaded.config.vocab_size
+
+    @classmethod
+    def local(cls, llm, model_name: str, watchdog_s: float = DEFAULT_WATCHDOG_S) -> OpenAIServer:
+        return cls(model_name, llm.tokenizer, AsyncEngine(llm.engine, llm.tokenizer), ServerMetrics(llm.engine),
+                   llm.clock, max_len_of(llm), llm.loaded.config.vocab_size, watchdog_s, llm=llm)
 
     # ---- request preparation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -127,7 +133,7 @@ class OpenAIServer:
     async def deltas(self, index: int, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      stop: list[str]) -> AsyncIterator[Delta]:
         """One choice's text deltas, the last one with the finish reason; stop strings applied."""
-        clock = self.llm.clock
+        clock = self.clock
         tracker = self.metrics.tracker(clock.now(), len(prompt_ids))
         stops = StopStringFilter(stop)
         reason: str | None = "abort"
@@ -366,10 +372,26 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
     return build
 
 
+def max_len_of(llm) -> int:
+    """The longest sequence (prompt + output) the engine accepts: the context, and the KV both tiers hold
+    (every layer plus the policy's prefetch buffer, as admission counts it)."""
+    engine = llm.engine
+    kv = engine.kv
+    kv_blocks = kv.device_pool.num_blocks + kv.host_pool.num_blocks
+    kv_tokens = kv_blocks // (engine.num_layers + engine.prefetch_slots) * engine.block_size
+    return min(engine.max_model_len or kv_tokens, kv_tokens)
+
+
 def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               watchdog_s: float = DEFAULT_WATCHDOG_S) -> FastAPI:
-    """The API: lifecycle (the engine loop runs while the app does), middleware, then the routes by group."""
-    server = OpenAIServer(llm, model_name, watchdog_s)
+    """The API of one engine in this process."""
+    return serve_app(OpenAIServer.local(llm, model_name, watchdog_s), api_key=api_key, max_body_bytes=max_body_bytes)
+
+
+def serve_app(server: OpenAIServer, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The API over `server` (one process's engine, or a cluster's replicas): lifecycle (the engine loop runs
+    while the app does), middleware, then the routes by group."""
     app = FastAPI(title="orbitflow", version="0.1.0", lifespan=_lifespan(server),
                   description="OpenAI-compatible API of orbitflow, an SLO-aware long-context LLM server.")
     app.openapi = _openapi(app)
@@ -411,7 +433,7 @@ def _add_service_routes(app: FastAPI, server: OpenAIServer, auth: tuple[int, ...
             return JSONResponse({"status": "engine not running"}, status_code=503)
         if server.engine.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        failure = getattr(server.llm.executor, "failure", None)  # a tensor-parallel rank died or hung
+        failure = getattr(getattr(server.llm, "executor", None), "failure", None)  # a TP rank died or hung
         if failure is not None:
             return JSONResponse({"status": f"executor failed: {failure}"}, status_code=503)
         stuck = server.engine.stalled(server.watchdog_s)

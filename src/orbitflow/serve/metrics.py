@@ -80,10 +80,17 @@ def _rank_metrics(executor) -> Iterator[Metric]:
     yield from (blocks, pool_bytes, link)
 
 
+def engine_metric_values(engine: Engine) -> list[tuple[str, str, str, float]]:
+    """The engine's gauges and counters as (name, type, help, value): what a cluster replica reports, so the
+    cluster's /metrics can sum them under the same names."""
+    return [(m.name, m.type, m.documentation, float(m.samples[0].value)) for m in _EngineCollector(engine).collect()]
+
+
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | None = None, collector=None) -> None:
+        """Engine state comes from `engine` (one process) or from `collector` (a cluster's replicas)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine) if engine is not None else collector)
         self.ttft = Histogram("orbitflow:time_to_first_token_seconds", "Time to first token, as delivered",
                               buckets=_LATENCY_BUCKETS + (20.0, 40.0), registry=self.registry)
         self.itl = Histogram("orbitflow:inter_token_latency_seconds",

@@ -12,6 +12,8 @@ import logging
 import signal
 
 from orbitflow.config import (
+    ClusterConfig,
+    ConfigError,
     EngineConfig,
     HelpFormatter,
     ServerConfig,
@@ -72,12 +74,41 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                               formatter_class=HelpFormatter)
     add_config_args(p, ServerConfig, "server")
+    add_config_args(p, ClusterConfig, "cluster (Ray Serve; pip install 'orbitflow[cluster]')")
     add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN})
 
     def handler(args: argparse.Namespace) -> int:
-        server = config_from_args(ServerConfig, args)
+        server, cluster = config_from_args(ServerConfig, args), config_from_args(ClusterConfig, args)
+        if cluster.replicas is not None:
+            return _run_replicas(engine_config(args), server, cluster)
         run_server(engine_config(args), server)
         return 0
 
     p.set_defaults(func=handler)
     return p
+
+
+def _run_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
+    """`serve --replicas N`: the same API on N engine replicas (serve/cluster.py, on Ray Serve)."""
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    try:
+        from orbitflow.serve.cluster import run_cluster
+    except ImportError as exc:
+        raise ConfigError(f"--replicas needs Ray Serve ({exc}): pip install 'orbitflow[cluster]'") from None
+    run_cluster(config, args.replicas, args.ray_address, args.host, args.port, args.router,
+                served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                watchdog_s=args.watchdog_s, replica_cpus=args.replica_cpus)
+    return 0
+
+
+def _run_replicas(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> int:
+    """`serve --replicas N`: the same API on N engine replicas (serve/cluster.py, on Ray Serve)."""
+    try:
+        from orbitflow.serve.cluster import run_cluster
+    except ImportError as exc:
+        raise ConfigError(f"--replicas needs Ray Serve ({exc}): pip install 'orbitflow[cluster]'") from None
+    run_cluster(config, cluster.replicas, cluster.ray_address, server.host, server.port, cluster.router,
+                served_model_name=server.served_model_name, api_key=server.api_key,
+                max_body_bytes=server.max_body_bytes, watchdog_s=server.watchdog_s, replica_cpus=cluster.replica_cpus)
+    return 0

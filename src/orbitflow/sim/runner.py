@@ -36,6 +36,35 @@ class SimResult:
     engine: Engine
 
 
+def build_sim_engine(profile: HardwareProfile, config: EngineConfig, noise: float = 0.0,
+                     contention: list[tuple[float, float, float]] | None = None, noise_cv: float = 0.0,
+                     solver_time: str = "off") -> Engine:
+    """The real engine on the simulated executor and a virtual clock of its own (``engine.clock``)."""
+    clock = VirtualClock()
+    charge = solver_time_model(solver_time)
+    kv = accounting_kv(profile, config.cache.device_kv_blocks)
+    policy = make_policy(config.planner.policy)
+    executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.model.seed,
+                           noise_cv=noise_cv, prefetch_slots=prefetch_slots_for(config, policy))
+    ctx = PlanContext.from_profile(config, profile, policy)
+    engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
+    if charge is not None:
+        engine.controller.charge_solve_time(clock, charge)
+    return engine
+
+
+def request_records(engine: Engine) -> list[RequestRecord]:
+    """The finished requests of a simulated engine, as the metrics take them."""
+    return [
+        RequestRecord(
+            request_id=r.request_id, arrival_s=r.arrival_s, input_tokens=r.num_prompt,
+            output_tokens=len(r.output_ids), generated_s=r.generated_s, delivered_s=r.delivered_s,
+            finished_s=r.finished_s, slo_s=r.slo_s, num_pauses=r.num_pauses,
+        )
+        for r in engine.finished
+    ]
+
+
 def simulate_trace(
     profile: HardwareProfile,
     trace: Trace,
@@ -49,35 +78,19 @@ def simulate_trace(
     """Replay ``trace``. ``noise_cv``: seeded (``config.model.seed``) lognormal noise on compute and transfers that
     the planner does not see; ``solver_time``: see :func:`solver_time_model`. The prefetch depth is the
     config's, or the policy's own."""
-    clock = VirtualClock()
-    charge = solver_time_model(solver_time)
-    kv = accounting_kv(profile, config.cache.device_kv_blocks)
-    policy = make_policy(config.planner.policy)
-    slots = prefetch_slots_for(config, policy)
-    executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.model.seed,
-                           noise_cv=noise_cv, prefetch_slots=slots)
-    ctx = PlanContext.from_profile(config, profile, policy)
-    engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
-    if charge is not None:
-        engine.controller.charge_solve_time(clock, charge)
-    rejected = replay(engine, clock, trace, max_steps)
-    records = [
-        RequestRecord(
-            request_id=r.request_id, arrival_s=r.arrival_s, input_tokens=r.num_prompt,
-            output_tokens=len(r.output_ids), generated_s=r.generated_s, delivered_s=r.delivered_s,
-            finished_s=r.finished_s, slo_s=r.slo_s, num_pauses=r.num_pauses,
-        )
-        for r in engine.finished
-    ]
+    engine = build_sim_engine(profile, config, noise=noise, contention=contention, noise_cv=noise_cv,
+                              solver_time=solver_time)
+    rejected = replay(engine, engine.clock, trace, max_steps)
+    records = request_records(engine)
     c = engine.controller
     metrics = compute_metrics(
         records, engine.default_slo_s, device_mem_util=engine.stats.device_mem_util,
         solver_calls=c.solver_calls, solver_time_s=c.solver_time_s, rejected=len(rejected),
-        pauses=engine.stats.pauses, prefetch_slots=slots,
+        pauses=engine.stats.pauses, prefetch_slots=c.ctx.cost_model.prefetch_slots,
         solver_charged_s=sum(r.charged_s or 0.0 for r in c.records), plans_adopted_late=c.adopted_late,
     )
     engine.close()
-    return SimResult(policy.name, metrics, records, engine)
+    return SimResult(engine.policy.name, metrics, records, engine)
 
 
 def replay(engine: Engine, clock: VirtualClock, trace: Trace, max_steps: int) -> list[str]:

@@ -1,0 +1,370 @@
+"""`orbitflow serve --replicas N`: N engine replicas behind the project's own API, on Ray Serve.
+
+Ray Serve does the cluster work: it places the replicas (on this machine, or across the nodes of the Ray
+cluster given by ``--ray-address``), health-checks them, restarts a dead one and routes each request through a
+request router of ours. The application has two deployments:
+
+- ``orbitflow-engine`` (:class:`EngineReplica`): one engine (LLM + AsyncEngine, exactly what single-process
+  serving runs) per replica. ``generate`` streams its tokens; ``record_routing_stats`` reports the replica's
+  state (runtime/replica_state.py), a what-if table from its own planner, and its engine metrics;
+  ``check_health`` fails when the engine loop died or stalled, and Serve then replaces the replica.
+- ``orbitflow-api`` (:class:`ClusterIngress`): the FastAPI app of serve/api.py (`serve_app`) with
+  :class:`RemoteEngine` as its engine bridge, so routes, validation, errors, streaming, stop strings,
+  Token-Deposit pacing (done in the replica) and /metrics are those of single-process serving.
+
+:class:`OrbitflowRequestRouter` is the deployment's Ray Serve request router: it applies
+`orbitflow.runtime.routing.Router` (slo-aware / least-loaded / round-robin, the rule the cluster simulator uses)
+to the replicas' routing stats, counting the requests it sent a replica since that replica last reported.
+
+A replica that dies ends the requests streaming from it with an error (an error event, or a 500 before the
+first token; a request that had not started yet is retried once on another replica); the router stops
+choosing it at once (Serve tells it), and Serve starts a replacement.
+
+Ray is the optional ``cluster`` extra: nothing here is imported by single-process serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from orbitflow.config import ConfigError, EngineConfig
+from orbitflow.runtime.engine import QueueFull, RequestRejected
+from orbitflow.runtime.replica_state import ReplicaState, WhatIf, lookup_what_if, replica_state, what_if_table
+from orbitflow.runtime.routing import DEFAULT_ROUTER, ROUTERS, Router
+from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.serve.async_engine import EngineError, EngineUnavailable, GenerationOutput
+
+log = logging.getLogger("orbitflow.serve.cluster")
+
+APP_NAME = "orbitflow"
+ENGINE_DEPLOYMENT = "orbitflow-engine"
+INGRESS_DEPLOYMENT = "orbitflow-api"
+DEFAULT_STATS_PERIOD_S = 0.5
+
+
+# ---- the engine replica -----------------------------------------------------------------------------------
+class EngineReplica:
+    """One engine, as a Ray Serve replica (the deployment's class; Serve constructs it)."""
+
+    def __init__(self, config: EngineConfig, watchdog_s: float = 60.0, profile="measure") -> None:
+        from orbitflow.llm import LLM
+        from orbitflow.serve.api import max_len_of
+        from orbitflow.serve.async_engine import AsyncEngine
+        from orbitflow.serve.metrics import engine_metric_values
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.llm = LLM(config, profile=profile)  # "measure": the SLO derives from this node's decode step
+        self.engine = AsyncEngine(self.llm.engine, self.llm.tokenizer)
+        self.engine.start()
+        self.watchdog_s = watchdog_s
+        self.max_len = max_len_of(self.llm)
+        self._metric_values = engine_metric_values
+        self._table: tuple[tuple, list] | None = None  # (engine state key, what-if table)
+        log.info("replica %s ready: SLO %.1f ms/token", self.replica_id, 1000 * self.llm.engine.default_slo_s)
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> AsyncIterator[tuple[str, GenerationOutput]]:
+        async for out in self.engine.generate(request_id, prompt_ids, sampling):
+            yield self.replica_id, out
+
+    def info(self) -> dict:
+        llm = self.llm
+        return {"replica": self.replica_id, "max_len": self.max_len, "vocab_size": llm.loaded.config.vocab_size,
+                "model_dir": str(llm.loaded.path), "eos_token_ids": list(llm.loaded.config.eos_token_ids),
+                "slo_s": llm.engine.default_slo_s}
+
+    # the replica state API
+    def state(self) -> dict:
+        return replica_state(self.llm.engine).to_dict()
+
+    def what_if(self, prompt_tokens: int, max_tokens: int) -> dict:
+        from dataclasses import asdict
+
+        from orbitflow.runtime.replica_state import what_if
+
+        return asdict(what_if(self.llm.engine, prompt_tokens, max_tokens))
+
+    def record_routing_stats(self) -> dict:
+        """Called by Serve every routing-stats period; what the router decides on."""
+        engine = self.llm.engine
+        key = (tuple(r.request_id for r in list(engine.running)), tuple(r.request_id for r in list(engine.waiting)),
+               len(engine.paused), engine.stats.steps // 16)
+        if self._table is None or self._table[0] != key:
+            self._table = (key, what_if_table(engine, self.max_len))
+        return {"replica": self.replica_id, "stamp": time.monotonic(), "state": replica_state(engine).to_dict(),
+                "what_if": [(p, o, w.feasible, w.predicted_step_s, w.headroom) for p, o, w in self._table[1]],
+                "metrics": self._metric_values(engine)}
+
+    def check_health(self) -> None:
+        if not self.engine.running:
+            raise RuntimeError("the engine thread is not running")
+        stuck = self.engine.stalled(self.watchdog_s)
+        if stuck is not None:
+            raise RuntimeError(f"the engine loop has not advanced for {stuck:.0f} s with requests pending")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.llm.close()
+
+
+# ---- the request router -----------------------------------------------------------------------------------
+_ROUTERS: list = []  # the routers of this process (the ingress reads their replicas' stats for /metrics)
+
+
+def _stats_state(stats: dict) -> ReplicaState | None:
+    return ReplicaState.from_dict(stats["state"]) if stats.get("state") else None
+
+
+class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
+    """Ray Serve request router applying `orbitflow.runtime.routing.Router` to routing stats."""
+
+    def initialize_state(self, policy: str = DEFAULT_ROUTER, seed: int = 0) -> None:
+        self.rule = Router(policy, seed)
+        self._sent: dict = defaultdict(int)  # replica id -> requests sent since its stats' stamp
+        self._stamp: dict = {}
+        # Serve may load this class by value (its own copy of this module's globals): register in the module
+        import orbitflow.serve.cluster as this_module
+
+        this_module._ROUTERS.append(self)
+
+    def _view(self, replica) -> tuple[ReplicaState, list]:
+        stats = replica.routing_stats or {}
+        rid = replica.replica_id
+        if stats.get("stamp") != self._stamp.get(rid):
+            self._stamp[rid] = stats.get("stamp")
+            self._sent[rid] = 0
+        state = _stats_state(stats)
+        if state is None:  # not reported yet: an empty replica as far as we know
+            state = ReplicaState(0, 0, 0, 0, 0, 0.0, 0.0, 1)
+        sent = self._sent[rid]
+        if sent:
+            state = ReplicaState(**{**state.to_dict(), "queued": state.queued + sent})
+        return state, stats.get("what_if") or []
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        prompt_tokens, max_tokens = 1, 1
+        if pending_request is not None and len(pending_request.args) >= 3:
+            prompt_tokens = max(1, len(pending_request.args[1]))
+            max_tokens = max(1, int(pending_request.args[2].max_tokens))
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        views = {rid: self._view(r) for rid, r in by_id.items()}
+
+        def what_if(rid) -> WhatIf:
+            state, table = views[rid]
+            if state.running + state.queued + state.paused + 1 > state.max_num_seqs:
+                return WhatIf(False, state.predicted_step_s, float("-inf"), "batch full")
+            rows = [(p, o, WhatIf(f, s, h)) for p, o, f, s, h in table]
+            answer = lookup_what_if(rows, prompt_tokens, max_tokens)
+            return answer or WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
+
+        chosen = self.rule.choose([(rid, views[rid][0]) for rid in by_id], what_if)
+        self._sent[chosen] += 1  # counted now: requests routed at once must not all see the same state
+        rest = [r for rid, r in by_id.items() if rid != chosen]
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+
+    def replica_stats(self) -> list[dict]:
+        return [r.routing_stats for r in self.curr_replicas.values() if r.routing_stats]
+
+
+# ---- the ingress: the project's API over the replicas ------------------------------------------------------
+_DEAD_REPLICA_HINTS = ("ActorDiedError", "ActorUnavailableError", "RayActorError", "ActorUnschedulableError")
+
+
+def _translate(exc: BaseException) -> BaseException:
+    """The engine's own exception for one raised in a replica; a dead replica becomes an EngineError."""
+    cause = getattr(exc, "cause", None)
+    for known in (RequestRejected, QueueFull, EngineUnavailable, EngineError, ValueError):
+        if isinstance(cause, known):
+            return cause
+    for known in (RequestRejected, QueueFull, EngineUnavailable, EngineError):
+        if isinstance(exc, known):
+            return exc
+    return EngineError(f"the replica serving this request failed: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def _replica_died(exc: BaseException) -> bool:
+    return any(cls.__name__ in _DEAD_REPLICA_HINTS for cls in type(exc).__mro__)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
+
+
+class RemoteEngine:
+    """AsyncEngine's serving surface over the engine deployment's handle (requests go through our router)."""
+
+    def __init__(self, handle, on_routed=None) -> None:
+        self.handle = handle
+        self.draining = False
+        self.on_routed = on_routed  # called with the replica id that took a request
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        pass
+
+    @property
+    def running(self) -> bool:
+        return True
+
+    def stalled(self, after_s: float) -> float | None:
+        return None  # each replica's own health check covers its loop (Serve replaces a stalled one)
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> AsyncIterator[GenerationOutput]:
+        for attempt in (0, 1):
+            stream = self.handle.options(stream=True).generate.remote(request_id, prompt_ids, sampling)
+            started = finished = False
+            try:
+                async for replica, out in stream:
+                    if not started:
+                        started = True
+                        if self.on_routed is not None:
+                            self.on_routed(replica)
+                    if out.finish_reason is not None:
+                        finished = True
+                    yield out
+                return
+            except (GeneratorExit, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                if not started and attempt == 0 and _replica_died(exc):
+                    log.warning("replica died before request %s started; retrying on another", request_id)
+                    continue
+                raise _translate(exc) from exc
+            finally:
+                if not finished:
+                    stream.cancel()  # the replica aborts the request and frees its blocks
+
+
+class _ClusterCollector:
+    """The engine gauges and counters of single-process serving, summed over the replicas' last reports
+    (the plan-gap gauge is the largest), plus the replica count."""
+
+    def collect(self):
+        reports = [s for router in list(_ROUTERS) for s in router.replica_stats()]
+        latest: dict[str, dict] = {}
+        for s in reports:
+            if s.get("replica") is not None:
+                latest[s["replica"]] = s
+        yield GaugeMetricFamily("orbitflow:cluster_replicas", "Engine replicas reporting to this ingress",
+                                value=len(latest))
+        totals: dict[str, list] = {}
+        for s in latest.values():
+            for name, kind, doc, value in s.get("metrics", []):
+                entry = totals.setdefault(name, [kind, doc, 0.0])
+                entry[2] = max(entry[2], value) if name.endswith("optimality_gap") else entry[2] + value
+        for name, (kind, doc, value) in totals.items():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, doc, value=value)
+
+
+@serve.ingress()
+class ClusterIngress:
+    def __init__(self, engine_handle, model_name: str, api_key: str | None, max_body_bytes: int,
+                 watchdog_s: float) -> None:
+        self.handle = engine_handle
+        self.model_name, self.api_key = model_name, api_key
+        self.max_body_bytes, self.watchdog_s = max_body_bytes, watchdog_s
+
+    async def __serve_build_asgi_app__(self):
+        from orbitflow.model.tokenizer import Tokenizer
+        from orbitflow.runtime.clock import WallClock
+        from orbitflow.serve.api import OpenAIServer, serve_app
+        from orbitflow.serve.metrics import ServerMetrics
+
+        info = await self.handle.info.remote()
+        tokenizer = Tokenizer.from_dir(info["model_dir"], extra_eos_token_ids=info["eos_token_ids"])
+        metrics = ServerMetrics(collector=_ClusterCollector())
+        routed = Counter("orbitflow:cluster_requests_routed", "Requests each replica took", ["replica"],
+                         registry=metrics.registry)
+        remote = RemoteEngine(self.handle, on_routed=lambda replica: routed.labels(replica).inc())
+        server = OpenAIServer(self.model_name, tokenizer, remote, metrics, WallClock(), info["max_len"],
+                              info["vocab_size"], self.watchdog_s)
+        return serve_app(server, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+
+
+# ---- building and running the application -------------------------------------------------------------------
+def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT_ROUTER,
+                      served_model_name: str | None = None, api_key: str | None = None,
+                      max_body_bytes: int = 8 * 1024 * 1024, watchdog_s: float = 60.0,
+                      replica_cpus: float = 1.0, stats_period_s: float = DEFAULT_STATS_PERIOD_S,
+                      health_check_period_s: float = 2.0, seed: int = 0, profile="measure"):
+    """The Ray Serve application (bound ingress) of `replicas` engine replicas routed by `router`. ``profile``:
+    how each replica gets its hardware profile ("measure" on its node, "rough", or a HardwareProfile)."""
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {replicas}")
+    if router not in ROUTERS:
+        raise ConfigError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    if replica_cpus <= 0:
+        raise ConfigError(f"--replica-cpus must be positive, got {replica_cpus}")
+    sched = config.scheduler
+    max_ongoing = sched.max_num_seqs + (sched.max_queue_len if sched.max_queue_len is not None else 256)
+    engine = serve.deployment(
+        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replicas, max_ongoing_requests=max_ongoing,
+        ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=health_check_period_s,
+        health_check_timeout_s=max(30.0, watchdog_s), graceful_shutdown_timeout_s=10.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=OrbitflowRequestRouter, request_router_kwargs={"policy": router, "seed": seed},
+            request_routing_stats_period_s=stats_period_s, request_routing_stats_timeout_s=max(5.0, stats_period_s)),
+    )
+    ingress = serve.deployment(ClusterIngress, name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=1_000_000)
+    return ingress.bind(engine.bind(config, watchdog_s, profile), served_model_name or config.model.name, api_key,
+                        max_body_bytes, watchdog_s)
+
+
+def start_cluster(app, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
+                  num_cpus: float | None = None) -> None:
+    """Connect to (or start) Ray, start Serve's HTTP proxy on host:port and deploy `app`."""
+    import ray
+
+    if not ray.is_initialized():
+        kwargs = {"address": ray_address} if ray_address else {"num_cpus": num_cpus}
+        ray.init(**kwargs, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+                 if os.environ.get("PYTHONPATH") else None)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, host: str, port: int,
+                router: str, **kwargs) -> None:
+    """`orbitflow serve --replicas N`: deploy, serve until SIGINT/SIGTERM, then shut the application down."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    replica_cpus = kwargs.pop("replica_cpus", 1.0)
+    app = build_cluster_app(config, replicas, router, replica_cpus=replica_cpus, **kwargs)
+    start_cluster(app, host, port, ray_address)
+    log.info("serving %s on %d replicas (router %s) at http://%s:%d/v1", config.model.name, replicas, router,
+             host, port)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop.wait()
+    finally:
+        log.info("shutting down the cluster application")
+        serve.delete(APP_NAME)
+        serve.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

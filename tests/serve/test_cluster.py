@@ -1,0 +1,123 @@
+"""Two SmolLM2 engine replicas on Ray Serve behind the project's API: streaming through the official openai
+client reaches both replicas, and killing one mid-run ends its streams with an error while the others finish,
+new requests go to the live replica, and Serve starts a replacement."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+import httpx  # noqa: E402  (imported here, not in the client threads: concurrent first imports race)
+import openai  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+MODEL = "smollm2-135m"
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _routed(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("orbitflow:cluster_requests_routed_total{"):
+            replica = line.split('replica="')[1].split('"')[0]
+            out[replica] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _engine_replicas() -> list[tuple[str, str]]:
+    from ray import serve
+
+    status = serve.status().applications["orbitflow"].deployments["orbitflow-engine"]
+    return status.status, status.replica_states
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import serve
+
+    from orbitflow.config import EngineConfig
+    from orbitflow.serve.cluster import build_cluster_app, start_cluster
+
+    port = _free_port()
+    config = EngineConfig.build(model=MODEL, device_kv_blocks=256, host_kv_blocks=4096, max_num_seqs=4,
+                                compute_threads=1)
+    # profile "rough": no step-latency measurement at start-up (minutes on a loaded 2-core machine)
+    app = build_cluster_app(config, replicas=2, router="slo-aware", replica_cpus=0.5, stats_period_s=0.5,
+                            health_check_period_s=1.0, profile="rough")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        start_cluster(app, "127.0.0.1", port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_two_replicas_stream_and_survive_a_kill(cluster):
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0, timeout=120)
+    outcomes: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        try:
+            chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=96, stream=True,
+                                               extra_body={"ignore_eos": True})
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            outcomes[i] = reasons[-1] if reasons else "none"
+        except openai.APIError as exc:  # an error event in the stream, or an error status
+            outcomes[i] = f"error: {exc}"
+        except Exception as exc:  # a broken stream: not what a dead replica should produce
+            outcomes[i] = f"broken: {type(exc).__name__}: {exc}"
+
+    # the client's lazy imports happen once, here, before the threads
+    warm = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True)
+    assert [c.choices[0].finish_reason for c in warm if c.choices][-1] in ("length", "stop")
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 90
+    while len(routed := _routed(cluster)) < 2:  # a replica counts a request once it streams its first token
+        assert time.monotonic() < deadline, f"requests did not reach both replicas: {routed}"
+        time.sleep(0.2)
+
+    victim = next(iter(routed))
+    name = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                if "orbitflow-engine" in n["name"] and victim in n["name"])
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a stream hung after its replica died"
+    errors = [o for o in outcomes.values() if o.startswith("error")]
+    finished = [o for o in outcomes.values() if o == "length"]
+    assert len(errors) + len(finished) == len(threads), outcomes
+    assert errors, f"no stream on the killed replica ended with an error: {outcomes}"
+    assert finished, f"streams on the live replica did not finish: {outcomes}"
+    assert len(errors) <= _routed(cluster)[victim]  # only requests the killed replica had started failed
+
+    # new requests go to the live replica (and, once Serve has replaced it, to the new one)
+    for _ in range(3):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        assert out.choices[0].finish_reason in ("length", "stop")
+
+    deadline = time.monotonic() + 150
+    while True:
+        status, states = _engine_replicas()
+        if states.get("RUNNING", 0) == 2 and victim not in str(_live_names()):
+            break
+        assert time.monotonic() < deadline, f"Serve did not replace the killed replica: {status} {states}"
+        time.sleep(1)
+
+
+def _live_names() -> list[str]:
+    return [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if "orbitflow-engine" in n["name"]]
