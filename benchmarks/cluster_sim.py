@@ -24,10 +24,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from orbitflow.sim.profiles import resolve_profile
 from tqdm import tqdm
 
 from orbitflow.bench.workload import scale_trace
+from orbitflow.plan.hardware import resolve_profile
 from orbitflow.runtime.routing import ROUTERS
 from orbitflow.sim.cluster import simulate_cluster
 from orbitflow.sim.runner import sim_config

@@ -52,11 +52,8 @@ class LLM:
         cfg = self.config
         cache = cfg.cache
         tp = cfg.parallel.tensor_parallel_size
-        if loaded is None and tp > 1:  # the ranks load their shards; this process needs config and tokenizer
-            from orbitflow.model.tensor_parallel import load_model_meta
-
-            loaded = load_model_meta(cfg.model.name)
-        self.loaded = loaded or load_model(cfg.model.name)
+        # With tensor parallelism the ranks load their own shards; this process needs config and tokenizer.
+        self.loaded = loaded or load_model(cfg.model.name, weights=tp == 1)
         mc = self.loaded.config
         self.executor = self._build_executor(mc)
         self.kv = self.executor.kv

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from orbitflow.sim.profiles import load_preset
 
+from orbitflow.plan.hardware import load_preset
 from orbitflow.runtime.replica_state import (
     ReplicaState,
     WhatIf,

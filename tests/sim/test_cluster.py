@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from orbitflow.sim.profiles import load_preset
 
 from orbitflow.bench.workload import Trace, TraceRequest
+from orbitflow.plan.hardware import load_preset
 from orbitflow.sim.cluster import simulate_cluster
 from orbitflow.sim.runner import sim_config
 

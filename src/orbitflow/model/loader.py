@@ -18,24 +18,29 @@ from orbitflow.model.tokenizer import Tokenizer
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | None  # None: loaded without weights (load_model(weights=False))
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
     path: Path  # the HF directory actually loaded (the conversion cache for GGUF files)
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    path = resolve_model_path(name_or_path)
-    model_dir = _model_dir_for(path)
-    model, config = load_weights(model_dir, dtype)
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, weights: bool = True) -> LoadedModel:
+    """``weights=False``: config and tokenizer only (``model=None``), for the process that drives
+    tensor-parallel ranks, which load their own shards."""
+    model_dir = _model_dir_for(resolve_model_path(name_or_path))
+    if weights:
+        model, config = load_weights(model_dir, dtype)
+    else:
+        model, config = None, read_model_config(model_dir)
     if not (model_dir / "tokenizer.json").exists():
         raise ModelLoadError(f"no tokenizer.json in model directory {model_dir}")
     try:
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_token_ids=config.eos_token_ids)
     except Exception as exc:
         raise ModelLoadError(f"cannot read tokenizer in {model_dir}: {_one_line(exc)}") from exc
-    configure_cpu_threads()
+    if weights:
+        configure_cpu_threads()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name_or_path, path=model_dir)
 
 
@@ -61,7 +66,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> t
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
     tensors: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(model_dir):
+    for file in safetensors_files(model_dir):
         try:
             tensors.update(load_file(file))
         except Exception as exc:
@@ -93,7 +98,7 @@ def _model_dir_for(path: Path) -> Path:
     raise ModelLoadError(f"unsupported model file (expected a .gguf file or an HF directory): {path}")
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:

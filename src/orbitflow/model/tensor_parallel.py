@@ -98,12 +98,12 @@ def build_shard(model_dir: str | Path, rank: int, size: int, group: dist.Process
     (the default group when None). torch.distributed must be initialised."""
     from safetensors.torch import load_file
 
-    from orbitflow.model.loader import _safetensors_files, read_model_config
+    from orbitflow.model.loader import read_model_config, safetensors_files
 
     config = read_model_config(Path(model_dir))
     local = shard_config(config, size)
     tensors: dict[str, Tensor] = {}
-    for file in _safetensors_files(Path(model_dir)):
+    for file in safetensors_files(Path(model_dir)):
         tensors.update(shard_state(load_file(file), config, rank, size))
     model = LlamaModel(local, dtype=dtype)
     model.load_state(tensors)
@@ -112,21 +112,3 @@ def build_shard(model_dir: str | Path, rank: int, size: int, group: dist.Process
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
     return model.to(device).eval().requires_grad_(False)
-
-
-def load_model_meta(name_or_path: str):
-    """A `LoadedModel` without weights (``model=None``): config and tokenizer for the process that drives the
-    ranks, which load their own shards."""
-    from orbitflow.model.loader import LoadedModel, _model_dir_for, _one_line, read_model_config
-    from orbitflow.model.registry import resolve_model_path
-    from orbitflow.model.tokenizer import Tokenizer
-
-    model_dir = _model_dir_for(resolve_model_path(name_or_path))
-    config = read_model_config(model_dir)
-    if not (model_dir / "tokenizer.json").exists():
-        raise ModelLoadError(f"no tokenizer.json in model directory {model_dir}")
-    try:
-        tokenizer = Tokenizer.from_dir(model_dir, extra_eos_token_ids=config.eos_token_ids)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read tokenizer in {model_dir}: {_one_line(exc)}") from exc
-    return LoadedModel(model=None, config=config, tokenizer=tokenizer, name=name_or_path, path=model_dir)

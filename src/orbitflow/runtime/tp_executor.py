@@ -135,13 +135,13 @@ class RankStats:
     """What one rank reports after each step: its KV pools and link counters (cumulative)."""
 
     rank: int
-    device_blocks_used: int = 0
-    host_blocks_used: int = 0
-    block_bytes: int = 0
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
-    step_s: float = 0.0
-    stall_s: float = 0.0
+    device_blocks_used: int
+    host_blocks_used: int
+    block_bytes: int  # of one block on this rank (its shard of the KV heads)
+    bytes_h2d: int
+    bytes_d2h: int
+    step_s: float  # of its last step (0 before the first)
+    stall_s: float
 
 
 @dataclass

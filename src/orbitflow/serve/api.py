@@ -62,16 +62,10 @@ class OpenAIServer:
 
     def __init__(self, model_name: str, tokenizer, engine, metrics: ServerMetrics, clock, max_len: int,
                  vocab_size: int, watchdog_s: float = DEFAULT_WATCHDOG_S, llm=None) -> None:
-        self.llm = llm
-        self.model_name = model_name
-        self.tokenizer = tokenizer
-        self.engine = engine
-        self.metrics = metrics
-        self.clock = clock
-        self.max_len = max_len
-        self.vocab_size = vocab_size
+        self.llm, self.engine, self.metrics, self.clock = llm, engine, metrics, clock  # llm: None on a cluster
+        self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
+        self.max_len, self.watchdog_s = max_len, watchdog_s
         self.created = int(time.time())
-        self.watchdog_s = watchdog_s
 
     @classmethod
     def local(cls, llm, model_name: str, watchdog_s: float = DEFAULT_WATCHDOG_S) -> OpenAIServer:
@@ -526,7 +520,6 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer, generation_errors
 
 def _add_chat_routes(app: FastAPI, server: OpenAIServer, generation_errors: dict) -> None:
     """/v1/chat/completions."""
-    model_name = server.model_name
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse,
               responses={**generation_errors, **_streamed(p.ChatCompletionResponse, p.ChatCompletionChunk)})
@@ -549,12 +542,12 @@ def _add_chat_routes(app: FastAPI, server: OpenAIServer, generation_errors: dict
                 for i, ds in enumerate(per_choice)
             ]
             used = sum(ds[-1].completion_tokens for ds in per_choice)
-            response = p.ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                                usage=server.usage(len(prompt_ids), used))
+            response = p.ChatCompletionResponse(id=request_id, created=created, model=server.model_name,
+                                                choices=choices, usage=server.usage(len(prompt_ids), used))
             return JSONResponse(response.model_dump(mode="json"))
 
         def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> dict:
-            return p.ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
+            return p.ChatCompletionChunk(id=request_id, created=created, model=server.model_name, choices=choices,
                                          usage=usage).model_dump(mode="json")
 
         def chunks(d: Delta) -> list[dict]:

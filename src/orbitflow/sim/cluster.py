@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from orbitflow.bench.metrics import RunMetrics, compute_metrics
 from orbitflow.bench.workload import Trace
 from orbitflow.config import EngineConfig
+from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.runtime.engine import Engine, RequestRejected
 from orbitflow.runtime.replica_state import replica_state, what_if
 from orbitflow.runtime.routing import Router
 from orbitflow.runtime.sampling import SamplingParams
-from orbitflow.sim.profiles import HardwareProfile
 from orbitflow.sim.runner import build_sim_engine, request_records
 
 _MAX_IDLE_STEPS = 1000  # steps in a row that advance nothing before a replica is left to wait
