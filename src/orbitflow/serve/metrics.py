@@ -82,8 +82,10 @@ def _rank_metrics(executor) -> Iterator[Metric]:
 
 def engine_metric_values(engine: Engine) -> list[tuple[str, str, str, float]]:
     """The engine's gauges and counters as (name, type, help, value): what a cluster replica reports, so the
-    cluster's /metrics can sum them under the same names."""
-    return [(m.name, m.type, m.documentation, float(m.samples[0].value)) for m in _EngineCollector(engine).collect()]
+    cluster's /metrics can sum them under the same names. Labelled families (a tensor-parallel engine's per-rank
+    figures) are left out: one value cannot stand for them, and summing rank 0 of every replica means nothing."""
+    return [(m.name, m.type, m.documentation, float(m.samples[0].value)) for m in _EngineCollector(engine).collect()
+            if not any(s.labels for s in m.samples)]
 
 
 class ServerMetrics:

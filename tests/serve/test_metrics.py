@@ -1,0 +1,25 @@
+"""Engine metrics as a cluster replica reports them (`engine_metric_values`)."""
+
+from __future__ import annotations
+
+from orbitflow.plan.hardware import load_preset
+from orbitflow.runtime.tp_executor import RankStats
+from orbitflow.serve.metrics import ServerMetrics, engine_metric_values
+from orbitflow.sim.runner import build_sim_engine, sim_config
+
+
+def test_replica_values_are_the_unlabelled_families_only():
+    """A tensor-parallel engine adds per-rank families (labels rank/tier): a replica's flat report must not
+    squash one of them into its first sample (rank 0's device blocks reported as the family's value)."""
+    profile = load_preset("a100-llama3-8b")
+    engine = build_sim_engine(profile, sim_config(profile))
+    try:
+        engine.executor.rank_stats = [RankStats(r, 10 + r, 20 + r, 64, 1000 * (r + 1), 0, 0.0, 0.0) for r in range(2)]
+        values = {name: value for name, _, _, value in engine_metric_values(engine)}
+        assert not any(name.startswith("orbitflow:tp_") for name in values), values
+        assert values["orbitflow:kv_device_blocks_total"] == engine.kv.device_pool.num_blocks
+        # the single-process /metrics still shows every rank
+        text = ServerMetrics(engine).render().decode()
+        assert 'orbitflow:tp_kv_blocks_used{rank="1",tier="host"} 21.0' in text
+    finally:
+        engine.close()
