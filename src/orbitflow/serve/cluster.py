@@ -112,6 +112,9 @@ class EngineReplica:
     def check_health(self) -> None:
         if not self.engine.running:
             raise RuntimeError("the engine thread is not running")
+        failure = getattr(self.llm.executor, "failure", None)  # a tensor-parallel rank died or hung
+        if failure is not None:
+            raise RuntimeError(f"executor failed: {failure}")
         stuck = self.engine.stalled(self.watchdog_s)
         if stuck is not None:
             raise RuntimeError(f"the engine loop has not advanced for {stuck:.0f} s with requests pending")
