@@ -88,20 +88,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _run_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
-    """`serve --replicas N`: the same API on N engine replicas (serve/cluster.py, on Ray Serve)."""
-    if args.replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
-    try:
-        from orbitflow.serve.cluster import run_cluster
-    except ImportError as exc:
-        raise ConfigError(f"--replicas needs Ray Serve ({exc}): pip install 'orbitflow[cluster]'") from None
-    run_cluster(config, args.replicas, args.ray_address, args.host, args.port, args.router,
-                served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                watchdog_s=args.watchdog_s, replica_cpus=args.replica_cpus)
-    return 0
-
-
 def _run_replicas(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> int:
     """`serve --replicas N`: the same API on N engine replicas (serve/cluster.py, on Ray Serve)."""
     try:
