@@ -57,13 +57,14 @@ def _run_batch(llm, placement: str, args, seed: int) -> list[tuple[float, float,
         for rid, row in zip(rids, rows):
             kv.allocate(rid, 0, row)
             prompt = rng.integers(10, 1000, size=args.context).tolist()
+            _grow(kv, rid, args.context)  # the engine's scheduler grows KV before a step; executors only compute
             executor.step([SeqInput(rid, prompt, 0)])
             pos[rid] = args.context
         mask = np.array(rows, dtype=bool)
         for _ in range(args.steps):
             seqs = [SeqInput(rid, [int(rng.integers(10, 1000))], pos[rid]) for rid in rids]
             for s in seqs:
-                kv.ensure_capacity(s.req_id, s.start_pos + 1)
+                _grow(kv, s.req_id, s.start_pos + 1)
             est = model.step(Placement.from_mask(mask), [kv.blocks_for(pos[r]) for r in rids],
                              total_tokens=sum(pos[r] + 1 for r in rids))
             result = executor.step(seqs)
@@ -74,6 +75,12 @@ def _run_batch(llm, placement: str, args, seed: int) -> list[tuple[float, float,
         for rid in rids:
             kv.free(rid)
     return out[1:]  # the first decode step after the prefills is a warm-up
+
+
+def _grow(kv, rid: str, tokens: int) -> None:
+    short = kv.grow(rid, tokens)
+    if short is not None:
+        raise SystemExit(f"KV pools too small for the batch ({short}): raise --device-kv-blocks/--host-kv-blocks")
 
 
 def _q(values: list[float]) -> tuple[float, float, float]:
