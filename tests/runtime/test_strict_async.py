@@ -50,6 +50,26 @@ def test_a_decode_step_syncs_the_host_once(tiny_llama):
         llm.close()
 
 
+def test_a_step_that_samples_nothing_still_ends_in_one_sync(tiny_llama):
+    """A non-final prefill chunk samples no token, so there are no logits to read; the step must still end in
+    its one host sync, or on CUDA the layer clock's events are read before they complete (and step_s would be
+    the host's enqueue time, not the GPU's)."""
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("distance:2"), max_num_seqs=1, chunked_prefill=16)
+    try:
+        engine, device = llm.engine, llm.kv.transfer.device
+        engine.add_request("r0", prompts(1, 40)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        per_step = []
+        while engine.has_work():
+            before = device.host_syncs
+            if engine.step() is not None:
+                per_step.append(device.host_syncs - before)
+        assert len(per_step) >= 2 + 4, per_step  # two chunks that sample nothing, then the last one and decodes
+        assert all(n == 1 for n in per_step), per_step
+        assert device.sync_reasons["step timing"] == 2
+    finally:
+        llm.close()
+
+
 def test_strict_tokens_match_hf_under_placements(tiny_llama, strict):
     ps = prompts(3, 20, seed=3)
     reference = [hf_greedy(tiny_llama.hf, p, 12) for p in ps]

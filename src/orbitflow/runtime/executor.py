@@ -182,6 +182,10 @@ class ModelExecutor(Executor):
             for b, s in enumerate(seqs):
                 if s.sample:
                     samples[b] = sample(logits[next(sampled)], s.sampling, s.prompt_ids, s.output_ids)
+        else:  # nothing sampled (a non-final prefill chunk): the step still ends in its one sync, so the clock's
+            # CUDA events have completed when `_result` resolves them (and step_s is the GPU's time)
+            transfer.clock.mark_gpu_end()
+            transfer.device.host_sync("step timing")
         return samples
 
     def _result(self, st: _StepState, samples: list[Sample | None], before: tuple[int, int, float]) -> StepResult:
