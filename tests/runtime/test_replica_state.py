@@ -89,3 +89,18 @@ def test_what_if_table_covers_the_grid_within_max_len(engine):
     table = what_if_table(engine, 4096)
     assert table and all(p + o <= 4096 for p, o, _ in table)
     assert lookup_what_if(table, 100, 60) == what_if(engine, 128, 64)
+
+
+def test_what_if_leaves_the_token_deposits_alone(engine):
+    """The what-if reads each request's deposit balance from the router's thread: reading must not pop the
+    engine's FIFO (a pop racing the engine loop's own pops empties the deque under it)."""
+    _add(engine, "a", prompt=500, out=50)
+    for _ in range(6):
+        engine.step()
+    req = engine.running[0]
+    held = len(req.deposit)
+    assert held > 1, "no tokens banked: the check would prove nothing"
+    engine.clock.advance(10.0)  # every banked token is due now
+    what_if(engine, 1000, 100)
+    assert len(req.deposit) == held
+    assert req.deposit.balance(engine.clock.now()) == 0

@@ -45,9 +45,16 @@ class TokenDeposit:
         return out
 
     def balance(self, now: float) -> int:
-        """Tokens generated but not yet delivered at `now` (the margin the planner may spend)."""
-        self.pop_due(now)
-        return len(self._queue)
+        """Tokens generated but not yet delivered at `now` (the margin the planner may spend). Reads only (the
+        engine loop drops delivered tokens with `pop_due`): a router's what-if asks from its own thread while the
+        loop pushes and pops (a concurrent change makes the iteration raise RuntimeError, which the what-if
+        retries; a pop from here could empty the FIFO under the loop's own)."""
+        held = 0
+        for _, due in reversed(self._queue):  # due times never decrease: the held tokens are the newest
+            if due <= now:
+                break
+            held += 1
+        return held
 
     def __len__(self) -> int:
         return len(self._queue)

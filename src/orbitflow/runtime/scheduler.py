@@ -274,6 +274,9 @@ class Scheduler:
     def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
         """The batch as the planner sees it; also tells the planner how much of the host pool is left to
         this batch (everything but what paused requests hold there)."""
+        now = self.now()
+        for r in reqs:  # delivered tokens leave the deposits here, on the engine loop (plan_inputs only reads)
+            r.deposit.pop_due(now)
         requests, host_capacity = self.plan_inputs(reqs, ahead)
         self.controller.set_host_capacity(host_capacity)
         return requests
