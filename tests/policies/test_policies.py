@@ -100,3 +100,30 @@ def test_deepspeed_prefetches_one_layer_ahead_at_depth_two():
         ctx = PlanContext(num_layers=4, block_size=16, capacity_blocks=100,
                           cost_model=CostModel([1.0] * 4, 2.0, prefetch_slots=slots))
         assert ds.plan(reqs, ctx).predicted_step_s == pytest.approx(step_s)
+
+
+def test_dynamic_cache_hit_returns_the_plan_of_the_key_it_matched():
+    """A replica's what-if asks the engine's policy from the router's thread: a `_last` replaced between the key
+    check and the read must not hand the engine another batch's plan (here the swap happens inside the key
+    comparison itself, standing in for the other thread)."""
+    policy = make_policy("dynamic")
+    other = policy.plan(reqs([3]), ctx())  # a one-request batch, as a what-if's would be
+
+    class SwapOnCompare(str):
+        armed = False
+
+        def __eq__(self, o):
+            if SwapOnCompare.armed:
+                SwapOnCompare.armed = False
+                policy._last = ("what-if", other)
+            return str.__eq__(self, o)
+
+        __hash__ = str.__hash__
+
+    def batch():  # equal ids, new objects (an identical object would skip __eq__)
+        return [PlanRequest(SwapOnCompare(f"r{i}"), b, b * 16, 32, 0.0, 0.2) for i, b in enumerate([10, 20])]
+
+    first = policy.plan(batch(), ctx())
+    SwapOnCompare.armed = True
+    again = policy.plan(batch(), ctx())
+    assert again is first and again.placement.mask.shape == (2, L)

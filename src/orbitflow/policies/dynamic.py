@@ -18,8 +18,9 @@ class DynamicHeuristicPolicy(Policy):
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         # The decision only changes when some request's block count does: reuse it in between.
         key = (ctx.capacity_blocks, tuple((r.request_id, r.blocks_per_layer) for r in requests))
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
+        last = self._last  # read once: a what-if on another thread may replace it meanwhile
+        if last is not None and last[0] == key:
+            return last[1]
         plan = self._decide(requests, ctx)
         self._last = (key, plan)
         return plan
