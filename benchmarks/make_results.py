@@ -4,6 +4,7 @@ other benchmarks write (docs/results/<name>.md), in one command.
 Run:  python benchmarks/make_results.py                 # simulator stage + the fragments already on disk
       python benchmarks/make_results.py --stages all    # also re-run the planner / engine / fidelity benchmarks
       python benchmarks/make_results.py --reduced       # a smaller configuration, labelled as such in the page
+      python benchmarks/make_results.py --stages none   # re-assemble the page from the fragments on disk
 
 Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% CIs), planner
 (benchmarks/planner.py), engine_vs_hf (benchmarks/engine_vs_hf.py), sim_fidelity (benchmarks/sim_vs_engine.py).
@@ -533,8 +534,9 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="sim",
-                    help="comma list of sim, planner, engine_vs_hf, sim_fidelity, or 'all' (the page always "
-                         "includes the fragments already in docs/results/)")
+                    help="comma list of sim, planner, engine_vs_hf, sim_fidelity, tensor_parallel, cluster, or 'all'; "
+                         "'none' re-assembles the page from the fragments already in docs/results/ (the simulator "
+                         "section included, with the line saying which commit made it)")
     ap.add_argument("--reduced", action="store_true",
                     help="rate scales 1 and 5 only and fewer requests per run (still 5 seeds); labelled in the page")
     ap.add_argument("--reduced-requests", type=int, default=64, help="requests per run under --reduced")
@@ -546,7 +548,8 @@ def main() -> None:
     ap.add_argument("--shared", action="store_true", help="say in the page that the machine was shared (timing)")
     args = ap.parse_args()
     args.reduced = args.reduced or args.seeds is not None
-    stages = ["sim", *OTHER_STAGES] if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s]
+    stages = (["sim", *OTHER_STAGES] if args.stages == "all" else [] if args.stages == "none"
+              else [s.strip() for s in args.stages.split(",") if s])
     bad = [s for s in stages if s != "sim" and s not in OTHER_STAGES]
     if bad:
         ap.error(f"--stages: unknown {', '.join(bad)} (choose from sim, {', '.join(OTHER_STAGES)}, all)")
@@ -563,6 +566,7 @@ def main() -> None:
     info = {}
     if "sim" in stages:
         sim_md, info = run_sim(args, profile, out_dir)
+        sim_md = [_provenance(info, time.perf_counter() - start), ""] + sim_md
         (out_dir / "simulator.md").write_text("\n".join(sim_md) + "\n")
     elif (out_dir / "simulator.md").exists():
         sim_md = (out_dir / "simulator.md").read_text().splitlines()
@@ -570,9 +574,12 @@ def main() -> None:
     cmd = "python benchmarks/make_results.py" + ("" if args.stages == "sim" else f" --stages {args.stages}")
     if args.reduced:
         cmd += f" --reduced --reduced-requests {args.reduced_requests} --reduced-rates {args.reduced_rates}"
+    made = ("Everything on this page, tables, `docs/results/a5000.json` and the plots, comes from one command:"
+            if stages else "This page was re-assembled from the fragments in `docs/results/` by the command below "
+            "(nothing re-run; each section says which run made it); `python benchmarks/make_results.py` re-runs the "
+            "simulator section:")
     page = ["# Results: the paper's evaluation on the simulator, and the project's benchmarks", "",
-            "Everything on this page, tables, `docs/results/a5000.json` and the plots, comes from one command:", "",
-            "```bash", cmd, "```", "",
+            made, "", "```bash", cmd, "```", "",
             f"Last regenerated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in "
             f"{elapsed / 60:.1f} min on {platform.machine()} ({_cpus()} cores"
             f"{', shared with other jobs' if args.shared else ''})"
@@ -592,6 +599,19 @@ def main() -> None:
             page += [text, ""]
     (docs / "results.md").write_text("\n".join(page).rstrip() + "\n")
     print(f"wrote {docs / 'results.md'} in {elapsed / 60:.1f} min", file=sys.stderr)
+
+
+def _provenance(info: dict, elapsed_s: float) -> str:
+    """The simulator section's first line: which code made it, so a page re-assembled later (`--stages none`)
+    still says so."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return (f"> **Which code made the simulator section.** `python benchmarks/make_results.py` at commit {commit}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {info.get('runs', '?')} runs in "
+            f"{elapsed_s / 60:.1f} min.")
 
 
 def _cpus() -> int:
