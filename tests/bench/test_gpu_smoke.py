@@ -1,20 +1,13 @@
 """benchmarks/gpu_smoke.py runs in CI: without CUDA it skips cleanly (exit 0), with --require-cuda it fails."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_smoke.py"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu_smoke():
-    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_smoke")
 
 
 def test_skips_cleanly_without_cuda(gpu_smoke, capsys, tmp_path):

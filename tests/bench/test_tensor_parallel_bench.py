@@ -1,23 +1,17 @@
 """benchmarks/tensor_parallel.py's batch runner drives an executor the way the engine's scheduler does (KV grown
 before each step), on a tiny model at TP=1 (the comparison itself is a benchmark, not run here)."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from tiny_models import make_llm
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tensor_parallel.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("tensor_parallel_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("tensor_parallel")
 
 
 @pytest.fixture(scope="module")
