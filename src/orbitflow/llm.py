@@ -96,9 +96,7 @@ class LLM:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = self.loaded.model
         dtype = next(model.parameters()).dtype if model is not None else torch.float32
-        if model is not None:
-            model.to(device)  # the weights live where the KV and the kernels are (no-op on the CPU)
-        if cfg.parallel.tensor_parallel_size > 1:
+        if cfg.parallel.tensor_parallel_size > 1:  # the ranks load their own shards; this process keeps no weights
             from orbitflow.runtime.tp_executor import TensorParallelExecutor
 
             return TensorParallelExecutor(
@@ -106,6 +104,7 @@ class LLM:
                 host_kv_blocks=cache.host_kv_blocks, block_size=cache.block_size,
                 link_bytes_per_s=cache.link_bytes_per_s, dtype=dtype, compute_threads=cfg.model.compute_threads,
             )
+        model.to(device)  # the weights live where the KV and the kernels are (no-op on the CPU)
         threads = cfg.resolved_compute_threads(cuda=device == "cuda")
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
