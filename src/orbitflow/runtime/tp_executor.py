@@ -100,6 +100,8 @@ class ShadowKV(KVManager):
         return self._record("pause", req_id)
 
     def free(self, req_id):
+        if req_id not in self.tables and req_id not in self.paused:
+            return  # it never held KV (e.g. aborted while waiting): nothing for the ranks to do, no round trip
         self._record("free", req_id)
         if self._depth == 0 and self.on_free is not None:
             self.on_free()
