@@ -40,10 +40,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from orbitflow.config import ConfigError, EngineConfig
+from orbitflow.config import ClusterConfig, EngineConfig
 from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.replica_state import ReplicaState, WhatIf, lookup_what_if, replica_state, what_if_table
-from orbitflow.runtime.routing import DEFAULT_ROUTER, ROUTERS, Router
+from orbitflow.runtime.routing import DEFAULT_ROUTER, Router
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.serve.async_engine import EngineError, EngineUnavailable, GenerationOutput
 
@@ -316,12 +316,7 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
                       health_check_period_s: float = 2.0, seed: int = 0, profile="measure"):
     """The Ray Serve application (bound ingress) of `replicas` engine replicas routed by `router`. ``profile``:
     how each replica gets its hardware profile ("measure" on its node, "rough", or a HardwareProfile)."""
-    if replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {replicas}")
-    if router not in ROUTERS:
-        raise ConfigError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
-    if replica_cpus <= 0:
-        raise ConfigError(f"--replica-cpus must be positive, got {replica_cpus}")
+    ClusterConfig(replicas=replicas, router=router, replica_cpus=replica_cpus)  # the flags' own checks
     sched = config.scheduler
     max_ongoing = sched.max_num_seqs + (sched.max_queue_len if sched.max_queue_len is not None else 256)
     engine = serve.deployment(
