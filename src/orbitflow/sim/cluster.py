@@ -65,7 +65,6 @@ def simulate_cluster(
 ) -> ClusterResult:
     """Replay ``trace`` over ``num_replicas`` simulated engines routed by ``router`` (seeded by ``seed``;
     replica ``i`` draws its noise from seed ``config.model.seed * 1000 + i``)."""
-
     if num_replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
     start = time.perf_counter()
