@@ -64,7 +64,7 @@ def prompts_for(args, vocab: int) -> list[list[int]]:
 def hf_reference(model_dir, prompts, max_tokens, dtype) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to("cuda").eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -120,10 +120,19 @@ def measure_overlap(loaded, prompts, args) -> dict:
     llm = make_llm(loaded, args.overlap_placement, args, "measure")
     engine, transfer = llm.engine, llm.kv.transfer
     steps = []
+    executed = []  # the ScheduleOutput of each executed step: is it decode, and what was predicted for it
+    execute = engine.executor.execute
+
+    def recording_execute(out):
+        executed.append(out)
+        return execute(out)
+
+    engine.executor.execute = recording_execute
     try:
         for i, p in enumerate(prompts):
             engine.add_request(f"s{i}", p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
         while engine.has_work():
+            executed.clear()
             busy, syncs = transfer.busy_s, transfer.device.host_syncs
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -132,12 +141,12 @@ def measure_overlap(loaded, prompts, args) -> dict:
                     result = engine.step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            prediction = engine._last_prediction
-            if result is None or prediction is None:  # prefill or mixed steps: not decode
-                continue
+            out = executed[-1] if executed else None
+            if result is None or out is None or not out.is_decode or out.predicted_step_s is None:
+                continue  # prefill or mixed steps: not decode
             steps.append({
                 "step_s": result.step_s, "stall_s": result.stall_s, "compute_s": result.compute_s,
-                "link_busy_s": transfer.busy_s - busy, "predicted_s": prediction[0],
+                "link_busy_s": transfer.busy_s - busy, "predicted_s": out.predicted_step_s,
                 "protocol_syncs": transfer.device.host_syncs - syncs,
                 "cuda_sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
             })

@@ -238,9 +238,10 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
         print(f"{n_req:>3} {n_layers:>3} | {fp / calls:>11.0%} {fu / calls:>12.0%} {g:>28.2f}%")
 
 
-def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, out: list[str]) -> None:
-    """Decode step time of the real engine (SmolLM2-135M, 4 sequences) while a planner thread solves
-    continuously, compiled or reference, vs idle; conditions interleaved in blocks of ``block`` steps."""
+def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, out: list[str],
+                 model: str = "smollm2-135m") -> None:
+    """Decode step time of the real engine (``model``, 4 sequences; on CUDA where there is one) while a planner
+    thread solves continuously, compiled or reference, vs idle; conditions interleaved in blocks of ``block`` steps."""
     import threading
 
     import torch
@@ -251,7 +252,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     from orbitflow.runtime.sampling import SamplingParams
 
     torch.set_num_threads(torch_threads)
-    llm = LLM(EngineConfig.build(model="smollm2-135m", max_num_seqs=4, device_kv_blocks=16384),
+    llm = LLM(EngineConfig.build(model=model, max_num_seqs=4, device_kv_blocks=16384),
               policy=FixedPlacementPolicy("none"), profile="rough")
     engine = llm.engine
     rng = np.random.default_rng(seed)
@@ -314,9 +315,11 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     for i in range(4):
         engine.abort(f"bench-{i}")
     engine.step()
+    where = (f"CUDA ({torch.cuda.get_device_name(0)})" if llm.kv.device_pool.storage.device.type == "cuda"
+             else "CPU")
     llm.close()
     idle = np.asarray(steps["idle"])
-    out.append(f"\n### Engine decode step while the planner solves\n\nSmolLM2-135M on CPU, 4 sequences of 128+ tokens, "
+    out.append(f"\n### Engine decode step while the planner solves\n\n{model} on {where}, 4 sequences of 128+ tokens, "
                f"torch threads {torch_threads}, no offload; a planner thread solves continuously (Planner defaults, "
                f"16 random batches of the size shown, round robin), a thread keeps a core busy without the GIL "
                f"(burner: CPU contention alone; per second: SHA-256 of 1 MiB) or the engine runs alone (idle). "
@@ -367,6 +370,8 @@ def main() -> None:
                     help="comma-separated subset of speed,engine,bruteforce,floor,uniform,full")
     ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="model of the engine section: a built-in name or an HF directory (default %(default)s)")
     ap.add_argument("--md", metavar="PATH", help="write the speed and engine tables as a Markdown fragment "
                     "(docs/results/planner.md)")
     args = ap.parse_args()
@@ -384,7 +389,7 @@ def main() -> None:
         bench_speed(sizes, calls, args.seed, args.budget_ms / 1e3, args.exact_cap_s, out)
     if "engine" in sections:
         bench_engine(args.engine_rounds or (3 if args.quick else 12), 5, args.seed, args.torch_threads,
-                     [(4, 32), (16, 80)], out)
+                     [(4, 32), (16, 80)], out, model=args.model)
     if "bruteforce" in sections:
         bench_bruteforce(20 if args.quick else 100, args.seed)
     if "floor" in sections:
