@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="model and KV dtype (default %(default)s: identity with transformers is exact in fp32)")
+    p.add_argument("--note", default="", help="a sentence added to the --md fragment (e.g. where the weights "
+                                               "came from)")
     p.add_argument("--require-cuda", action="store_true", help="exit 2 instead of skipping when CUDA is missing")
     p.add_argument("--md", metavar="PATH", help="write the results as a Markdown fragment (docs/results/gpu_smoke.md)")
     args = p.parse_args(argv)
@@ -184,7 +186,8 @@ def render(results: list[dict], args, argv) -> str:
         f"Command: `{shlex.join(['python', 'benchmarks/gpu_smoke.py', *argv])}`",
         f"Machine: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
         f"{platform.node()}; date {datetime.date.today().isoformat()}; prompts seed {args.seed}, "
-        f"{args.prompts} x {args.context} tokens, {args.max_tokens} new, {args.dtype}.",
+        f"{args.prompts} x {args.context} tokens, {args.max_tokens} new, {args.dtype}." + (f" {args.note}" if args.note
+                                                                                       else ""),
         "",
         "| model | placement | identical to transformers | first divergence | blocks leaked |",
         "|---|---|---|---|---|",

@@ -238,17 +238,23 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
         print(f"{n_req:>3} {n_layers:>3} | {fp / calls:>11.0%} {fu / calls:>12.0%} {g:>28.2f}%")
 
 
+ENGINE_MODES = ("thread", "process")  # runtime/background_planner.py: where the engine solves ahead
+
+
 def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, out: list[str],
                  model: str = "smollm2-135m") -> None:
-    """Decode step time of the real engine (``model``, 4 sequences; on CUDA where there is one) while a planner
-    thread solves continuously, compiled or reference, vs idle; conditions interleaved in blocks of ``block`` steps."""
+    """Decode step time of the real engine (``model``, 4 sequences; on CUDA where there is one) while its
+    background planner (a thread or a process: runtime/background_planner.py, compiled planner, the engine's
+    default node limit) solves continuously, vs idle and vs a thread that burns a core without the GIL;
+    conditions interleaved in blocks of ``block`` steps."""
     import threading
 
     import torch
 
     from orbitflow.config import EngineConfig
     from orbitflow.llm import LLM
-    from orbitflow.policies import FixedPlacementPolicy
+    from orbitflow.policies import FixedPlacementPolicy, OrbitFlowPolicy
+    from orbitflow.runtime.background_planner import BackgroundPlanner
     from orbitflow.runtime.sampling import SamplingParams
 
     torch.set_num_threads(torch_threads)
@@ -257,50 +263,31 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     engine = llm.engine
     rng = np.random.default_rng(seed)
     vocab = llm.loaded.config.vocab_size
-    total_steps = rounds * block * (1 + len(IMPLS) * len(sizes)) + 8
+    conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in ENGINE_MODES]
     for i in range(4):
         engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
-                           SamplingParams(max_tokens=total_steps + 16, ignore_eos=True))
+                           SamplingParams(max_tokens=rounds * block * len(conditions) + 24, ignore_eos=True))
     for _ in range(8):  # prefill and warm-up
         engine.step()
-    conditions = ["idle", "burner"] + [f"{name} {r}x{l}" for r, l in sizes for name in IMPLS]
+    planners = {mode: BackgroundPlanner(OrbitFlowPolicy(), mode) for mode in ENGINE_MODES}
+    cases = {(r, l): [_engine_case(np.random.default_rng(seed + k), r, l) for k in range(16)] for r, l in sizes}
+    for bp in planners.values():  # start the process and load the compiled code before timing
+        bp.submit(*cases[sizes[0]][0]).result()
     steps: dict[str, list[float]] = {c: [] for c in conditions}
     solves: dict[str, list[int]] = {c: [0] for c in conditions}
     busy_s: dict[str, float] = {c: 0.0 for c in conditions}
-    cases = {(r, l): [random_instance(np.random.default_rng(seed + k), r, l) for k in range(16)] for r, l in sizes}
-    for cs in cases.values():  # load the compiled code before timing
-        _solve(*cs[0], compiled=True)
-
-    def planner_loop(stop: threading.Event, cs, compiled: bool, count: list[int]) -> None:
-        i = 0
-        while not stop.is_set():
-            cm, cap, reqs = cs[i % len(cs)]
-            Planner(cm, cap, alpha=1.0, window=(4, 16), compiled=compiled).plan(reqs)
-            i += 1
-            count[0] += 1
-
-    def burner_loop(stop: threading.Event, count: list[int]) -> None:
-        """A thread that keeps one core busy without the GIL (hashlib releases it on large buffers): the
-        slowdown that CPU contention alone causes, as a baseline for the planner threads."""
-        import hashlib
-
-        data = bytes(1 << 20)
-        while not stop.is_set():
-            hashlib.sha256(data).digest()
-            count[0] += 1
-
     for rnd in tqdm(range(rounds), desc="engine rounds", leave=False):
-        order = conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]
-        for cond in order:
+        for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
             stop = threading.Event()
-            th = None
-            if cond == "burner":
-                th = threading.Thread(target=burner_loop, args=(stop, solves[cond]))
-                th.start()
-            elif cond != "idle":
-                name, size = cond.split(" ")
+            if cond == "idle":
+                th = None
+            elif cond == "burner":
+                th = threading.Thread(target=_burner_loop, args=(stop, solves[cond]))
+            else:
+                mode, size = cond.split(" ")
                 r, l = (int(v) for v in size.split("x"))
-                th = threading.Thread(target=planner_loop, args=(stop, cases[(r, l)], IMPLS[name], solves[cond]))
+                th = threading.Thread(target=_solve_loop, args=(stop, planners[mode], cases[(r, l)], solves[cond]))
+            if th is not None:
                 th.start()
                 time.sleep(0.002)
             t_cond = time.perf_counter()
@@ -312,21 +299,54 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
             stop.set()
             if th is not None:
                 th.join()
-    for i in range(4):
-        engine.abort(f"bench-{i}")
-    engine.step()
     where = (f"CUDA ({torch.cuda.get_device_name(0)})" if llm.kv.device_pool.storage.device.type == "cuda"
              else "CPU")
+    for bp in planners.values():
+        bp.close()
     llm.close()
-    idle = np.asarray(steps["idle"])
-    out.append(f"\n### Engine decode step while the planner solves\n\n{model} on {where}, 4 sequences of 128+ tokens, "
-               f"torch threads {torch_threads}, no offload; a planner thread solves continuously (Planner defaults, "
-               f"16 random batches of the size shown, round robin), a thread keeps a core busy without the GIL "
-               f"(burner: CPU contention alone; per second: SHA-256 of 1 MiB) or the engine runs alone (idle). "
-               f"{rounds} rounds x {block} steps per condition, conditions interleaved. slowdown: median step time "
-               f"over idle's, with a 95% bootstrap interval.\n")
+    out.append(f"\n### Engine decode step while the planner solves\n\n{model} on {where}, 4 sequences of 128+ "
+               f"tokens, torch threads {torch_threads}, no offload. The engine's background planner "
+               f"(runtime/background_planner.py: a planner thread, or a planner process) solves continuously "
+               f"(OrbitFlow policy, compiled planner, the engine's default node limit; 16 random batches of the "
+               f"size shown, round robin); burner: a thread that keeps a core busy without the GIL (CPU "
+               f"contention alone; per second: SHA-256 of 1 MiB); idle: the engine alone. {rounds} rounds x "
+               f"{block} steps per condition, conditions interleaved. slowdown: median step time over idle's, "
+               f"with a 95% bootstrap interval.\n")
+    _engine_table(conditions, steps, solves, busy_s, seed, out)
+
+
+def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):
+    """A random batch as the background planner receives it: (requests, planning context)."""
+    from orbitflow.policies.base import PlanContext
+
+    cm, cap, reqs = random_instance(rng, n_req, n_layers)
+    return reqs, PlanContext(num_layers=n_layers, block_size=16, capacity_blocks=int(cap), cost_model=cm,
+                             alpha=1.0, window=(4, 16))
+
+
+def _solve_loop(stop, planner, cases, count: list[int]) -> None:
+    i = 0
+    while not stop.is_set():
+        planner.submit(*cases[i % len(cases)]).result()
+        i += 1
+        count[0] += 1
+
+
+def _burner_loop(stop, count: list[int]) -> None:
+    """A thread that keeps one core busy without the GIL (hashlib releases it on large buffers): the slowdown
+    that CPU contention alone causes, as a baseline for the planner."""
+    import hashlib
+
+    data = bytes(1 << 20)
+    while not stop.is_set():
+        hashlib.sha256(data).digest()
+        count[0] += 1
+
+
+def _engine_table(conditions, steps, solves, busy_s, seed: int, out: list[str]) -> None:
     out.append("| condition | median step ms | p90 step ms | slowdown vs idle | 95% CI | solves/s beside the engine |")
     out.append("|---|---|---|---|---|---|")
+    idle = np.asarray(steps["idle"])
     boot = np.random.default_rng(seed)
     for cond in conditions:
         xs = np.asarray(steps[cond])

@@ -27,6 +27,8 @@ from typing import Any
 DEFAULT_MODEL = "smollm2-135m"
 SCHEDULING_CHOICES = ("fcfs", "srtf")
 VICTIM_CHOICES = ("largest-kv+deposit", "longest", "shortest", "random")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+BACKGROUND_PLANNER_CHOICES = ("auto", "process", "thread", "off")
 
 
 class ConfigError(ValueError):
@@ -94,6 +96,8 @@ class _Validated:
 @dataclass(frozen=True)
 class ModelRunConfig(_Validated):
     name: str = option(DEFAULT_MODEL, "built-in name, HF model directory or GGUF file", flag="--model")
+    device: str = option("auto", "where the weights, the device KV pool and the kernels live (auto: cuda when "
+                                 "available, else cpu)", choices=DEVICE_CHOICES)
     # torch intra-op threads for the model's compute. None: torch's default, except on a CPU-only machine with
     # a throttled link, where one core is left to the KV copy thread (see `EngineConfig.resolved_compute_threads`).
     compute_threads: int | None = option(
@@ -168,7 +172,10 @@ class PlannerConfig(_Validated):
                                              "fraction", type=float, check="positive", cli=False)
     ewma: float = option(0.3, "weight of a new measurement when refreshing the profile", type=float, check="unit",
                          cli=False)
-    plan_in_background: bool = option(True, "solve one step ahead on a planner thread", type=bool, cli=False)
+    background_planner: str = option(
+        "auto", "where a plan known one step ahead is solved while the step runs: process (never holds the "
+                "engine's GIL), thread or off; auto: process with 4 or more cores, else thread",
+        choices=BACKGROUND_PLANNER_CHOICES)
 
     def _cross_check(self) -> None:
         if self.window_min > self.window_max:

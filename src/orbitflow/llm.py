@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orbitflow.config import EngineConfig
+from orbitflow.config import ConfigError, EngineConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.policies import Policy, make_policy
@@ -93,7 +93,7 @@ class LLM:
         """One ModelExecutor over this process's KV pools, or (--tensor-parallel-size N > 1) the driver of N
         rank processes, each with its shard of the model and of both KV pools."""
         cfg, cache = self.config, self.config.cache
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(cfg.model.device)
         model = self.loaded.model
         dtype = next(model.parameters()).dtype if model is not None else torch.float32
         if cfg.parallel.tensor_parallel_size > 1:  # the ranks load their own shards; this process keeps no weights
@@ -103,6 +103,7 @@ class LLM:
                 self.loaded.path, mc, cfg.parallel, device_kv_blocks=cache.device_kv_blocks,
                 host_kv_blocks=cache.host_kv_blocks, block_size=cache.block_size,
                 link_bytes_per_s=cache.link_bytes_per_s, dtype=dtype, compute_threads=cfg.model.compute_threads,
+                cuda=None if cfg.model.device == "auto" else device == "cuda",
             )
         model.to(device)  # the weights live where the KV and the kernels are (no-op on the CPU)
         threads = cfg.resolved_compute_threads(cuda=device == "cuda")
@@ -154,3 +155,12 @@ class LLM:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def resolve_device(requested: str) -> str:
+    """``--device``: auto is cuda when torch sees a GPU, else cpu; cuda without one is an error."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine")
+    return requested

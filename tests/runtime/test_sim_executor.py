@@ -136,7 +136,7 @@ def test_on_the_simulator_the_mismatch_check_never_fires():
     trace = Trace([TraceRequest(f"r{i}", 0.05 * i, 40 + 30 * i, 40) for i in range(4)])
     for policy in ("orbitflow", "deepspeed", "dynamic"):
         config = EngineConfig.build(model="calibrated", device_kv_blocks=60, host_kv_blocks=4000, block_size=16,
-                              mismatch_threshold=1e-9, policy=policy, plan_in_background=False)
+                              mismatch_threshold=1e-9, policy=policy, background_planner="off")
         result = simulate_trace(profile, trace, config)
         assert result.metrics.num_finished == 4
         records = result.engine.controller.records

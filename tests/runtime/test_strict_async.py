@@ -31,7 +31,7 @@ def strict(monkeypatch):
 def test_a_decode_step_syncs_the_host_once(tiny_llama):
     """Counted by the protocol: with host-resident layers (prefetches, device-to-host writes of the new
     tokens) every step makes exactly one host sync, the one that reads the sampled tokens."""
-    llm = make_llm(tiny_llama, FixedPlacementPolicy("distance:2"), max_num_seqs=3)
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("distance:2"), max_num_seqs=3, device="cpu")
     try:
         engine, device = llm.engine, llm.kv.transfer.device
         for i, p in enumerate(prompts(3, 20)):
@@ -54,7 +54,7 @@ def test_a_step_that_samples_nothing_still_ends_in_one_sync(tiny_llama):
     """A non-final prefill chunk samples no token, so there are no logits to read; the step must still end in
     its one host sync, or on CUDA the layer clock's events are read before they complete (and step_s would be
     the host's enqueue time, not the GPU's)."""
-    llm = make_llm(tiny_llama, FixedPlacementPolicy("distance:2"), max_num_seqs=1, chunked_prefill=16)
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("distance:2"), max_num_seqs=1, chunked_prefill=16, device="cpu")
     try:
         engine, device = llm.engine, llm.kv.transfer.device
         engine.add_request("r0", prompts(1, 40)[0], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -74,7 +74,7 @@ def test_strict_tokens_match_hf_under_placements(tiny_llama, strict):
     ps = prompts(3, 20, seed=3)
     reference = [hf_greedy(tiny_llama.hf, p, 12) for p in ps]
     for spec in ("distance:2", "all"):
-        llm = make_llm(tiny_llama, FixedPlacementPolicy(spec), max_num_seqs=3)
+        llm = make_llm(tiny_llama, FixedPlacementPolicy(spec), max_num_seqs=3, device="cpu")
         try:
             assert llm.kv.transfer.device.strict.enabled
             reqs = llm.generate(ps, SamplingParams(max_tokens=12))
@@ -89,7 +89,7 @@ def test_strict_pause_resume_and_abort(tiny_llama, strict):
     reference = [hf_greedy(tiny_llama.hf, p, 24) for p in ps]
     # The planner believes in a slow link: the batch cannot all run within 24 device blocks (see test_engine).
     llm = make_llm(tiny_llama, profile=tiny_profile(24, link_bytes_per_s=2e6), device_kv_blocks=24,
-                   max_num_seqs=4, slo_ms=30, window_min=1, window_max=8)
+                   max_num_seqs=4, slo_ms=30, window_min=1, window_max=8, device="cpu")
     try:
         reqs = llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=False))
         assert llm.engine.stats.pauses >= 1 and llm.engine.stats.resumes >= 1
@@ -116,7 +116,7 @@ def test_strict_catches_the_executor_releasing_a_slot_without_its_fence(tiny_lla
 
     release = TransferEngine.release
     monkeypatch.setattr(TransferEngine, "release", lambda self, b, layer, after: release(self, b, layer, None))
-    llm = make_llm(tiny_llama, FixedPlacementPolicy("all"), max_num_seqs=1)
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("all"), max_num_seqs=1, device="cpu")
     try:
         with pytest.raises(Exception, match="released without a compute-stream event"):
             llm.generate(prompts(1, 20), SamplingParams(max_tokens=4))

@@ -101,7 +101,7 @@ class AsyncDevice:
         self.is_cuda = self.device.type == "cuda"
         self.strict = strict if strict is not None else StrictAsync.from_env()
         if self.is_cuda and self.strict.enabled:
-            raise ValueError("ORBITFLOW_STRICT_ASYNC emulates a GPU on the CPU; unset it on a CUDA device")
+            raise ValueError("ORBITFLOW_STRICT_ASYNC emulates a GPU on the CPU; unset it or run with --device cpu")
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None  # host -> device
         self.d2h_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None  # device -> host
         self._rng = random.Random(self.strict.seed)

@@ -5,8 +5,9 @@ window (whichever comes first: ``Plan.replan_step``; nothing is guaranteed past 
 (measured step latency off the shared cost model's prediction for that very step, batch and placement, by
 more than `mismatch_threshold`: per-layer compute and link bandwidth are then refreshed by EWMA), and, for
 policies that want it, every step. An expiry
-that is known one step ahead is solved on a background thread while the current step runs, so the
-solver's cost stays off the critical path. Every call is recorded.
+that is known one step ahead is solved in the background while the current step runs (a planner process,
+or a thread: runtime/background_planner.py), so the solver's cost stays off the critical path. Every call is
+recorded.
 
 On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`:
 a solve that the batch must wait for (a batch change, an infeasible plan, no plan yet) advances the clock by
@@ -16,10 +17,12 @@ adopts the new one at the first decision once its solve time has passed on the c
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -27,6 +30,9 @@ import numpy as np
 
 from orbitflow.plan import Placement, Plan, PlanRequest, warm_up
 from orbitflow.policies.base import PlanContext, Policy
+from orbitflow.runtime.background_planner import BackgroundPlanner, resolve_mode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,8 +59,10 @@ class Controller:
         ctx: PlanContext,
         mismatch_threshold: float = 0.25,
         ewma: float = 0.3,
-        background: bool = True,
+        background: str | bool = True,
     ):
+        """``background``: where expiries known a step ahead are solved: ``process``, ``thread``, ``auto``
+        (see background_planner.py) or ``off``; True/False mean thread/off."""
         self.policy = policy
         self.ctx = ctx  # the planning inputs now: a frozen snapshot, replaced (never changed) when one changes
         self.mismatch_threshold = mismatch_threshold
@@ -64,7 +72,8 @@ class Controller:
         self.plan_step = 0
         self.mismatch = False
         self.records: list[PlanRecord] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitflow-planner") if background else None
+        mode = resolve_mode(background)
+        self._background = BackgroundPlanner(policy, mode) if mode != "off" else None
         self._ahead: tuple[int, list, Future] | None = None
         self._clock = None  # set by charge_solve_time (simulator)
         self._solve_time: Callable[[float], float] | None = None
@@ -114,8 +123,8 @@ class Controller:
             ahead_step, ahead_ids, future = self._ahead
             self._ahead = None
             if ahead_step == step and ahead_ids == ids and trigger == "expiry":
-                plan, solve_s = future.result()
-                background = True
+                plan, solve_s = self._ahead_result(future)
+                background = plan is not None
         start = time.perf_counter()
         if plan is None:
             plan = self.policy.plan(requests, self.ctx)
@@ -126,24 +135,28 @@ class Controller:
         elapsed = time.perf_counter() - start
         return self._install(plan, ids, step, trigger, solve_s + elapsed if background else elapsed, background)
 
+    def _ahead_result(self, future: Future) -> tuple[Plan | None, float]:
+        """The background solve's plan, or None (then the caller solves inline) if it failed."""
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            self._background.fall_back_to_thread()
+        except Exception:
+            log.exception("background plan failed; solving inline")
+        return None, 0.0
+
     def expires_at(self, step: int) -> bool:
         """Whether the plan's expiry trigger will fire at `step` (so it is worth solving ahead)."""
-        if self._pool is None or self.plan is None or "expiry" not in self.policy.replan_on:
+        if self._background is None or self.plan is None or "expiry" not in self.policy.replan_on:
             return False
         return step >= self.plan_step + self.plan.replan_step and self._ahead is None
 
     def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
-        """Start solving the plan for the next step now, on the planner thread (the caller passes the
-        batch as it will be then: every request one token longer). The thread gets the current snapshot of
-        the planning inputs; later changes replace ``self.ctx`` and leave that snapshot alone."""
-        ctx, policy = self.ctx, self.policy
-
-        def run() -> tuple[Plan, float]:
-            start = time.perf_counter()
-            plan = policy.plan(requests_next, ctx)
-            return plan, time.perf_counter() - start
-
-        self._ahead = (step_next, [r.request_id for r in requests_next], self._pool.submit(run))
+        """Start solving the plan for the next step now, in the background (the caller passes the batch as
+        it will be then: every request one token longer). The solve gets the current snapshot of the planning
+        inputs; later changes replace ``self.ctx`` and leave that snapshot alone."""
+        future = self._background.submit(requests_next, self.ctx)
+        self._ahead = (step_next, [r.request_id for r in requests_next], future)
 
     def _install(self, plan: Plan, ids: list, step: int, trigger: str, solve_s: float, background=False) -> Plan:
         self.records.append(
@@ -218,5 +231,5 @@ class Controller:
         return sum(not r.proven for r in self.records)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._background is not None:
+            self._background.close()

@@ -105,7 +105,7 @@ class Engine:
         self.num_layers = executor.num_layers
         planner = config.planner
         self.controller = Controller(
-            policy, ctx, planner.mismatch_threshold, planner.ewma, background=planner.plan_in_background
+            policy, ctx, planner.mismatch_threshold, planner.ewma, background=planner.background_planner
         )
         self.scheduler = Scheduler(config, self.kv, self.controller, self.num_layers, clock.now)
         self.finished: deque[Request] = deque(maxlen=100_000)  # in finishing order; bounded for long-running servers

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orbitflow.config import ParallelConfig
+from orbitflow.config import ConfigError, ParallelConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.kv.pool import Shortage
 from orbitflow.model.config import ModelConfig
@@ -278,7 +278,9 @@ class TensorParallelExecutor(Executor):
     def __init__(self, model_dir, model_config: ModelConfig, parallel: ParallelConfig, *, device_kv_blocks: int,
                  host_kv_blocks: int, block_size: int, link_bytes_per_s: float | None,
                  dtype: torch.dtype = torch.float32, compute_threads: int | None = None,
-                 startup_timeout_s: float = 600.0) -> None:
+                 startup_timeout_s: float = 600.0, cuda: bool | None = None) -> None:
+        """``cuda``: one GPU per rank (True: required), the CPU with gloo (False), or None: GPUs when there are
+        enough of them."""
         size = parallel.tensor_parallel_size
         check_tp_size(model_config, size)
         self.size = size
@@ -297,7 +299,11 @@ class TensorParallelExecutor(Executor):
                            host_kv_blocks, block_size=block_size, dtype=dtype, link_bytes_per_s=rank_link)
         self.kv.on_close = self.close
         self.kv.on_free = self._sync_quietly
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= size
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if cuda and gpus < size:
+            raise ConfigError(f"--device cuda with --tensor-parallel-size {size} needs {size} GPUs; this machine has "
+                             f"{gpus}")
+        cuda = gpus >= size if cuda is None else cuda
         if compute_threads is None and not cuda:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             compute_threads = max(1, cores // size)

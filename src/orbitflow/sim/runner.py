@@ -23,7 +23,7 @@ from orbitflow.sim.sweep import solver_time_model
 
 def sim_config(profile: HardwareProfile, **overrides) -> EngineConfig:
     values = dict(model=profile.name, block_size=profile.block_size, device_kv_blocks=profile.device_kv_blocks,
-                  host_kv_blocks=profile.host_kv_blocks, plan_in_background=False)
+                  host_kv_blocks=profile.host_kv_blocks, background_planner="off")
     values.update(overrides)
     return EngineConfig.build(**values)
 

@@ -1,0 +1,71 @@
+"""The background planner: a planner process gives the plan an inline solve gives, takes the controller's
+read-only snapshot, and a dead process costs a warning and a thread, never a plan."""
+
+import os
+import signal
+from types import MappingProxyType
+
+import pytest
+
+from orbitflow.plan import CostModel, PlanRequest
+from orbitflow.policies.base import PlanContext
+from orbitflow.policies.orbitflow import OrbitFlowPolicy
+from orbitflow.runtime import background_planner
+from orbitflow.runtime.background_planner import BackgroundPlanner, resolve_mode
+from orbitflow.runtime.controller import Controller
+
+
+def context(**kw):
+    return PlanContext(num_layers=8, block_size=16, capacity_blocks=60, cost_model=CostModel([1e-3] * 8, 2e4),
+                       window=(2, 6), **kw)
+
+
+def batch(extra=0):
+    return [PlanRequest("a", 12, 20 + extra, None, 0.0, 0.02), PlanRequest("b", 9, 15 + extra, None, 0.0, 0.02)]
+
+
+def test_resolve_mode(monkeypatch):
+    assert resolve_mode(True) == "thread" and resolve_mode(False) == "off"
+    monkeypatch.setattr(background_planner.os, "cpu_count", lambda: 2)
+    assert resolve_mode("auto") == "thread"
+    monkeypatch.setattr(background_planner.os, "cpu_count", lambda: 16)
+    assert resolve_mode("auto") == "process"
+    assert resolve_mode("thread") == "thread"
+    with pytest.raises(ValueError, match="--background-planner"):
+        resolve_mode("gpu")
+
+
+def test_process_solves_what_an_inline_solve_solves():
+    policy = OrbitFlowPolicy()
+    ctx = context(previous=MappingProxyType({"a": 2, "b": 3}))  # the controller's read-only snapshot
+    inline = policy.plan(batch(), ctx)
+    planner = BackgroundPlanner(policy, "process")
+    try:
+        plan, solve_s = planner.submit(batch(), ctx).result(timeout=120)
+    finally:
+        planner.close()
+    assert inline.feasible and plan.feasible
+    assert plan.distances == inline.distances and plan.predicted_step_s == inline.predicted_step_s
+    assert solve_s > 0
+
+
+def test_controller_solves_ahead_in_a_process_and_survives_its_death():
+    controller = Controller(OrbitFlowPolicy(), context(), background="process")
+    try:
+        now = controller.solve(batch(), step=0, trigger="batch")
+        controller.solve_ahead(batch(1), step_next=1)
+        ahead = controller.solve(batch(1), step=1, trigger="expiry")
+        assert controller.records[-1].background and ahead.feasible
+        assert ahead.distances == OrbitFlowPolicy().plan(batch(1), controller.ctx).distances
+        for pid in list(controller._background._pool._processes):  # the planner process dies
+            os.kill(pid, signal.SIGKILL)
+        controller.solve_ahead(batch(2), step_next=2)
+        after = controller.solve(batch(2), step=2, trigger="expiry")
+        assert after.feasible and not controller.records[-1].background  # solved inline instead
+        assert controller._background.mode == "thread"  # and on a thread from now on
+        controller.solve_ahead(batch(3), step_next=3)
+        controller.solve(batch(3), step=3, trigger="expiry")
+        assert controller.records[-1].background
+        assert now.feasible
+    finally:
+        controller.close()
