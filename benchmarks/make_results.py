@@ -63,6 +63,8 @@ LINKS = (
 )
 ABLATION_STEPS = ("batch-uniform", "+request-wise", "+pause-resume")
 FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"), ("planner", "Planner speed"),
+             ("planner_engine_gpu", "The planner beside the engine (GPU)"),
+             ("planner_engine_cpu", "The planner beside the engine (CPU)"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"), ("serving", "Serving"),
              ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
              ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),

@@ -239,6 +239,9 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
 
 
 ENGINE_MODES = ("thread", "process")  # runtime/background_planner.py: where the engine solves ahead
+# "busy": a planner process solving on its own, with no round trip to the engine: the interference of a busy
+# planner alone (the engine submits one solve per expiry, not hundreds per second as the loop above does)
+BUSY = "busy process"
 
 
 def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, out: list[str],
@@ -263,7 +266,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     engine = llm.engine
     rng = np.random.default_rng(seed)
     vocab = llm.loaded.config.vocab_size
-    conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in ENGINE_MODES]
+    conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in (*ENGINE_MODES, BUSY)]
     for i in range(4):
         engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
                            SamplingParams(max_tokens=rounds * block * len(conditions) + 24, ignore_eos=True))
@@ -273,13 +276,14 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     cases = {(r, l): [_engine_case(np.random.default_rng(seed + k), r, l) for k in range(16)] for r, l in sizes}
     for bp in planners.values():  # start the process and load the compiled code before timing
         bp.submit(*cases[sizes[0]][0]).result()
+    busy = {size: _BusyPlanner(cases[size]) for size in sizes}
     steps: dict[str, list[float]] = {c: [] for c in conditions}
     solves: dict[str, list[int]] = {c: [0] for c in conditions}
     busy_s: dict[str, float] = {c: 0.0 for c in conditions}
     for rnd in tqdm(range(rounds), desc="engine rounds", leave=False):
         for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
             stop = threading.Event()
-            if cond == "idle":
+            if cond == "idle" or cond.startswith(BUSY):
                 th = None
             elif cond == "burner":
                 th = threading.Thread(target=_burner_loop, args=(stop, solves[cond]))
@@ -290,6 +294,10 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
             if th is not None:
                 th.start()
                 time.sleep(0.002)
+            busy_one = busy[tuple(int(v) for v in cond.split(" ")[-1].split("x"))] if cond.startswith(BUSY) else None
+            if busy_one is not None:
+                busy_one.run.set()
+                time.sleep(0.002)
             t_cond = time.perf_counter()
             for _ in range(block):
                 t = time.perf_counter()
@@ -299,16 +307,22 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
             stop.set()
             if th is not None:
                 th.join()
+            if busy_one is not None:
+                busy_one.run.clear()
     where = (f"CUDA ({torch.cuda.get_device_name(0)})" if llm.kv.device_pool.storage.device.type == "cuda"
              else "CPU")
     for bp in planners.values():
         bp.close()
+    for size, one in busy.items():
+        solves[f"{BUSY} {size[0]}x{size[1]}"][0] = one.stop()
     llm.close()
     out.append(f"\n### Engine decode step while the planner solves\n\n{model} on {where}, 4 sequences of 128+ "
                f"tokens, torch threads {torch_threads}, no offload. The engine's background planner "
                f"(runtime/background_planner.py: a planner thread, or a planner process) solves continuously "
                f"(OrbitFlow policy, compiled planner, the engine's default node limit; 16 random batches of the "
-               f"size shown, round robin); burner: a thread that keeps a core busy without the GIL (CPU "
+               f"size shown, round robin), each solve a round trip from a thread of the engine's process; busy "
+               f"process: a planner process solving the same batches on its own, with no round trip; burner: a "
+               f"thread that keeps a core busy without the GIL (CPU "
                f"contention alone; per second: SHA-256 of 1 MiB); idle: the engine alone. {rounds} rounds x "
                f"{block} steps per condition, conditions interleaved. slowdown: median step time over idle's, "
                f"with a 95% bootstrap interval.\n")
@@ -322,6 +336,40 @@ def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):
     cm, cap, reqs = random_instance(rng, n_req, n_layers)
     return reqs, PlanContext(num_layers=n_layers, block_size=16, capacity_blocks=int(cap), cost_model=cm,
                              alpha=1.0, window=(4, 16))
+
+
+class _BusyPlanner:
+    """A planner process that solves ``cases`` round robin while ``run`` is set (started once, before timing)."""
+
+    def __init__(self, cases):
+        import multiprocessing
+
+        mp = multiprocessing.get_context("spawn")
+        self.run, self._quit, self._count = mp.Event(), mp.Event(), mp.Value("l", 0)
+        self._proc = mp.Process(target=_busy_planner_main, args=(cases, self.run, self._quit, self._count),
+                                daemon=True)
+        self._proc.start()
+
+    def stop(self) -> int:
+        self._quit.set()
+        self.run.clear()
+        self._proc.join(timeout=30)
+        return int(self._count.value)
+
+
+def _busy_planner_main(cases, run, quit_, count) -> None:
+    from orbitflow.plan import warm_up
+    from orbitflow.policies import OrbitFlowPolicy
+
+    warm_up()
+    policy, i = OrbitFlowPolicy(), 0
+    while not quit_.is_set():
+        if not run.wait(0.05):
+            continue
+        policy.plan(*cases[i % len(cases)])
+        i += 1
+        with count.get_lock():
+            count.value += 1
 
 
 def _solve_loop(stop, planner, cases, count: list[int]) -> None:
@@ -420,7 +468,9 @@ def main() -> None:
         bench_full([(4, 32), (8, 32)], 10 if args.quick else 40, args.seed)
     if args.md:
         cmd = "python benchmarks/planner.py " + " ".join(sys.argv[1:])
-        head = (f"## Planner speed: compiled vs pure Python / NumPy reference\n\nProduced by `{cmd}` on {started} "
+        title = ("Planner speed: compiled vs pure Python / NumPy reference" if "speed" in sections
+                 else "The planner beside the engine")
+        head = (f"## {title}\n\nProduced by `{cmd}` on {started} "
                 f"({machine}), seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` "
                 f"(8-1024 blocks per layer, link 1.9-6x a layer's compute, capacity 0.3-0.6 of the KV, SLO 1.5-2.5x "
                 f"the no-offload step).\n")

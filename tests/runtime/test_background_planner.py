@@ -3,6 +3,7 @@ read-only snapshot, and a dead process costs a warning and a thread, never a pla
 
 import os
 import signal
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
@@ -47,6 +48,29 @@ def test_process_solves_what_an_inline_solve_solves():
     assert inline.feasible and plan.feasible
     assert plan.distances == inline.distances and plan.predicted_step_s == inline.predicted_step_s
     assert solve_s > 0
+
+
+def test_uncollected_results_do_not_answer_later_submissions():
+    """A solve whose batch changed is never collected; the next submission must get its own plan."""
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
+    try:
+        planner.submit(batch(), context())  # dropped: nobody reads it
+        small = [PlanRequest("c", 2, 30, None, 0.0, 0.02)]
+        plan, _ = planner.submit(small, context()).result()
+        assert tuple(plan.request_ids) == ("c",) and len(plan.distances) == 1
+    finally:
+        planner.close()
+
+
+def test_a_failing_solve_raises_in_the_engine_and_the_process_lives_on():
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
+    try:
+        with pytest.raises(ValueError, match="window"):
+            planner.submit(batch(), replace(context(), window=(0, 0))).result()  # the planner rejects it
+        plan, _ = planner.submit(batch(), context()).result()
+        assert plan.feasible
+    finally:
+        planner.close()
 
 
 def test_controller_solves_ahead_in_a_process_and_survives_its_death():

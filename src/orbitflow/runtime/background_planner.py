@@ -1,12 +1,14 @@
 """Where a plan is solved one step ahead, off the engine's critical path: a planner process or a thread.
 
 A thread shares the engine's GIL. Most of a solve's set-up (window, seeds, feasibility, expiry) is Python, and
-the engine's step is a long run of short torch calls, each of which must take the GIL back: measured on a
-16-core H100 machine, a thread solving continuously slowed SmolLM2-135M decode steps by +428% on the GPU and
-+153% on the CPU (4 requests x 32 layers; a thread that only burns a core without the GIL: within noise).
-A planner process has its own interpreter: the engine then only pays for pickling the batch (a few hundred
-numbers) and the result. The process is started (spawn: no fork of a process running torch threads) and
-its compiled planner loaded when the engine starts, not at the first solve.
+the engine's step is a long run of short torch calls, each of which must take the GIL back. Measured on a
+16-core H100 machine (benchmarks/planner.py --sections engine, SmolLM2-135M shape, 4 requests, batches of
+4 requests x 32 layers solved back to back): a planner thread slowed decode steps by +402% on the GPU and
++178% on the CPU; a planner process solving the same batches, +2.3% and +0.1% (a thread that burns a core
+without the GIL: +3.0% and +1.5%). A round trip per solve (pickling the batch and the plan) costs the
+engine's process something too: at ~300 solves/s, +8% to +20%; the engine makes one per expiry.
+The process is started (spawn: no fork of a process running torch threads) and its compiled planner loaded
+when the engine starts, not at the first solve.
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: on a 2-core
 machine a busy process takes one of the engine's two cores, and starting one per engine costs more than it
