@@ -29,6 +29,15 @@ def test_every_request_finishes_and_no_block_leaks(a5000, policy):
     assert result.engine.kv.usage() == (0, 0)
 
 
+def test_the_host_pool_is_the_configured_one(a5000):
+    """--host-kv-blocks sizes the simulated host pool (it used to be the profile's whatever the flag said)."""
+    from orbitflow.sim.runner import build_sim_engine
+
+    engine = build_sim_engine(a5000, sim_config(a5000, host_kv_blocks=1234))
+    assert engine.kv.host_pool.num_blocks == 1234
+    assert build_sim_engine(a5000, sim_config(a5000)).kv.host_pool.num_blocks == a5000.host_kv_blocks
+
+
 def test_orbitflow_beats_deepspeed_and_pauses_under_pressure(a5000):
     orbit = simulate_trace(a5000, small_trace(), sim_config(a5000, policy="orbitflow", slo_scale=1.0)).metrics
     deep = simulate_trace(a5000, small_trace(), sim_config(a5000, policy="deepspeed", slo_scale=1.0)).metrics

@@ -23,14 +23,16 @@ from orbitflow.runtime.executor import Executor
 from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
 
 
-def accounting_kv(profile: HardwareProfile, device_blocks: int | None = None) -> KVManager:
-    """A KV manager that counts blocks of the profile's size without allocating them."""
+def accounting_kv(profile: HardwareProfile, device_blocks: int | None = None,
+                  host_blocks: int | None = None) -> KVManager:
+    """A KV manager that counts blocks of the profile's size without allocating them (pools: the given
+    sizes, else the profile's)."""
     import torch
 
     # One "head" of kv_bytes/4 fp16 values per token makes a block weigh exactly block_size * kv_bytes.
     heads = max(1, profile.kv_bytes_per_token_per_layer // 4)
     return KVManager(
-        profile.num_layers, heads, 1, device_blocks or profile.device_kv_blocks, profile.host_kv_blocks,
+        profile.num_layers, heads, 1, device_blocks or profile.device_kv_blocks, host_blocks or profile.host_kv_blocks,
         block_size=profile.block_size, dtype=torch.float16, materialize=False,
     )
 

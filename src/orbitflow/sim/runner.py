@@ -42,7 +42,7 @@ def build_sim_engine(profile: HardwareProfile, config: EngineConfig, noise: floa
     """The real engine on the simulated executor and a virtual clock of its own (``engine.clock``)."""
     clock = VirtualClock()
     charge = solver_time_model(solver_time)
-    kv = accounting_kv(profile, config.cache.device_kv_blocks)
+    kv = accounting_kv(profile, config.cache.device_kv_blocks, config.cache.host_kv_blocks)
     policy = make_policy(config.planner.policy)
     executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.model.seed,
                            noise_cv=noise_cv, prefetch_slots=prefetch_slots_for(config, policy))
