@@ -76,6 +76,24 @@ def test_full_batch_and_memory_are_not_feasible(engine):
         what_if(engine, 0, 10)
 
 
+def test_memory_counts_the_requests_queued_ahead():
+    """A request that waits for memory is served before the candidate: the candidate does not fit either."""
+    profile = load_preset("a100-llama3-8b")
+    eng = build_sim_engine(profile, sim_config(profile, device_kv_blocks=4096, host_kv_blocks=4096, max_num_seqs=3))
+    try:
+        assert what_if(eng, 100, 10).feasible
+        _add(eng, "a", prompt=2500, out=10)
+        _add(eng, "b", prompt=2500, out=10)  # a and b together need more blocks than both pools hold
+        eng.step()
+        assert [r.request_id for r in eng.running] == ["a"] and [r.request_id for r in eng.waiting] == ["b"]
+        w = what_if(eng, 100, 10)
+        assert not w.feasible and w.reason == "memory"
+        eng.run_until_done()
+        assert what_if(eng, 100, 10).feasible
+    finally:
+        eng.close()
+
+
 def test_what_if_table_lookup_rounds_up():
     table = [(128, 64, WhatIf(True, 0.01, 0.9)), (128, 512, WhatIf(True, 0.02, 0.8)),
              (512, 64, WhatIf(False, 0.05, -0.1, "slo"))]

@@ -95,7 +95,7 @@ def _what_if(engine, prompt_tokens: int, max_tokens: int, slo_s: float | None) -
     # requests still in the engine's inbox (not taken in yet) count toward the batch limit too
     if len(engine.running) + len(engine.paused) + engine.num_queued() + 1 > engine.config.scheduler.max_num_seqs:
         return WhatIf(False, _current_step_s(engine), -math.inf, "batch full")
-    if not engine.scheduler.kv_fits(cand):
+    if not engine.scheduler.kv_fits(cand, ahead=list(engine.waiting)):  # the queue is served first
         return WhatIf(False, _current_step_s(engine), -math.inf, "memory")
     requests, host_capacity = engine.scheduler.plan_inputs(batch)
     ctx = replace(engine.controller.ctx, host_capacity_blocks=host_capacity, previous=None)

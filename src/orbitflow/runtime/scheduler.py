@@ -223,11 +223,12 @@ class Scheduler:
         """Blocks per layer the request's KV grows to at most."""
         return math.ceil(req.max_total_tokens / self.block_size)
 
-    def kv_fits(self, cand: Request) -> bool:
-        """Whether both pools together can hold `cand` to its last token while every admitted request
-        also grows to its last token, plus the largest prefetch buffer any plan could ask for (prefetch-depth
-        layers of every request). Then no plan of theirs can run the host pool dry."""
-        admitted = self.running + self.paused + [cand]
+    def kv_fits(self, cand: Request, ahead: list[Request] = ()) -> bool:
+        """Whether both pools together can hold `cand` to its last token while every admitted request (and
+        every request of `ahead`, queued before it) also grows to its last token, plus the largest prefetch
+        buffer any plan could ask for (prefetch-depth layers of every request). Then no plan of theirs can
+        run the host pool dry."""
+        admitted = self.running + self.paused + list(ahead) + [cand]
         needed = most_blocks(sum(self.final_blocks(r) for r in admitted), self.num_layers, self.prefetch_slots)
         return self.kv.can_allocate(needed, [r.request_id for r in admitted])
 
