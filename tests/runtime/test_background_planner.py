@@ -93,3 +93,22 @@ def test_controller_solves_ahead_in_a_process_and_survives_its_death():
         assert now.feasible
     finally:
         controller.close()
+
+
+def test_a_dropped_planner_does_not_leave_its_process_behind():
+    """An engine dropped without close() must not leave a planner process behind (ProcessPoolExecutor's own
+    weak reference shuts it down; this guards against anything that would keep the pool alive)."""
+    import gc
+    import multiprocessing
+    import time
+
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
+    planner.submit(batch(), context()).result()
+    pids = set(planner._pool._processes)
+    assert pids
+    del planner
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while pids & {p.pid for p in multiprocessing.active_children()} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pids & {p.pid for p in multiprocessing.active_children()}
