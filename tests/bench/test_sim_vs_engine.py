@@ -1,0 +1,31 @@
+"""benchmarks/sim_vs_engine.py: the error figures it reports, on hand-made steps."""
+
+import math
+
+import pytest
+from benchmark_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def sve():
+    return load_benchmark("sim_vs_engine")
+
+
+def test_step_errors_split_the_stall_error(sve):
+    S = sve.StepSample
+    steps = [S(measured_s=0.10, sim_model_s=0.11, plan_s=0.10, measured_stall_s=0.02, sim_stall_s=0.04,
+               transfer_stall_s=0.01),
+             S(measured_s=0.20, sim_model_s=0.18, plan_s=None, measured_stall_s=0.02, sim_stall_s=0.04,
+               transfer_stall_s=0.03)]
+    e = sve.step_errors(steps)
+    assert e["steps"] == 2
+    assert e["step_err_median"] == pytest.approx(0.10)  # |+10%| and |-10%|
+    assert e["stall_err"] == pytest.approx(1.0)  # 0.08 predicted against 0.04 measured
+    assert e["stall_err_transfer"] == pytest.approx(0.0)  # the transfer model alone is right here
+    assert math.isnan(sve.step_errors([])["stall_err_transfer"])
+
+
+def test_kendall_tau_allows_no_swap_at_0_9(sve):
+    order = ["a", "b", "c", "d", "e"]
+    assert sve.kendall_tau(order, order) == pytest.approx(1.0)
+    assert sve.kendall_tau(order, ["b", "a", "c", "d", "e"]) == pytest.approx(0.8)  # one swap: below 0.9
