@@ -184,6 +184,20 @@ class BlockPool:
         kv = self.storage.index_select(1, index)
         return kv[0].view(-1, *heads)[:num_tokens], kv[1].view(-1, *heads)[:num_tokens]
 
+    def heads_view(self, ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [1, kv_heads, num_tokens, head_dim] (SDPA's layout, one contiguous stretch per head) of the first
+        tokens of a block list: one strided view each when the ids form a run, else gathered copies."""
+        nblocks = -(-num_tokens // self.block_size)
+        if not is_run(ids[:nblocks]):
+            k, v = self.kv_view(ids, num_tokens)
+            return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        storage = self.storage
+        plane, _, token, head, _ = storage.stride()
+        size = (1, storage.shape[3], num_tokens, storage.shape[4])
+        stride = (head * storage.shape[3], head, token, 1)
+        offset = storage.storage_offset() + ids[0] * self.block_size * token if ids else 0
+        return storage.as_strided(size, stride, offset), storage.as_strided(size, stride, offset + plane)
+
     def write(self, ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [n, kv_heads, head_dim] of tokens start..start+n-1 of a block list: one slice copy when
         the blocks they fall in form a run (always for a single token), else one indexed write."""
