@@ -165,6 +165,21 @@ def test_kv_of_a_run_is_a_view_and_a_fragmented_list_reads_the_same_values():
     assert k_run.data_ptr() == pool.storage[0, run[0]].data_ptr()  # no copy: attention reads the pool
 
 
+def test_heads_view_is_sdpa_layout_of_the_same_tokens_and_each_head_is_contiguous():
+    pool = BlockPool("device", 16, BS, H, D, address_blocks=32)
+    run, scattered = pool.allocate(3), [9, 3, 20]
+    k, v = torch.randn(37, H, D), torch.randn(37, H, D)
+    for ids in (run, scattered):
+        pool.write(ids, 0, k, v)
+        for tokens in (1, BS, 37):
+            k4, v4 = pool.heads_view(ids, tokens)
+            assert k4.shape == v4.shape == (1, H, tokens, D)
+            assert torch.equal(k4[0], k[:tokens].transpose(0, 1)) and torch.equal(v4[0], v[:tokens].transpose(0, 1))
+    k4, v4 = pool.heads_view(run, 37)
+    assert k4.data_ptr() == pool.storage[0, run[0]].data_ptr() and v4.data_ptr() == pool.storage[1, run[0]].data_ptr()
+    assert all(k4[0, h].is_contiguous() for h in range(H))  # the layout attention kernels read fastest
+
+
 def test_a_run_that_cannot_grow_in_place_moves_with_its_data():
     kv = make_kv()
     kv.allocate("a", 32, [True] * L)  # 2 blocks per layer, each layer one run

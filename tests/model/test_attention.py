@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from orbitflow.model.attention import DenseKVAttention, causal_attention
+from orbitflow.kv.pool import BlockPool
+from orbitflow.model.attention import DenseKVAttention, causal_attention, decode_attention
 
 
 def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -69,3 +70,30 @@ def test_dense_backend_packed_segments_are_independent() -> None:
         alone = causal_attention(q[start:end], k[start:end], v[start:end], 8**-0.5)
         torch.testing.assert_close(packed[start:end], alone)
         start = end
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 6)])
+def test_decode_attention_rows_of_mixed_lengths_over_pool_views(num_heads: int, num_kv_heads: int) -> None:
+    """One decode call over rows whose KV lengths differ (1 to 70 tokens), read as views of a paged pool: each
+    row equals the naive attention over exactly its own tokens (a row that saw another's length, tokens or
+    padding would not)."""
+    gen = torch.Generator().manual_seed(7)
+    head_dim, block = 16, 8
+    lengths = [70, 1, 33, 8, 9]
+    pool = BlockPool("device", 64, block, num_kv_heads, head_dim, address_blocks=128)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
+    views, expected = [], []
+    for b, length in enumerate(lengths):
+        ids = pool.allocate(-(-length // block)) if b % 2 == 0 else [int(x) for x in
+                                                                     pool.allocate(-(-length // block))[::-1]]
+        k = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        pool.write(ids, 0, k, v)
+        views.append(pool.heads_view(ids, length))  # odd rows: reversed ids, read by a gather
+        expected.append(naive_causal_attention(q[b:b + 1], k, v, head_dim**-0.5))
+    got = decode_attention(q, views, head_dim**-0.5)
+    assert got.shape == (len(lengths), num_heads * head_dim)
+    torch.testing.assert_close(got, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    for b, (k4, v4) in enumerate(views):  # and bit-identical to the prefill/chunk path on the same KV
+        alone = causal_attention(q[b:b + 1], k4[0].transpose(0, 1), v4[0].transpose(0, 1), head_dim**-0.5)
+        assert torch.equal(got[b:b + 1], alone)

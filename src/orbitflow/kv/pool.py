@@ -4,12 +4,15 @@ One block holds K and V of `block_size` tokens for ONE layer. Blocks of every la
 the pool (the paper's flattened 1D layout, section 6); the layer-aware block table says which block belongs
 to which (request, layer).
 
-Storage is laid out as two planes, `[2 (K, V), address_blocks, block_size, kv_heads, head_dim]`, so the K (or
-V) of a run of consecutive block ids is one contiguous `[tokens, kv_heads, head_dim]` view: attention reads a
-request's KV where it lives, without gathering it. To keep runs consecutive while requests grow, the pool
-may own more block addresses than its budget (`address_blocks`): `num_blocks` is what may be in use at once
-(the budget the planner sees), the extra addresses only give runs room to grow in place. `torch.empty` does
-not touch pages, so an address that is never written costs no memory.
+Storage is indexed as `[2 (K, V), address_blocks, block_size, kv_heads, head_dim]` but laid out head-major in
+memory, `[2, kv_heads, address_blocks, block_size, head_dim]` (`block_tensor`): the K (or V) of a run of
+consecutive block ids is a `[tokens, kv_heads, head_dim]` view whose every head is one contiguous
+`[tokens, head_dim]` stretch, the layout attention kernels read fastest (transformers' `[batch, heads, tokens,
+head_dim]` cache has it too; token-major blocks made each decode attention call ~1.6x slower on the CPU).
+Attention reads a request's KV where it lives, without gathering it. To keep runs consecutive while requests
+grow, the pool may own more block addresses than its budget (`address_blocks`): `num_blocks` is what may be
+in use at once (the budget the planner sees), the extra addresses only give runs room to grow in place.
+`torch.empty` does not touch pages, so an address that is never written costs no memory.
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ class OutOfBlocks(RuntimeError):
         self.tier, self.wanted, self.free, self.total = tier, wanted, free, total
 
 
+def block_tensor(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, pin_memory: bool = False) -> torch.Tensor:
+    """Uninitialised KV blocks indexed `[2, num_blocks, block_size, kv_heads, head_dim]`, stored head-major
+    (`head_planes` gives the storage order back)."""
+    planes = torch.empty((2, num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device,
+                         pin_memory=pin_memory)
+    return planes.permute(0, 2, 3, 1, 4)
+
+
+def head_planes(blocks: torch.Tensor) -> torch.Tensor:
+    """`[2, kv_heads, num_blocks, block_size, head_dim]` view of a `block_tensor`: in storage order, so
+    `head_planes(t)[plane, head, first:last]` is contiguous (a copy of it is one memcpy, or one DMA)."""
+    return blocks.permute(0, 3, 1, 2, 4)
+
+
 def is_run(ids: list[int]) -> bool:
     """True when `ids` are consecutive block ids in increasing order (their K and V are views)."""
     return not ids or ids == list(range(ids[0], ids[0] + len(ids)))
@@ -70,10 +88,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.address_blocks = max(num_blocks, address_blocks or num_blocks)
-        shape = (2, self.address_blocks, block_size, num_kv_heads, head_dim)
         # torch.empty does not touch the pages, so a large pool costs nothing until used.
         # An unmaterialized pool only counts blocks (the simulator's executor).
-        self.storage = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory) if materialize else None
+        self.storage = block_tensor(self.address_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                    pin_memory) if materialize else None
         self.bytes_per_block = 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         self._used = np.zeros(self.address_blocks, dtype=bool)
         self._num_used = 0
@@ -165,6 +183,20 @@ class BlockPool:
         index = device_index(ids, self.storage.device)
         kv = self.storage.index_select(1, index)
         return kv[0].view(-1, *heads)[:num_tokens], kv[1].view(-1, *heads)[:num_tokens]
+
+    def heads_view(self, ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [1, kv_heads, num_tokens, head_dim] (SDPA's layout, one contiguous stretch per head) of the first
+        tokens of a block list: one strided view each when the ids form a run, else gathered copies."""
+        nblocks = -(-num_tokens // self.block_size)
+        if not is_run(ids[:nblocks]):
+            k, v = self.kv_view(ids, num_tokens)
+            return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        storage = self.storage
+        plane, _, token, head, _ = storage.stride()
+        size = (1, storage.shape[3], num_tokens, storage.shape[4])
+        stride = (head * storage.shape[3], head, token, 1)
+        offset = storage.storage_offset() + ids[0] * self.block_size * token if ids else 0
+        return storage.as_strided(size, stride, offset), storage.as_strided(size, stride, offset + plane)
 
     def write(self, ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [n, kv_heads, head_dim] of tokens start..start+n-1 of a block list: one slice copy when

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from orbitflow.kv.events import AsyncDevice, AsyncRaceError, Event, LayerClock, StrictAsync
-from orbitflow.kv.pool import BlockPool, OutOfBlocks, is_run
+from orbitflow.kv.pool import BlockPool, OutOfBlocks, block_tensor, head_planes, is_run
 
 
 @dataclass
@@ -173,12 +173,15 @@ class TransferEngine:
     # ---- data movement ----------------------------------------------------------------------------
     def _issue(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> None:
         """Issue one copy on the current stream (CUDA: asynchronous): per maximal run that is consecutive on
-        both sides, one slice copy per plane (K, V). Each slice is contiguous, so a pinned host side is copied
-        by DMA directly: no gather (which would read host memory on the host, and land in pageable memory that
-        makes the copy synchronous), no index tensor, no host-side read of memory a copy may still write."""
+        both sides, one slice copy per plane (K, V) and head. Each slice is contiguous (pools are head-major,
+        `head_planes`), so a pinned host side is copied by DMA directly: no gather (which would read host memory
+        on the host, and land in pageable memory that makes the copy synchronous), no index tensor, no
+        host-side read of memory a copy may still write."""
+        src_planes, dst_planes = head_planes(src.storage), head_planes(dst.storage)
         for s0, d0, m in _runs(src_ids, dst_ids):
             for plane in (0, 1):
-                dst.storage[plane, d0:d0 + m].copy_(src.storage[plane, s0:s0 + m], non_blocking=True)
+                for head in range(src_planes.shape[1]):
+                    dst_planes[plane, head, d0:d0 + m].copy_(src_planes[plane, head, s0:s0 + m], non_blocking=True)
 
     def _move(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> int:
         """A placement move, called from the step loop's thread. It runs on the copy stream after every
@@ -253,15 +256,17 @@ class TransferEngine:
         self._fence(pool, span, event)
 
     def _host_write_async(self, ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Non-blocking copies of tokens start.. into (pinned) host blocks, one per block they fall in."""
-        storage, bs, n = self.host_pool.storage, self.host_pool.block_size, k.shape[0]
+        """Non-blocking copies of tokens start.. into (pinned) host blocks, one per block they fall in and head
+        (each destination contiguous, so none goes through a pageable temporary)."""
+        planes, bs, n = head_planes(self.host_pool.storage), self.host_pool.block_size, k.shape[0]
         i = 0
         while i < n:
             pos = start + i
             block, offset = ids[pos // bs], pos % bs
             m = min(bs - offset, n - i)
-            storage[0, block, offset:offset + m].copy_(k[i:i + m], non_blocking=True)
-            storage[1, block, offset:offset + m].copy_(v[i:i + m], non_blocking=True)
+            for head in range(planes.shape[1]):
+                planes[0, head, block, offset:offset + m].copy_(k[i:i + m, head], non_blocking=True)
+                planes[1, head, block, offset:offset + m].copy_(v[i:i + m, head], non_blocking=True)
             i += m
 
     def _run_d2h(self) -> None:
@@ -465,8 +470,7 @@ class TransferEngine:
                 self.device.poison(self._slot_view(staging))  # strict: the slot holds garbage until the copy lands
             else:
                 src = self.host_pool.storage
-                fetch.scratch = torch.empty((2, fetch.capacity, *src.shape[2:]), dtype=src.dtype,
-                                            device=self.device_pool.storage.device)
+                fetch.scratch = block_tensor(fetch.capacity, *src.shape[2:], src.dtype, self.device_pool.storage.device)
                 self.device.poison(fetch.scratch)
                 with self._cond:
                     self.overflow_blocks += fetch.capacity

@@ -41,9 +41,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # RoPE over q's and k's heads in one go (elementwise, so each value is what two calls would give)
+        qk = apply_rotary(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(attention(layer, q, k, v))
 
@@ -95,6 +96,7 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] (packed batch) -> final-normed hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]: once, not twice a layer
         for index, layer in enumerate(self.layers):
             x = layer(index, x, cos, sin, attention)
         return self.norm(x)

@@ -52,19 +52,33 @@ class ModelExecutor(Executor):
 
     def _decode_writes(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
         """Per layer, for a decode step: the rows whose KV of that layer is on the device and the (block,
-        offset) slots their new tokens go to, so each layer writes them in one indexed op."""
-        bs, h2d = self.block_size, self.kv.transfer.device.h2d  # index tensors built without a host sync
-        writes: list[tuple | None] = []
+        offset) slots their new tokens go to, so each layer writes them in one indexed op. Every layer's index
+        tensors are slices of one tensor built once per step (on CUDA one pinned copy, not three a layer)."""
+        bs, everyone = self.block_size, len(seqs)
+        block_of = [s.start_pos // bs for s in seqs]
+        offset_of = [s.start_pos % bs for s in seqs]
+        flat: list[int] = []
+        spans: list[tuple[int, int, bool] | None] = []
         for layer in range(self.num_layers):
             rows = [b for b, t in enumerate(tables) if t.on_device[layer]]
             if not rows:
+                spans.append(None)
+                continue
+            spans.append((len(flat), len(rows), len(rows) < everyone))
+            if len(rows) < everyone:
+                flat += rows
+            flat += [tables[b].blocks[layer][block_of[b]] for b in rows]
+            flat += [offset_of[b] for b in rows]
+        index = self.kv.transfer.device.h2d(flat)
+        writes: list[tuple | None] = []
+        for span in spans:
+            if span is None:
                 writes.append(None)
                 continue
-            writes.append((
-                None if len(rows) == len(seqs) else h2d(rows),
-                h2d([tables[b].blocks[layer][seqs[b].start_pos // bs] for b in rows]),
-                h2d([seqs[b].start_pos % bs for b in rows]),
-            ))
+            at, n, subset = span
+            row_index = index[at:at + n] if subset else None
+            at += n if subset else 0
+            writes.append((row_index, index[at:at + n], index[at + n:at + 2 * n]))
         return writes
 
     def execute(self, out: ScheduleOutput) -> StepResult:
@@ -123,11 +137,7 @@ class ModelExecutor(Executor):
     def _run_layers(self, st: _StepState) -> torch.Tensor:
         """The forward pass; `attention` runs once per layer: release, wait for the layer's fetches, write
         the new K/V, attend over each row's KV where it lives."""
-        from orbitflow.model.attention import causal_attention
-
-        kv, transfer, pool = self.kv, self.kv.transfer, self.kv.device_pool
-        seqs, tables, host_users, bounds, totals = st.seqs, st.tables, st.host_users, st.bounds, st.totals
-        decode_writes = st.decode_writes
+        transfer = self.kv.transfer
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -141,33 +151,60 @@ class ModelExecutor(Executor):
                 for b, fetched_layer in consumed:
                     transfer.release(b, fetched_layer, after=fence)
                 consumed.clear()
-            transfer.wait_layer(layer, host_users[layer])
-            written = decode_writes[layer] if decode_writes is not None else None
-            if written is not None:
-                row_index, slot_blocks, slot_offsets = written
-                k_dev = k if row_index is None else k.index_select(0, row_index)
-                v_dev = v if row_index is None else v.index_select(0, row_index)
-                pool.storage[0, slot_blocks, slot_offsets] = k_dev
-                pool.storage[1, slot_blocks, slot_offsets] = v_dev
-            outputs: list[torch.Tensor] = []
-            for b, (s, t) in enumerate(zip(seqs, tables)):
-                lo, hi = bounds[b], bounds[b + 1]
-                k_new, v_new = k[lo:hi], v[lo:hi]
-                if not (written is not None and t.on_device[layer]):
-                    kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
-                if s.start_pos == 0:
-                    keys, values = k_new, v_new
-                elif t.on_device[layer]:  # a view of the request's run (a gather only if it is fragmented)
-                    keys, values = pool.kv_view(t.blocks[layer], totals[b])
-                else:  # READ the staged copy (the cached tokens) and append the new ones to it
-                    keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k_new, v_new)
-                    consumed.append((b, layer))
-                outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
-            return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            transfer.wait_layer(layer, st.host_users[layer])
+            if st.decode_writes is not None:
+                return self._decode_layer(st, layer, q, k, v, consumed)
+            return self._mixed_layer(st, layer, q, k, v, consumed)
 
+        seqs = st.seqs
         input_ids = transfer.device.h2d([t for s in seqs for t in s.token_ids])
         positions = transfer.device.h2d([p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))])
         return self.model(input_ids, positions, attention)
+
+    def _decode_layer(self, st: _StepState, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      consumed: list[tuple[int, int]]) -> torch.Tensor:
+        """One layer of a pure decode step (one new token a row): the device-resident rows' K/V written in one
+        indexed op, every row's KV read as a view in SDPA's layout, one attention call a row."""
+        from orbitflow.model.attention import decode_attention
+
+        kv, pool, transfer, tables, totals = self.kv, self.kv.device_pool, self.kv.transfer, st.tables, st.totals
+        written = st.decode_writes[layer]
+        if written is not None:
+            row_index, slot_blocks, slot_offsets = written
+            pool.storage[0, slot_blocks, slot_offsets] = k if row_index is None else k.index_select(0, row_index)
+            pool.storage[1, slot_blocks, slot_offsets] = v if row_index is None else v.index_select(0, row_index)
+        views = []
+        for b, t in enumerate(tables):
+            if t.on_device[layer]:  # a view of the request's run (a gather only if it is fragmented)
+                views.append(pool.heads_view(t.blocks[layer], totals[b]))
+                continue
+            s = st.seqs[b]  # its tier gets the new token; READ the staged copy and append the token to it
+            kv.write(s.req_id, layer, s.start_pos, k[b:b + 1], v[b:b + 1])
+            keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k[b:b + 1], v[b:b + 1])
+            consumed.append((b, layer))
+            views.append((keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)))
+        return decode_attention(q, views, self.scale)
+
+    def _mixed_layer(self, st: _StepState, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     consumed: list[tuple[int, int]]) -> torch.Tensor:
+        """One layer of a step with prompt chunks: rows of any length, each written and attended on its own."""
+        from orbitflow.model.attention import causal_attention
+
+        kv, pool, transfer, bounds = self.kv, self.kv.device_pool, self.kv.transfer, st.bounds
+        outputs: list[torch.Tensor] = []
+        for b, (s, t) in enumerate(zip(st.seqs, st.tables)):
+            lo, hi = bounds[b], bounds[b + 1]
+            k_new, v_new = k[lo:hi], v[lo:hi]
+            kv.write(s.req_id, layer, s.start_pos, k_new, v_new)
+            if s.start_pos == 0:
+                keys, values = k_new, v_new
+            elif t.on_device[layer]:  # a view of the request's run (a gather only if it is fragmented)
+                keys, values = pool.kv_view(t.blocks[layer], st.totals[b])
+            else:  # READ the staged copy (the cached tokens) and append the new ones to it
+                keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k_new, v_new)
+                consumed.append((b, layer))
+            outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _sample(self, st: _StepState, hidden: torch.Tensor) -> list[Sample | None]:
         """One Sample per row that asked for a token (None elsewhere); never raises for one request's
