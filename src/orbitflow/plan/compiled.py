@@ -610,8 +610,7 @@ def try_assignment(k_of, later_lb, fst, b0, comp_total, x0, feas):
 def greedy(x0, comp_total, counts, hosts_f, bcap, cap, k_of):
     """Jitted twin of ``BranchAndBound._greedy`` (the first incumbent by transfer-to-compute ratio) into
     ``k_of``; the memory it checks is the capacity equation at one slot, an integer sum."""
-    # NOTE: kept whole: the twin of a two-phase greedy that shares its state (k_of, the order) between phases.
-    n_req, n_layers = x0.size, hosts_f.shape[1]
+    n_layers = hosts_f.shape[1]
     n_cand = counts.size
     ratio = x0 / max(comp_total / n_layers, 1e-300)
     order = np.argsort(ratio, kind="mergesort")

@@ -282,7 +282,8 @@ class BranchAndBound:
             self.stats.leaves += len(seeds)
             self.nodes += len(seeds)
             fst, k_arr = np.array([*self.best_key], dtype=float), np.zeros(self.n_req, dtype=np.int64)
-            if cc.try_each(np.array(seeds, dtype=np.int64), fst, self.b0, self.comp_total, self.x0, self._feas(), k_arr):
+            seeds_a = np.array(seeds, dtype=np.int64)
+            if cc.try_each(seeds_a, fst, self.b0, self.comp_total, self.x0, self._feas(), k_arr):
                 self._set_best(k_arr, (float(fst[0]), float(fst[1])))
             return
         for k_of in seeds:
