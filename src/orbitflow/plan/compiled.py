@@ -669,16 +669,26 @@ CURSOR, SINCE, EVALS = range(3)
 
 
 @_jit
-def move(k_of, m, n_cand, out):
+def move(k_of, m, out, order, counts, hosts_f, bcap, cap):
     """Local move ``m`` of an assignment into ``out``; False when it does not apply. Moves ``r * K + k``: request
-    ``r`` to candidate ``k != k_of[r]``; then ``R * K + r * R + q``: ``r`` one candidate denser and ``q``
-    (``!= r``) one sparser (trading memory between two requests)."""
-    n_req = k_of.size
+    ``r`` to candidate ``k != k_of[r]``, and when that breaks the capacity equation (at one slot, step
+    ``min_steps - 1``: ``bcap``), the other requests made denser one candidate at a time, in ``order`` (lowest
+    transfer-to-compute ratio first: their transfers hide best), each as far as needed before the next; then
+    ``R * K + r * R + q``: ``r`` one candidate denser and ``q`` (``!= r``) one sparser (trading memory between
+    two requests)."""
+    n_req, n_cand = k_of.size, counts.size
     out[:] = k_of
     if m < n_req * n_cand:
         r, k = m // n_cand, m % n_cand
+        if k == k_of[r]:
+            return False
         out[r] = k
-        return k != k_of[r]
+        for q in order:
+            if _memory1(out, counts, hosts_f, bcap) <= cap:
+                return True
+            while q != r and out[q] < n_cand - 1 and _memory1(out, counts, hosts_f, bcap) > cap:
+                out[q] += 1
+        return _memory1(out, counts, hosts_f, bcap) <= cap
     p = m - n_req * n_cand
     r, q = p // n_req, p % n_req
     if q == r or k_of[r] + 1 >= n_cand or k_of[q] < 1:
@@ -689,7 +699,7 @@ def move(k_of, m, n_cand, out):
 
 
 @_jit
-def improve(k_of, ist, fst, max_evals, stop_evals, b0, comp_total, x0, feas, cand):
+def improve(k_of, ist, fst, max_evals, stop_evals, b0, comp_total, x0, feas, cand, order, bcap, cap):
     """First-improvement local search from the incumbent ``k_of`` (feasible, its key in ``fst[BEST_*]``) over the
     moves of :func:`move`, scanned round robin from ``ist[CURSOR]``: an improving feasible move is taken at
     once. Stops when a whole round finds none (True) or at ``max_evals`` evaluations (True), or pauses at
@@ -704,7 +714,7 @@ def improve(k_of, ist, fst, max_evals, stop_evals, b0, comp_total, x0, feas, can
         m = ist[CURSOR]
         ist[CURSOR] = (m + 1) % n_moves
         ist[SINCE] += 1
-        if not move(k_of, m, n_cand, cand):
+        if not move(k_of, m, cand, order, feas[0], feas[1], bcap, cap):
             continue
         ist[EVALS] += 1
         if try_assignment(cand, 0.0, fst, b0, comp_total, x0, feas):

@@ -579,12 +579,13 @@ class BranchAndBound:
             return
         ist = np.zeros(3, dtype=np.int64)
         k_of, cand = self.best_k.copy(), np.empty(self.n_req, dtype=np.int64)
+        order = np.argsort(self.x0, kind="stable")  # transfer-to-compute ratio, as the greedy's
         if self.compiled:
             fst = np.array([*self.best_key], dtype=float)
             while not (self.improve_deadline is not None and time.perf_counter() > self.improve_deadline):
                 stop = int(ist[cc.EVALS]) + IMPROVE_CHUNK
                 if cc.improve(k_of, ist, fst, self.improve_evals, stop, self.b0, self.comp_total, self.x0,
-                              self._feas(), cand):
+                              self._feas(), cand, order, self.bcap, self.cap):
                     break
             if (float(fst[0]), float(fst[1])) != self.best_key:
                 self._set_best(k_of, (float(fst[0]), float(fst[1])))
@@ -596,7 +597,7 @@ class BranchAndBound:
                     break
                 m = int(ist[cc.CURSOR])
                 ist[cc.CURSOR], ist[cc.SINCE] = (m + 1) % n_moves, ist[cc.SINCE] + 1
-                if cc.move(k_of, m, n_cand, cand):
+                if cc.move(k_of, m, cand, order, self.counts, self.hosts_f, self.bcap, self.cap):
                     ist[cc.EVALS] += 1
                     if self._try(cand.tolist()):
                         k_of[:], ist[cc.SINCE] = cand, 0
