@@ -249,6 +249,21 @@ def _lat_ok(lb, fst, slo_on, dep, slo, alpha, d_lo, d_hi):
 
 
 @_jit
+def _cover_cost(y, cover, e):
+    """Jitted twin of :func:`orbitflow.plan.bounds.cover_cost` for one ``y`` (``cover``: its tables as a tuple)."""
+    cov_cap, cov_cost, cov_rate, cov_size = cover
+    if y <= 0:
+        return 0.0
+    n = cov_size[e]
+    j = 0
+    while j < n and cov_cap[e, j + 1] < y:
+        j += 1
+    if j >= n:
+        return cov_cost[e, n]
+    return cov_cost[e, j] + (y - cov_cap[e, j]) * cov_rate[e, j]
+
+
+@_jit
 def _unwind(depth, pos, nk, ordk, alive, lat_lb, fst):
     """Budget spent: the least bound of the children left unexplored at every open level."""
     for d in range(depth, -1, -1):
@@ -273,7 +288,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            last, f_scratch):
+            last, f_scratch, cover):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), sorted cheapest first."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
     # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
@@ -310,7 +325,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             val = (vol[d, layer] + x * cumh[k, layer]) + suffix_comp[layer] + new_after
             if val > lat:
                 lat = val
-        forced = (vol[d, n_layers - 1] + x * cumh[k, n_layers - 1]) + ymin * (rs / link)
+        forced = (vol[d, n_layers - 1] + x * cumh[k, n_layers - 1]) + _cover_cost(ymin, cover, d + 1)
         lat = max(lat, forced + comp_min if forced > 0 else 0.0)
         sep_lb = -math.inf
         u = min(ymin * rs / rb0, n_layers) if rb0 > 0 else 0.0
@@ -362,7 +377,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
               slo_on, dep, slo, alpha, d_lo, d_hi,
-              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k):
+              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -393,7 +408,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, d == n_req - 1, f_scratch)
+                    cap, d == n_req - 1, f_scratch, cover)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue
@@ -506,7 +521,7 @@ def feasibility_data(counts, hosts_f, lay_ptr, lay, blocks_h, cap, host_cap, alp
     and transfer seconds per request."""
     n_req, n_layers = blocks_h.shape[1], hosts_f.shape[1]
     scratch = (np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
-               np.empty(n_layers), np.empty(len(seg_starts)))
+               np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers))
     fpar = np.array([cap, host_cap, alpha], dtype=np.float64)
     ipar = np.array([min_steps, horizon, int(np.isfinite(slo).any()), int(compute_grows)], dtype=np.int64)
     return (counts, hosts_f, lay_ptr, lay, np.ascontiguousarray(blocks_h), fpar, ipar, seg_starts, seg_ends, seg_comp,
@@ -640,17 +655,8 @@ def greedy(x0, comp_total, counts, hosts_f, bcap, cap, k_of):
 
 @_jit
 def _memory1(k_of, counts, hosts_f, bcap):
-    n_layers = hosts_f.shape[1]
-    res = 0.0
-    for r in range(k_of.size):
-        res += bcap[r] * (n_layers - counts[k_of[r]])
-    bmax = 0.0
-    for layer in range(n_layers):
-        b = 0.0
-        for r in range(k_of.size):
-            b += bcap[r] * hosts_f[k_of[r], layer]
-        bmax = max(bmax, b)
-    return res + bmax
+    buf = np.empty(hosts_f.shape[1])
+    return _memory_parts(k_of, counts, hosts_f, bcap, buf) + buf.max()
 
 
 @_jit
@@ -669,13 +675,13 @@ CURSOR, SINCE, EVALS = range(3)
 
 
 @_jit
-def move(k_of, m, out, order, counts, hosts_f, bcap, cap):
+def move(k_of, m, out, order, counts, hosts_f, bcap, cap, buf):
     """Local move ``m`` of an assignment into ``out``; False when it does not apply. Moves ``r * K + k``: request
     ``r`` to candidate ``k != k_of[r]``, and when that breaks the capacity equation (at one slot, step
     ``min_steps - 1``: ``bcap``), the other requests made denser one candidate at a time, in ``order`` (lowest
     transfer-to-compute ratio first: their transfers hide best), each as far as needed before the next; then
     ``R * K + r * R + q``: ``r`` one candidate denser and ``q`` (``!= r``) one sparser (trading memory between
-    two requests)."""
+    two requests). ``buf`` (L) is scratch."""
     n_req, n_cand = k_of.size, counts.size
     out[:] = k_of
     if m < n_req * n_cand:
@@ -683,12 +689,14 @@ def move(k_of, m, out, order, counts, hosts_f, bcap, cap):
         if k == k_of[r]:
             return False
         out[r] = k
+        res = _memory_parts(out, counts, hosts_f, bcap, buf)
         for q in order:
-            if _memory1(out, counts, hosts_f, bcap) <= cap:
-                return True
-            while q != r and out[q] < n_cand - 1 and _memory1(out, counts, hosts_f, bcap) > cap:
+            while q != r and out[q] < n_cand - 1 and res + buf.max() > cap:
+                # q one candidate denser: its resident layers and its buffer share change, integer sums
+                res -= bcap[q] * (counts[out[q] + 1] - counts[out[q]])
+                buf += bcap[q] * (hosts_f[out[q] + 1] - hosts_f[out[q]])
                 out[q] += 1
-        return _memory1(out, counts, hosts_f, bcap) <= cap
+        return res + buf.max() <= cap
     p = m - n_req * n_cand
     r, q = p // n_req, p % n_req
     if q == r or k_of[r] + 1 >= n_cand or k_of[q] < 1:
@@ -696,6 +704,20 @@ def move(k_of, m, out, order, counts, hosts_f, bcap, cap):
     out[r] = k_of[r] + 1
     out[q] = k_of[q] - 1
     return True
+
+
+@_jit
+def _memory_parts(k_of, counts, hosts_f, bcap, buf):
+    """The capacity equation at one slot of ``k_of``: returns the resident blocks, the buffer per layer in
+    ``buf`` (integer sums: exact in any order)."""
+    n_layers = hosts_f.shape[1]
+    res = 0.0
+    buf[:] = 0.0
+    for r in range(k_of.size):
+        res += bcap[r] * (n_layers - counts[k_of[r]])
+        for layer in range(n_layers):
+            buf[layer] += bcap[r] * hosts_f[k_of[r], layer]
+    return res
 
 
 @_jit
@@ -714,7 +736,7 @@ def improve(k_of, ist, fst, max_evals, stop_evals, b0, comp_total, x0, feas, can
         m = ist[CURSOR]
         ist[CURSOR] = (m + 1) % n_moves
         ist[SINCE] += 1
-        if not move(k_of, m, cand, order, feas[0], feas[1], bcap, cap):
+        if not move(k_of, m, cand, order, feas[0], feas[1], bcap, cap, feas[15][6]):
             continue
         ist[EVALS] += 1
         if try_assignment(cand, 0.0, fst, b0, comp_total, x0, feas):

@@ -16,7 +16,8 @@ The latency bound of a child is the largest of
   that transfer after layer ``l'-1`` ends: ``W(l) + sum_{k>=l} comp_k + sum_{l'>l} P(l')`` with ``P(l')``
   the transfer seconds of back-to-back host layers at ``l'``;
 * forced volume: the unassigned requests must together offload at least ``y`` blocks for capacity to hold,
-  so the link moves at least ``W(L-1) + y / rate`` before the last host layer runs (``+ min comp``);
+  so the link moves at least ``W(L-1)`` plus the cheapest fractional cover of ``y``
+  (:func:`orbitflow.plan.bounds.cover_cost`) before the last host layer runs (``+ min comp``);
 * chain: each request's own transfers are serialised with its compute (single buffer slot);
 * separable window bounds (:func:`orbitflow.plan.bounds.separable_tables`): for each tiling of the layers
   into windows, a sum of per-request terms; the assigned requests count exactly, the unassigned ones as the
@@ -45,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from orbitflow.plan import compiled as cc
-from orbitflow.plan.bounds import SeparableTables, count_matrix, dp_bound, separable_tables
+from orbitflow.plan.bounds import SeparableTables, count_matrix, cover_cost, cover_tables, dp_bound, separable_tables
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
@@ -220,6 +221,7 @@ class BranchAndBound:
         self.sep_off = self.comp_total - sep.between @ cum
         ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
         self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
+        self.cover = cover_tables(o, self.bcap, self.x0, self.n_layers)
         # per-request chain stall lower bound of each candidate
         gaps = cum[tables.gap_last] - cum[tables.gap_first]
         gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
@@ -380,7 +382,7 @@ class BranchAndBound:
         new_vol = vol[None, :] + x * self.cumh[:n_kids]
         new_after = after[None, :] + x * self.pairs_after[:n_kids]
         lat_lb = (new_vol + self.suffix_comp + new_after).max(axis=1)
-        forced = new_vol[:, -1] + ymin * (self.ratio_suffix[depth + 1] / self.link)
+        forced = new_vol[:, -1] + cover_cost(ymin, self.cover, depth + 1)
         lat_lb = np.maximum(lat_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
         # separable window bounds: assigned requests exactly, the rest as their cheapest fractional offload
         kid_sep = sep[:, None] + x * self.sep_n[:, :n_kids]
@@ -438,7 +440,8 @@ class BranchAndBound:
         ``PAUSE_EVERY`` nodes when there is a deadline."""
         ist, fst = self._compiled_state()
         best_k = np.zeros(self.n_req, dtype=np.int64)
-        args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (self._feas(), best_k)
+        args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (self._feas(), best_k,
+                                                                                      tuple(self.cover))
         nodes0 = self.nodes
         while cc.bb_search(*args) == cc.PAUSED:
             if time.perf_counter() > self.deadline:
@@ -580,6 +583,7 @@ class BranchAndBound:
         ist = np.zeros(3, dtype=np.int64)
         k_of, cand = self.best_k.copy(), np.empty(self.n_req, dtype=np.int64)
         order = np.argsort(self.x0, kind="stable")  # transfer-to-compute ratio, as the greedy's
+        buf = np.empty(self.n_layers)
         if self.compiled:
             fst = np.array([*self.best_key], dtype=float)
             while not (self.improve_deadline is not None and time.perf_counter() > self.improve_deadline):
@@ -597,7 +601,7 @@ class BranchAndBound:
                     break
                 m = int(ist[cc.CURSOR])
                 ist[cc.CURSOR], ist[cc.SINCE] = (m + 1) % n_moves, ist[cc.SINCE] + 1
-                if cc.move(k_of, m, cand, order, self.counts, self.hosts_f, self.bcap, self.cap):
+                if cc.move(k_of, m, cand, order, self.counts, self.hosts_f, self.bcap, self.cap, buf):
                     ist[cc.EVALS] += 1
                     if self._try(cand.tolist()):
                         k_of[:], ist[cc.SINCE] = cand, 0
