@@ -54,6 +54,7 @@ from orbitflow.plan.types import REL_TOL, PlanStats, better
 
 PAUSE_EVERY = 32  # compiled search: nodes between deadline checks
 IMPROVE_CHUNK = 16  # compiled local improvement: evaluations between deadline checks
+BIG_SPACE = 10**6  # assignments of the pruned space above which an exact search polishes its first incumbent
 IMPROVE_SHARE = 0.2  # of the time left when a search with a deadline starts: kept for the local improvement
 
 
@@ -236,6 +237,8 @@ class BranchAndBound:
             return self.best_host
         if not self.first_only:
             self._seed_incumbents()
+            if self.node_limit is None and len(self.counts) ** self.n_req > BIG_SPACE:
+                self._improve()  # a long search without a node budget: a better incumbent first prunes more of it
         self.dive_start = self.nodes  # the no-offload try and the seeds do not eat into the first dive's allowance
         if self.compiled and self.trace is None:
             self._search_compiled()
