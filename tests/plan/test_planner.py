@@ -502,7 +502,8 @@ def test_search_is_exact_vs_brute_force_at_prefetch_depth_two(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_local_improvement_never_returns_an_infeasible_or_worse_plan(seed, impl):
     """A search cut short polishes its incumbent: the plan is feasible (checked again from scratch), never slower
-    than without the polish, never faster than the optimum (brute force); an exact search skips it."""
+    than without the polish, never faster than the optimum (brute force); an exact search over a small space
+    skips it."""
     rng = np.random.default_rng(700 + seed)
     polished = 0
     for _ in range(12):

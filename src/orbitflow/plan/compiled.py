@@ -1,4 +1,5 @@
-"""Compiled kernels of the planner: the executor's EDF schedule and the branch and bound's inner loop.
+"""Compiled kernels of the planner: the executor's EDF schedule, the branch and bound's inner loop, the window
+rule of one assignment (:func:`leaf_feasible`), the first incumbents and their local improvement.
 
 Compiled with numba (nopython, ``nogil``, ``cache=True``), so a solve on the planner thread does not hold the
 GIL while it searches and the engine's step loop keeps running beside it. Every function takes float64 / int64

@@ -30,6 +30,14 @@ propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`, vectorise
 those that survive it are run through the exact schedule (stopped part-way once slower than the incumbent)
 and the window rule. Nodes are expanded depth first, cheapest bound first.
 
+Incumbents: before the search, the hint (the previous plan), the greedy by transfer-to-compute ratio and the
+sparsest uniform distance that fits. Local improvement (:meth:`BranchAndBound._improve`, compiled
+:func:`orbitflow.plan.compiled.improve`: one request to any candidate, the others made denser to keep
+capacity, or two requests one candidate each in opposite directions; an improving feasible move is taken at
+once) polishes the incumbent of a search that was cut short, in a share (``IMPROVE_SHARE``) of the time left
+kept for it, and the first incumbent of a search without a node budget over a big space. It only ever
+replaces the incumbent by a strictly better feasible plan, so no proven optimum changes.
+
 Budgets (node count, deadline) stop the search with the incumbent; the least bound among the children left
 unexplored then certifies its gap.
 Identical requests (same sizes over the window, deposit and SLO) are interchangeable, so their offload
