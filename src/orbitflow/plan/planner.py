@@ -373,4 +373,9 @@ def warm_up() -> None:
     model = CostModel([1e-3] * 4, link_blocks_per_s=1e3)
     requests = [PlanRequest("a", 8, 120, 40, 0.0, 6e-3), PlanRequest("b", 4, 60, 40, 0.0, 6e-3)]
     Planner(model, capacity_blocks=30, window=(1, 4)).plan(requests)
+    # a search cut by its budget: the local improvement's kernels
+    model = CostModel([1e-3] * 8, link_blocks_per_s=8e3)
+    requests = [PlanRequest("a", 8, 120, 40, 0.0, 2e-2), PlanRequest("b", 4, 60, 40, 0.0, 2e-2),
+                PlanRequest("c", 6, 90, 40, 0.0, 2e-2)]
+    Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1).plan(requests)
     _warm = True
