@@ -289,8 +289,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            last, f_scratch, cover):
-    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), sorted cheapest first."""
+            last, f_scratch, cover, lat_key):
+    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key``."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
     # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
@@ -326,7 +326,10 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             val = (vol[d, layer] + x * cumh[k, layer]) + suffix_comp[layer] + new_after
             if val > lat:
                 lat = val
-        forced = (vol[d, n_layers - 1] + x * cumh[k, n_layers - 1]) + _cover_cost(ymin, cover, d + 1)
+        vol_last = vol[d, n_layers - 1] + x * cumh[k, n_layers - 1]
+        forced = vol_last + ymin * (rs / link)  # the order's key (BranchAndBound._bound_children)
+        key = max(lat, forced + comp_min if forced > 0 else 0.0)
+        forced = vol_last + _cover_cost(ymin, cover, d + 1)
         lat = max(lat, forced + comp_min if forced > 0 else 0.0)
         sep_lb = -math.inf
         u = min(ymin * rs / rb0, n_layers) if rb0 > 0 else 0.0
@@ -343,6 +346,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 sep_lb = val
         kid_chain = max(comp_total + chain[r, k], chain_lb[d])
         lat_lb[d, k] = max(max(lat, kid_chain), sep_lb)
+        lat_key[d, k] = max(max(key, kid_chain), sep_lb)
         kid_moved[d, k] = moved[d] + b0[r] * counts[k]
     if last:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
         for k in range(n_kids):
@@ -360,13 +364,15 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 f[layer] = max(s, cand) + comp0[layer]
             if f[n_layers - 1] > lat_lb[d, k]:
                 lat_lb[d, k] = f[n_layers - 1]
-    # stable order by (bound, offload count); counts increase with k
+            if f[n_layers - 1] > lat_key[d, k]:
+                lat_key[d, k] = f[n_layers - 1]
+    # stable order by (key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
     for i in range(1, n_kids):
         k = ordk[d, i]
         j = i - 1
-        while j >= 0 and lat_lb[d, ordk[d, j]] > lat_lb[d, k]:
+        while j >= 0 and lat_key[d, ordk[d, j]] > lat_key[d, k]:
             ordk[d, j + 1] = ordk[d, j]
             j -= 1
         ordk[d, j + 1] = k
@@ -378,7 +384,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
               slo_on, dep, slo, alpha, d_lo, d_hi,
-              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover):
+              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -409,7 +415,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, d == n_req - 1, f_scratch, cover)
+                    cap, d == n_req - 1, f_scratch, cover, lat_key)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue

@@ -60,10 +60,21 @@ from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
 from orbitflow.plan.types import REL_TOL, PlanStats, better
 
-PAUSE_EVERY = 32  # compiled search: nodes between deadline checks
-IMPROVE_CHUNK = 16  # compiled local improvement: evaluations between deadline checks
+PAUSE_S = 1e-4  # compiled kernels under a deadline: seconds of work between deadline checks (about)
+PAUSE_EVERY = 256  # ... and at most this many nodes / evaluations
 BIG_SPACE = 10**6  # assignments of the pruned space above which an exact search polishes its first incumbent
 IMPROVE_SHARE = 0.2  # of the time left when a search with a deadline starts: kept for the local improvement
+
+
+def paced_chunk(now: float, since: float, units: int, deadline: float) -> int:
+    """Units of work (search nodes, evaluations) to run before the next deadline check: about ``PAUSE_S`` seconds
+    at the cost per unit of the last chunk (``units`` done since ``since``), not past the deadline by more than
+    one unit; at least 1, at most ``PAUSE_EVERY``. A node's cost varies a hundredfold with R and L, so a fixed
+    count would overshoot a 1 ms budget at (16, 80) or check the clock every few microseconds at (4, 32)."""
+    per = (now - since) / max(units, 1)
+    if per <= 0:
+        return PAUSE_EVERY
+    return int(max(1, min(PAUSE_EVERY, PAUSE_S / per, max(deadline - now, 0.0) / per + 1)))
 
 
 def prunable(lb: float, moved_lb: float, best: tuple[float, float], gap: float = 0.0) -> bool:
@@ -137,6 +148,7 @@ class _Children(NamedTuple):
     x: float  # seconds to move one layer of the next request
     alive: np.ndarray  # can fit the capacity equation
     lat_lb: np.ndarray  # lower bound on the step-0 latency of every completion
+    key: np.ndarray  # the visiting order (cheapest first): a weaker bound (see _bound_children)
     res: np.ndarray  # resident blocks of the assigned requests
     buf: np.ndarray  # [k, L] buffer blocks per layer of the assigned requests
     vol: np.ndarray  # [k, L] link bound terms (see the module docstring)
@@ -392,9 +404,13 @@ class BranchAndBound:
         x = self.x0[r]
         new_vol = vol[None, :] + x * self.cumh[:n_kids]
         new_after = after[None, :] + x * self.pairs_after[:n_kids]
-        lat_lb = (new_vol + self.suffix_comp + new_after).max(axis=1)
+        link_lb = (new_vol + self.suffix_comp + new_after).max(axis=1)
         forced = new_vol[:, -1] + cover_cost(ymin, self.cover, depth + 1)
-        lat_lb = np.maximum(lat_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
+        lat_lb = np.maximum(link_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
+        # the visiting order's key: the same bound with the forced volume at the least rate (not the cover): ordered
+        # by the cover, first dives went to children that leave little to offload to the rest and ended worse
+        forced = new_vol[:, -1] + ymin * (self.ratio_suffix[depth + 1] / self.link)
+        key = np.maximum(link_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
         # separable window bounds: assigned requests exactly, the rest as their cheapest fractional offload
         kid_sep = sep[:, None] + x * self.sep_n[:, :n_kids]
         rest_b0 = float(self.rest_b0[depth + 1])
@@ -408,8 +424,9 @@ class BranchAndBound:
         kid_chain = np.maximum(self.comp_total + self.chain[r, :n_kids], chain_lb)
         if self.edf:
             lat_lb = np.maximum(np.maximum(lat_lb, kid_chain), sep_lb)
+            key = np.maximum(np.maximum(key, kid_chain), sep_lb)
         else:  # the bounds are proven for the executor's schedule only
-            lat_lb = np.full(n_kids, self.comp_total)
+            lat_lb = key = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * self.counts[:n_kids]
         if self.edf and depth == self.n_req - 1:
             # leaves: the propagated release/need bound (bounds.dp_bound) before the exact schedule; above the
@@ -419,13 +436,14 @@ class BranchAndBound:
             if keep.size:
                 dp = dp_bound(v[None] + x * self.mats[keep], self.comp0)
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp)
-        return _Children(x, alive, lat_lb, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
+                key[keep] = np.maximum(key[keep], dp)
+        return _Children(x, alive, lat_lb, key, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
 
     def _visit(self, depth: int, kids: _Children, v: np.ndarray) -> None:
         """Visit the surviving children, cheapest bound first (ties: fewer offloaded layers)."""
         last = depth == self.n_req - 1
         lat_lb, alive = kids.lat_lb, kids.alive
-        ordered = np.lexsort((self.counts[: lat_lb.size], lat_lb))
+        ordered = np.lexsort((self.counts[: lat_lb.size], kids.key))
         for i, k in enumerate(ordered):
             if not alive[k]:
                 continue
@@ -447,17 +465,20 @@ class BranchAndBound:
 
     def _search_compiled(self) -> None:
         """The search of :meth:`_node`, run by :func:`orbitflow.plan.compiled.bb_search` (no GIL, no Python
-        object per node, leaves checked against the window rule there too). It hands back control every
-        ``PAUSE_EVERY`` nodes when there is a deadline."""
+        object per node, leaves checked against the window rule there too). With a deadline it hands back
+        control every :func:`paced_chunk` nodes."""
         ist, fst = self._compiled_state()
         best_k = np.zeros(self.n_req, dtype=np.int64)
-        args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (self._feas(), best_k,
-                                                                                      tuple(self.cover))
+        args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
+            self._feas(), best_k, tuple(self.cover), np.zeros((self.n_req, len(self.counts))))
         nodes0 = self.nodes
+        since, done = time.perf_counter(), self.nodes
         while cc.bb_search(*args) == cc.PAUSED:
-            if time.perf_counter() > self.deadline:
+            now, nodes = time.perf_counter(), int(ist[cc.NODES])
+            if now > self.deadline:
                 ist[cc.TIMED_OUT] = 1
-            ist[cc.CHUNK_STOP] = int(ist[cc.NODES]) + PAUSE_EVERY
+            ist[cc.CHUNK_STOP] = nodes + paced_chunk(now, since, nodes - done, self.deadline)
+            since, done = now, nodes
         if (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])) != self.best_key:
             self._set_best(best_k, (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])))
         leaves = int(ist[cc.LEAVES])
@@ -597,11 +618,16 @@ class BranchAndBound:
         buf = np.empty(self.n_layers)
         if self.compiled:
             fst = np.array([*self.best_key], dtype=float)
-            while not (self.improve_deadline is not None and time.perf_counter() > self.improve_deadline):
-                stop = int(ist[cc.EVALS]) + IMPROVE_CHUNK
+            end, since, chunk = self.improve_deadline, time.perf_counter(), 1
+            while end is None or time.perf_counter() <= end:
+                evals = int(ist[cc.EVALS])
+                stop = self.improve_evals if end is None else evals + chunk
                 if cc.improve(k_of, ist, fst, self.improve_evals, stop, self.b0, self.comp_total, self.x0,
                               self._feas(), cand, order, self.bcap, self.cap):
                     break
+                if end is not None:
+                    now = time.perf_counter()
+                    chunk, since = paced_chunk(now, since, int(ist[cc.EVALS]) - evals, end), now
             if (float(fst[0]), float(fst[1])) != self.best_key:
                 self._set_best(k_of, (float(fst[0]), float(fst[1])))
         else:
