@@ -180,8 +180,10 @@ class BranchAndBound:
         self.node_limit = node_limit  # None: unlimited
         self.deadline = deadline  # time.perf_counter() value after which the search stops
         self.improve_deadline = deadline  # ... and the local improvement of its incumbent, when it was cut
+        self.improve_s = 0.0  # the improvement's share of the budget, which it gets even past the deadline
         if deadline is not None and improve_evals > 0 and not first_only:  # keep a share for the improvement
-            self.deadline = deadline - IMPROVE_SHARE * max(0.0, deadline - time.perf_counter())
+            self.improve_s = IMPROVE_SHARE * max(0.0, deadline - time.perf_counter())
+            self.deadline = deadline - self.improve_s
         self.nodes = 0
         self.n_layers = rules.num_layers
         self.tables = tables = candidate_tables(self.n_layers)
@@ -608,8 +610,8 @@ class BranchAndBound:
     def _improve(self) -> None:
         """Local improvement of the incumbent before the search (:func:`orbitflow.plan.compiled.improve`; the
         reference runs the same moves through :meth:`_try`): at most ``improve_evals`` exact evaluations,
-        stopped at the deadline. It only ever replaces the incumbent by a strictly better feasible plan; it runs
-        after a search that was cut short (an exact search needs no polish)."""
+        stopped at the deadline but given its share of the budget (``improve_s``) even past it. It only ever
+        replaces the incumbent by a strictly better feasible plan."""
         if self.best_k is None or self.improve_evals <= 0:
             return
         ist = np.zeros(3, dtype=np.int64)
@@ -619,6 +621,8 @@ class BranchAndBound:
         if self.compiled:
             fst = np.array([*self.best_key], dtype=float)
             end, since, chunk = self.improve_deadline, time.perf_counter(), 1
+            if end is not None:  # a first dive past the deadline (or a busy machine) does not take the share
+                end = max(end, since + self.improve_s)
             while end is None or time.perf_counter() <= end:
                 evals = int(ist[cc.EVALS])
                 stop = self.improve_evals if end is None else evals + chunk
@@ -633,8 +637,10 @@ class BranchAndBound:
         else:
             n_cand = len(self.counts)
             n_moves = self.n_req * (n_cand + self.n_req)
+            end = None if self.improve_deadline is None else max(self.improve_deadline,
+                                                                 time.perf_counter() + self.improve_s)
             while ist[cc.SINCE] < n_moves and ist[cc.EVALS] < self.improve_evals:
-                if self.improve_deadline is not None and time.perf_counter() > self.improve_deadline:
+                if end is not None and time.perf_counter() > end:
                     break
                 m = int(ist[cc.CURSOR])
                 ist[cc.CURSOR], ist[cc.SINCE] = (m + 1) % n_moves, ist[cc.SINCE] + 1
