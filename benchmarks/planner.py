@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -62,8 +63,24 @@ IMPLS = {"compiled": True, "reference": False}
 EXACT = {"node_limit": None, "check_better": False}  # the optimisation proven (expiry checks are extra searches)
 
 
-def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: float, out: list[str]) -> None:
-    """Exact and budgeted solves, compiled vs the pure Python / NumPy reference, interleaved per batch."""
+def _budget_vs_baseline(size: str, got: list[float], baseline: dict | None) -> str:
+    """The table cell comparing the compiled budgeted plans' latencies with a baseline run's (``--compare-budget``)
+    on the same batches: how many are worse (by more than 1e-9 relative) and how many better."""
+    if baseline is None:
+        return ""
+    old = baseline.get(size)
+    if old is None or len(old) != len(got):
+        return " n/a |"
+    worse = sum(new > o * (1 + 1e-9) for new, o in zip(got, old))
+    better = sum(new < o * (1 - 1e-9) for new, o in zip(got, old))
+    return f" {worse} worse, {better} better |"
+
+
+def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: float, out: list[str],
+                baseline: dict | None = None, dump: dict | None = None) -> None:
+    """Exact and budgeted solves, compiled vs the pure Python / NumPy reference, interleaved per batch.
+    ``baseline``: budgeted latencies per size of another run (``--compare-budget``); ``dump``: filled with this
+    run's (``--dump-budget``)."""
     out.append(f"\n### Solve time per plan() call: compiled vs reference\n\n"
                f"space=pruned, window=(4, 16), alpha=1. exact: `node_limit=None, check_better=False` (the optimum "
                f"proven), stopped at `time_limit_s={exact_cap_s:g}` (then counted in 'exact unproven' and its time "
@@ -73,19 +90,22 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                f"perf_counter; cpu: the solving thread's CPU time (what a quiet machine's wall time would be). "
                f"excess: predicted step latency of the budgeted plan over the exact optimum; same opt: the "
                f"compiled and reference exact plans have the same predicted latency (batches where both proved a "
-               f"feasible optimum; the excess, too, only counts batches with a proven optimum: n/a where none).\n")
+               f"feasible optimum; the excess, too, only counts batches with a proven optimum: n/a where none)."
+               + (f" vs baseline: the compiled budgeted plan's predicted latency against the baseline run's "
+                  f"(`--compare-budget`, {baseline.get('source', '?')}) on the same batches (infeasible: infinite)."
+                  if baseline is not None else "") + "\n")
     out.append("| R | L | batches | impl | exact p50 ms | exact p99 ms | exact p99 cpu ms | exact unproven | "
                "budget p50 ms | budget p99 ms | budget p99 cpu ms | excess mean | excess max | budget unproven | "
-               "same opt |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+               "same opt |" + (" vs baseline |" if baseline is not None else ""))
+    out.append("|---" * (16 if baseline is not None else 15) + "|")
     for n_req, n_layers in sizes:  # load the compiled code (numba's on-disk cache) before timing
         _solve(*random_instance(np.random.default_rng(seed), n_req, n_layers), compiled=True, time_limit_s=0.05)
     for n_req, n_layers in sizes:
         rng = np.random.default_rng(seed + 1000 * n_req + n_layers)
         n_calls = calls if n_layers < 80 else max(3, calls // 10)
         cases = [random_instance(rng, n_req, n_layers) for _ in range(n_calls)]
-        rec = {name: {"ew": [], "ec": [], "bw": [], "bc": [], "opt": [], "excess": [], "lost": 0, "cut": 0, "open": 0}
-               for name in IMPLS}
+        rec = {name: {"ew": [], "ec": [], "bw": [], "bc": [], "opt": [], "excess": [], "lost": 0, "cut": 0, "open": 0,
+                      "lat": []} for name in IMPLS}
         for i, (cm, cap, reqs) in enumerate(tqdm(cases, desc=f"R={n_req} L={n_layers}", leave=False)):
             names = list(IMPLS) if i % 2 == 0 else list(IMPLS)[::-1]
             for name in names:
@@ -100,6 +120,7 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                 r["bw"].append(w)
                 r["bc"].append(c)
                 r["cut"] += not b.stats.exact
+                r["lat"].append(b.predicted_step_s if b.feasible else float("inf"))
                 if b.feasible and opt is not None:
                     r["excess"].append(b.predicted_step_s / opt - 1)
                 elif opt is not None:
@@ -107,7 +128,12 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
         both = [(a, b) for a, b in zip(rec["compiled"]["opt"], rec["reference"]["opt"])
                 if a is not None and b is not None]
         same = f"{sum(a == b for a, b in both)}/{len(both)}"
+        size = f"{n_req}x{n_layers}"
+        if dump is not None:
+            dump[size] = rec["compiled"]["lat"]
         for name, r in rec.items():
+            versus = _budget_vs_baseline(size, r["lat"], baseline) if name == "compiled" else (
+                " |" if baseline is not None else "")
             ex = r["excess"]
             lost = f" ({r['lost']} infeasible)" if r["lost"] else ""
             out.append(
@@ -116,7 +142,7 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                 f"{1e3 * pct(r['bw'], 50):.2f} | "
                 f"{1e3 * pct(r['bw'], 99):.2f} | {1e3 * pct(r['bc'], 99):.2f} | "
                 + (f"{100 * float(np.mean(ex)):.2f}% | {100 * max(ex):.2f}%{lost} | " if ex else f"n/a | n/a{lost} | ")
-                + f"{r['cut']}/{n_calls} | {same} |")
+                + f"{r['cut']}/{n_calls} | {same} |" + versus)
         print("\n".join(out[-2:]), flush=True)
 
 
@@ -417,6 +443,19 @@ def _machine() -> str:
             f"numpy {np.__version__}, numba {_numba_version()}; load average at the start {load:.1f}")
 
 
+def _source() -> str:
+    """The git commit of the planner this script imports (the baseline's name in --compare-budget)."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _numba_version() -> str:
     try:
         import numba
@@ -440,6 +479,12 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
     ap.add_argument("--model", default="smollm2-135m",
                     help="model of the engine section: a built-in name or an HF directory (default %(default)s)")
+    ap.add_argument("--sizes", default="4x32,8x32,16x80",
+                    help="(R)x(L) batch sizes of the speed section, comma-separated (default %(default)s)")
+    ap.add_argument("--dump-budget", metavar="JSON", help="speed: write the compiled budgeted plans' predicted "
+                    "latencies per size (to compare another version of the planner on the same batches)")
+    ap.add_argument("--compare-budget", metavar="JSON", help="speed: count the batches whose compiled budgeted plan "
+                    "is slower / faster than in this file (written by --dump-budget, same --seed and --calls)")
     ap.add_argument("--md", metavar="PATH", help="write the speed and engine tables as a Markdown fragment "
                     "(docs/results/planner.md)")
     args = ap.parse_args()
@@ -448,13 +493,29 @@ def main() -> None:
     if unknown:
         ap.error(f"--sections: unknown {sorted(unknown)}")
     calls = args.calls or (20 if args.quick else 300)
-    sizes = [(4, 32), (8, 32), (16, 80)]
+    try:
+        sizes = [tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",")]
+        if any(len(sz) != 2 or min(sz) < 1 for sz in sizes):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--sizes: expected RxL items like 4x32,16x80, got {args.sizes!r}")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     machine = _machine()
     print(f"orbitflow planner benchmark ({machine}, {'quick' if args.quick else 'full'} run)")
     out: list[str] = []
     if "speed" in sections:
-        bench_speed(sizes, calls, args.seed, args.budget_ms / 1e3, args.exact_cap_s, out)
+        baseline = None
+        if args.compare_budget:
+            with open(args.compare_budget) as f:
+                baseline = json.load(f)
+            if (baseline.get("seed"), baseline.get("calls")) != (args.seed, calls):
+                ap.error(f"--compare-budget: {args.compare_budget} has seed {baseline.get('seed')} and calls "
+                         f"{baseline.get('calls')}, this run {args.seed} and {calls}")
+        dump = {"seed": args.seed, "calls": calls, "source": _source()} if args.dump_budget else None
+        bench_speed(sizes, calls, args.seed, args.budget_ms / 1e3, args.exact_cap_s, out, baseline, dump)
+        if dump is not None:
+            with open(args.dump_budget, "w") as f:
+                json.dump(dump, f)
     if "engine" in sections:
         bench_engine(args.engine_rounds or (3 if args.quick else 12), 5, args.seed, args.torch_threads,
                      [(4, 32), (16, 80)], out, model=args.model)

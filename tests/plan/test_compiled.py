@@ -8,6 +8,8 @@ import pytest
 from orbitflow.plan import CostModel, Planner, PlanRequest
 from orbitflow.plan import compiled as cc
 from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.plan.search import BranchAndBound
+from orbitflow.plan.types import PlanStats
 
 needs_numba = pytest.mark.skipif(not cc.HAVE_NUMBA, reason="numba is not installed")
 
@@ -129,7 +131,7 @@ def test_compiled_and_reference_planners_give_identical_plans():
         assert got.predicted_step_s == ref.predicted_step_s  # bit for bit
         assert (got.window, got.expiry_step, got.violations) == (ref.window, ref.expiry_step, ref.violations)
         assert got.step_latencies_s == ref.step_latencies_s
-        for key in ("nodes", "leaves", "exact", "gap", "lower_bound_s"):
+        for key in ("nodes", "leaves", "improve_evals", "exact", "gap", "lower_bound_s"):
             assert getattr(got.stats, key) == getattr(ref.stats, key), key
         cut += not ref.stats.exact
     assert cut > 0  # some searches ran out of nodes, and stopped at the same node
@@ -205,3 +207,41 @@ def test_jitted_twins_of_the_fluid_deposit_model_and_the_plan_order_agree():
             key = (float(rng.choice([1.0, 1.0 + 1e-13, 2.0])), float(rng.integers(0, 3)))
             best = (float(rng.choice([1.0, math.inf])), float(rng.integers(0, 3)))
             assert cc._better(*key, *best) == better(key, best)
+
+
+def _search_of(cm, cap, reqs, compiled, **kwargs):
+    pl = Planner(cm, cap, compiled=compiled, **kwargs)
+    win = pl.constraints.horizon(reqs)
+    return pl, win, BranchAndBound(pl.constraints, win, PlanStats())
+
+
+@needs_numba
+def test_jitted_window_rule_is_constraints_feasible():
+    """compiled.leaf_feasible / steps_that_fit (the leaves' and the local improvement's check) answer as
+    Constraints.feasible / steps_that_fit for random assignments, latencies and later-step bounds."""
+    rng = np.random.default_rng(5)
+    answers = set()
+    for _ in range(40):
+        cm, cap, reqs = _planner_case(rng)
+        kwargs = dict(alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(int(rng.integers(1, 5)), 16))
+        pl, win, bb = _search_of(cm, cap, reqs, True, **kwargs)
+        rules = pl.constraints
+        for _ in range(10):
+            k_of = rng.integers(0, len(bb.counts), len(reqs))
+            host = bb.hosts[k_of]
+            assert cc.steps_that_fit(k_of, bb._feas()) == rules.steps_that_fit(win, host)
+            lat0 = rules.seg_latencies(win, host, upto=1)[0] * float(rng.choice([1.0, 0.7, 1.3]))
+            lb = float(rng.choice([0.0, lat0 * rng.uniform(0.5, 1.0)]))
+            want = rules.feasible(win, host, lat0, later_lb=lb)
+            assert cc.leaf_feasible(k_of, lat0, lb, bb._feas()) == want
+            answers.add(want)
+    assert answers == {True, False}
+
+
+@needs_numba
+def test_jitted_greedy_is_the_reference():
+    rng = np.random.default_rng(6)
+    for _ in range(40):
+        cm, cap, reqs = _planner_case(rng)
+        got = _search_of(cm, cap, reqs, True)[2]._greedy()
+        assert got == _search_of(cm, cap, reqs, False)[2]._greedy()

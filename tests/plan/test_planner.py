@@ -497,3 +497,32 @@ def test_search_is_exact_vs_brute_force_at_prefetch_depth_two(seed):
             b = [r.blocks_per_layer for r in reqs]
             assert got.memory_blocks == pytest.approx(got.placement.memory_blocks(b, slots=2))
             assert got.memory_blocks <= cap + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_local_improvement_never_returns_an_infeasible_or_worse_plan(seed, impl):
+    """A search cut short polishes its incumbent: the plan is feasible (checked again from scratch), never slower
+    than without the polish, never faster than the optimum (brute force); an exact search over a small space
+    skips it."""
+    rng = np.random.default_rng(700 + seed)
+    polished = 0
+    for _ in range(12):
+        n_req = int(rng.integers(2, 5))
+        n_layers = int(rng.integers(4, 13)) if n_req <= 3 else int(rng.integers(4, 9))
+        cm, cap, reqs = random_case(rng, n_req, n_layers)
+        kwargs = dict(window=(2, 10), check_better=False, node_limit=int(rng.integers(1, 4)))
+        pl = Planner(cm, cap, **kwargs)
+        got = pl.plan(reqs)
+        plain = Planner(cm, cap, improve_evals=0, **kwargs).plan(reqs)
+        best = brute_force(pl, reqs, n_layers)
+        assert got.feasible or not plain.feasible
+        if not got.feasible:
+            continue
+        again = pl.evaluate(got.placement, reqs)
+        assert again.feasible and again.predicted_step_s == got.predicted_step_s
+        assert best is not None and got.predicted_step_s >= best * (1 - 1e-9)
+        assert got.predicted_step_s <= plain.predicted_step_s * (1 + 1e-12)
+        if got.stats.exact:
+            assert got.stats.improve_evals == 0
+        polished += got.stats.improve_evals > 0 and got.predicted_step_s < plain.predicted_step_s
+    assert polished > 0  # the polish found something in some case

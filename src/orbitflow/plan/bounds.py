@@ -20,6 +20,10 @@ so a partial assignment (unassigned requests offload nothing) bounds all its com
   bounds the total stall by a sum of per-request terms, so requests not assigned yet can be bounded by a
   convex relaxation of their choices (:func:`separable_tables`).
 * The release/need recursion (:func:`dp_bound`) propagates the link constraints from layer to layer.
+* Forced cover (:func:`cover_tables`, :func:`cover_cost`). When capacity forces the requests not assigned yet
+  to offload at least ``y`` blocks, the link moves at least the cheapest fractional cover of ``y``: each
+  offloaded layer of request ``r`` frees ``b_r`` blocks and costs ``xfer_r`` seconds, at most ``L`` layers each,
+  so the least link time is the fractional knapsack cover, requests taken in increasing ``xfer_r / b_r``.
 """
 
 from __future__ import annotations
@@ -144,3 +148,45 @@ def _lower_hull(xs: np.ndarray, ys: np.ndarray) -> list[tuple[float, float]]:
     if len(pts) == 1:
         return [(0.0, pts[0][1])]
     return [((y2 - y1) / (x2 - x1), y1 - (y2 - y1) / (x2 - x1) * x1) for (x1, y1), (x2, y2) in zip(pts, pts[1:])]
+
+
+# -- forced cover (unassigned requests that must offload) --------------------------------------------------
+class CoverTables(NamedTuple):
+    """Per search depth ``e`` (requests ``order[e:]`` not assigned), the fractional cover in increasing cost per
+    block: ``cap[e, j]`` blocks and ``cost[e, j]`` seconds of the first ``j`` requests (all ``L`` layers each),
+    ``rate[e, j]`` the seconds per block of the ``j``-th, ``size[e]`` how many requests can free blocks."""
+
+    cap: np.ndarray  # [R+1, R+1]
+    cost: np.ndarray  # [R+1, R+1]
+    rate: np.ndarray  # [R+1, R]
+    size: np.ndarray  # [R+1] int64
+
+
+def cover_tables(order: list[int], blocks: np.ndarray, xfer: np.ndarray, n_layers: int) -> CoverTables:
+    """The tables of :func:`cover_cost` for requests assigned in ``order``, ``blocks[r]`` blocks per layer freed
+    by offloading one layer of ``r``, ``xfer[r]`` seconds to move it."""
+    n_req = len(order)
+    cap, cost = np.zeros((n_req + 1, n_req + 1)), np.zeros((n_req + 1, n_req + 1))
+    rate, size = np.zeros((n_req + 1, max(n_req, 1))), np.zeros(n_req + 1, dtype=np.int64)
+    for e in range(n_req + 1):
+        rest = [r for r in order[e:] if blocks[r] > 0]
+        rest.sort(key=lambda r: xfer[r] / blocks[r])
+        size[e] = len(rest)
+        for j, r in enumerate(rest):
+            rate[e, j] = xfer[r] / blocks[r]
+            cap[e, j + 1] = cap[e, j] + blocks[r] * n_layers
+            cost[e, j + 1] = cost[e, j] + xfer[r] * n_layers
+    return CoverTables(cap, cost, rate, size)
+
+
+def cover_cost(y: np.ndarray, tables: CoverTables, e: int) -> np.ndarray:
+    """Least link seconds for the requests ``order[e:]`` to offload ``y`` blocks (per entry of ``y``), as a
+    fractional cover: a lower bound on what any assignment of them that frees ``y`` blocks moves. Past what
+    they can free it stays at the cost of freeing everything (no assignment exists then)."""
+    n = int(tables.size[e])
+    y = np.asarray(y, dtype=float)
+    j = np.searchsorted(tables.cap[e, 1 : n + 1], y, side="left")
+    full = j >= n
+    jj = np.minimum(j, max(n - 1, 0))
+    part = tables.cost[e, jj] + (y - tables.cap[e, jj]) * tables.rate[e, jj]
+    return np.where(y <= 0, 0.0, np.where(full, tables.cost[e, n], part))

@@ -1,4 +1,5 @@
-"""Compiled kernels of the planner: the executor's EDF schedule and the branch and bound's inner loop.
+"""Compiled kernels of the planner: the executor's EDF schedule, the branch and bound's inner loop, the window
+rule of one assignment (:func:`leaf_feasible`), the first incumbents and their local improvement.
 
 Compiled with numba (nopython, ``nogil``, ``cache=True``), so a solve on the planner thread does not hold the
 GIL while it searches and the engine's step loop keeps running beside it. Every function takes float64 / int64
@@ -187,11 +188,11 @@ def step_stall(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.nd
 DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT = range(11)
 N_IST = 11
 # float state (fst)
-BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, LEAF_LAT, LEAF_MOVED, LEAF_LB, GAP = range(9)
-N_FST = 9
+BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, GAP = range(6)
+N_FST = 6
 # phases and return codes
-ENTER, LOOP, AFTER_LEAF = 0, 1, 2
-FINISHED, LEAF, PAUSED = 0, 1, 2
+ENTER, LOOP = 0, 1
+FINISHED, PAUSED = 0, 2
 
 
 @_jit
@@ -249,6 +250,21 @@ def _lat_ok(lb, fst, slo_on, dep, slo, alpha, d_lo, d_hi):
 
 
 @_jit
+def _cover_cost(y, cover, e):
+    """Jitted twin of :func:`orbitflow.plan.bounds.cover_cost` for one ``y`` (``cover``: its tables as a tuple)."""
+    cov_cap, cov_cost, cov_rate, cov_size = cover
+    if y <= 0:
+        return 0.0
+    n = cov_size[e]
+    j = 0
+    while j < n and cov_cap[e, j + 1] < y:
+        j += 1
+    if j >= n:
+        return cov_cost[e, n]
+    return cov_cost[e, j] + (y - cov_cap[e, j]) * cov_rate[e, j]
+
+
+@_jit
 def _unwind(depth, pos, nk, ordk, alive, lat_lb, fst):
     """Budget spent: the least bound of the children left unexplored at every open level."""
     for d in range(depth, -1, -1):
@@ -273,8 +289,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            last, f_scratch):
-    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), sorted cheapest first."""
+            last, f_scratch, cover, lat_key):
+    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key``."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
     # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
@@ -310,7 +326,10 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             val = (vol[d, layer] + x * cumh[k, layer]) + suffix_comp[layer] + new_after
             if val > lat:
                 lat = val
-        forced = (vol[d, n_layers - 1] + x * cumh[k, n_layers - 1]) + ymin * (rs / link)
+        vol_last = vol[d, n_layers - 1] + x * cumh[k, n_layers - 1]
+        forced = vol_last + ymin * (rs / link)  # the order's key (BranchAndBound._bound_children)
+        key = max(lat, forced + comp_min if forced > 0 else 0.0)
+        forced = vol_last + _cover_cost(ymin, cover, d + 1)
         lat = max(lat, forced + comp_min if forced > 0 else 0.0)
         sep_lb = -math.inf
         u = min(ymin * rs / rb0, n_layers) if rb0 > 0 else 0.0
@@ -327,6 +346,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 sep_lb = val
         kid_chain = max(comp_total + chain[r, k], chain_lb[d])
         lat_lb[d, k] = max(max(lat, kid_chain), sep_lb)
+        lat_key[d, k] = max(max(key, kid_chain), sep_lb)
         kid_moved[d, k] = moved[d] + b0[r] * counts[k]
     if last:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
         for k in range(n_kids):
@@ -344,13 +364,15 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 f[layer] = max(s, cand) + comp0[layer]
             if f[n_layers - 1] > lat_lb[d, k]:
                 lat_lb[d, k] = f[n_layers - 1]
-    # stable order by (bound, offload count); counts increase with k
+            if f[n_layers - 1] > lat_key[d, k]:
+                lat_key[d, k] = f[n_layers - 1]
+    # stable order by (key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
     for i in range(1, n_kids):
         k = ordk[d, i]
         j = i - 1
-        while j >= 0 and lat_lb[d, ordk[d, j]] > lat_lb[d, k]:
+        while j >= 0 and lat_key[d, ordk[d, j]] > lat_key[d, k]:
             ordk[d, j + 1] = ordk[d, j]
             j -= 1
         ordk[d, j + 1] = k
@@ -362,12 +384,13 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
               slo_on, dep, slo, alpha, d_lo, d_hi,
-              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch):
+              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
-    Returns ``LEAF`` with a complete assignment in ``choice`` that beats the incumbent at step 0 (the caller
-    checks the window rule, updates ``fst[BEST_*]`` and resumes), ``PAUSED`` when ``ist[NODES]`` reaches
+    A leaf that beats the incumbent at step 0 and passes the window rule (:func:`leaf_feasible`, the data in
+    ``feas``: :func:`feasibility_data`) becomes the incumbent (``fst[BEST_*]``, its candidates in ``best_k``).
+    Returns ``PAUSED`` when ``ist[NODES]`` reaches
     ``ist[CHUNK_STOP]`` (the caller checks its deadline, sets ``ist[TIMED_OUT]`` and resumes), or
     ``FINISHED``. One function, kept whole: its state is the stack.
     """
@@ -392,15 +415,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, d == n_req - 1, f_scratch)
+                    cap, d == n_req - 1, f_scratch, cover, lat_key)
             pos[d] = 0
-            ist[PHASE] = LOOP
-            continue
-        if phase == AFTER_LEAF:
-            if _budget_spent(ist, n_req):
-                _unwind(d, pos, nk, ordk, alive, lat_lb, fst)
-                return FINISHED
-            pos[d] += 1
             ist[PHASE] = LOOP
             continue
         descended = False
@@ -430,12 +446,12 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                 st = _edf(comp0, tail, lay_ptr, lay, k_of, x0, 1, cut, e_nxt, e_cur, e_fin, e_arr, e_stall)
                 if st >= 0:
                     lat0 = comp_total + st
-                    if _better(lat0, mv, fst[BEST_LAT], fst[BEST_MOVED]):
-                        fst[LEAF_LAT] = lat0
-                        fst[LEAF_MOVED] = mv
-                        fst[LEAF_LB] = lb
-                        ist[PHASE] = AFTER_LEAF
-                        return LEAF
+                    if _better(lat0, mv, fst[BEST_LAT], fst[BEST_MOVED]) and leaf_feasible(k_of, lat0, lb, feas):
+                        fst[BEST_LAT] = lat0
+                        fst[BEST_MOVED] = mv
+                        best_k[:] = k_of
+                        if ist[FIRST_ONLY]:
+                            ist[DONE] = 1
                 if _budget_spent(ist, n_req):
                     _unwind(d, pos, nk, ordk, alive, lat_lb, fst)
                     return FINISHED
@@ -501,3 +517,236 @@ def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
         acc += per_step[step]
         cum[step + 1] = acc
     return cum
+
+
+# ==== the window rule of one assignment, and local improvement ==============================================
+def feasibility_data(counts, hosts_f, lay_ptr, lay, blocks_h, cap, host_cap, alpha, min_steps, horizon, seg_starts,
+                     seg_ends, seg_comp, seg_tail, seg_sum, seg_xfer, slo, dep, compute_grows) -> tuple:
+    """What :func:`leaf_feasible` reads, as one tuple (numba passes it whole): the candidate tables, the blocks
+    of every window step ``[H, R]``, the budgets (``cap``: the device budget with its tolerance, as
+    ``Constraints.first_over``), and per block-constant segment its compute, compute suffix sums, compute total
+    and transfer seconds per request."""
+    n_req, n_layers = blocks_h.shape[1], hosts_f.shape[1]
+    scratch = (np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
+               np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers))
+    fpar = np.array([cap, host_cap, alpha], dtype=np.float64)
+    ipar = np.array([min_steps, horizon, int(np.isfinite(slo).any()), int(compute_grows)], dtype=np.int64)
+    return (counts, hosts_f, lay_ptr, lay, np.ascontiguousarray(blocks_h), fpar, ipar, seg_starts, seg_ends, seg_comp,
+            seg_tail, seg_sum, seg_xfer, slo, dep, scratch)
+
+
+@_jit
+def steps_that_fit(k_of, feas):
+    """``Constraints.steps_that_fit`` of the assignment ``k_of`` (candidate per request; one prefetch slot):
+    the first window step at which the capacity equation or the host pool overflows (H if none). Blocks are
+    constant within a segment, so only segment starts are checked; block counts are integers, so every sum is
+    exact."""
+    counts, hosts_f, blocks_h, fpar, starts = feas[0], feas[1], feas[4], feas[5], feas[7]
+    n_req = blocks_h.shape[1]
+    n_layers = hosts_f.shape[1]
+    for i in range(starts.size):
+        t = starts[i]
+        res = 0.0
+        held = 0.0
+        for r in range(n_req):
+            res += blocks_h[t, r] * (n_layers - counts[k_of[r]])
+            held += blocks_h[t, r] * counts[k_of[r]]
+        bmax = 0.0
+        for layer in range(n_layers):
+            b = 0.0
+            for r in range(n_req):
+                b += blocks_h[t, r] * hosts_f[k_of[r], layer]
+            bmax = max(bmax, b)
+        if res + bmax > fpar[0] or (math.isfinite(fpar[1]) and held > fpar[1] + 1e-9):
+            return t
+    return blocks_h.shape[0]
+
+
+@_jit
+def _window_ok(cum, d_lo, d_hi, alpha):
+    for d in range(d_lo, d_hi + 1):
+        if cum[d] <= alpha * d + 1e-9:
+            return True
+    return False
+
+
+@_jit
+def leaf_feasible(k_of, lat0, later_lb, feas):
+    """Jitted twin of ``Constraints.feasible`` for the assignment ``k_of`` with step-0 latency ``lat0`` (the later
+    segments' latencies by :func:`_edf`, as ``Constraints.seg_latencies``); tests/plan/test_compiled.py checks
+    that they agree."""
+    cap_max = steps_that_fit(k_of, feas)
+    return cap_max >= feas[6][0] and _window_rule(k_of, lat0, later_lb, cap_max, feas)
+
+
+@_jit
+def _window_rule(k_of, lat0, later_lb, cap_max, feas):
+    """The SLO part of :func:`leaf_feasible`, for an assignment that fits ``cap_max`` steps."""
+    lay_ptr, lay, fpar, ipar = feas[2], feas[3], feas[5], feas[6]
+    starts, ends, seg_comp, seg_tail, seg_sum, seg_xfer, slo, dep, scr = feas[7:16]
+    d_lo, horizon = ipar[0], ipar[1]
+    if ipar[2] == 0:  # no finite SLO
+        return True
+    n_seg = 0
+    for i in range(starts.size):
+        if starts[i] < cap_max:
+            n_seg += 1
+    seg_lat = scr[5][:n_seg]
+    seg_lat[0] = lat0
+    if n_seg > 1 and later_lb > 0 and ipar[3]:
+        for i in range(1, n_seg):
+            seg_lat[i] = later_lb
+        if not _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon), d_lo, cap_max, fpar[2]):
+            return False
+    for i in range(1, n_seg):
+        seg_lat[i] = seg_sum[i] + _edf(seg_comp[i], seg_tail[i], lay_ptr, lay, k_of, seg_xfer[i], 1, math.inf,
+                                       scr[0], scr[1], scr[2], scr[3], scr[4])
+    return _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon), d_lo, cap_max, fpar[2])
+
+
+@_jit
+def try_assignment(k_of, later_lb, fst, b0, comp_total, x0, feas):
+    """``BranchAndBound._try``: whether ``k_of`` beats the incumbent ``fst[BEST_*]`` and is feasible (then it is
+    the incumbent). Capacity first (cheap), then the exact schedule, stopped once slower than the incumbent."""
+    counts, lay_ptr, lay, seg_comp, seg_tail, scr = feas[0], feas[2], feas[3], feas[9], feas[10], feas[15]
+    cap_max = steps_that_fit(k_of, feas)
+    if cap_max < feas[6][0]:
+        return False
+    mv = 0.0
+    for r in range(k_of.size):
+        mv += b0[r] * counts[k_of[r]]
+    best = fst[BEST_LAT]
+    cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
+    st = _edf(seg_comp[0], seg_tail[0], lay_ptr, lay, k_of, x0, 1, cut, scr[0], scr[1], scr[2], scr[3], scr[4])
+    if st < 0:
+        return False
+    lat0 = comp_total + st
+    if not _better(lat0, mv, fst[BEST_LAT], fst[BEST_MOVED]) or not _window_rule(k_of, lat0, later_lb, cap_max, feas):
+        return False
+    fst[BEST_LAT] = lat0
+    fst[BEST_MOVED] = mv
+    return True
+
+
+@_jit
+def greedy(x0, comp_total, counts, hosts_f, bcap, cap, k_of):
+    """Jitted twin of ``BranchAndBound._greedy`` (the first incumbent by transfer-to-compute ratio) into
+    ``k_of``; the memory it checks is the capacity equation at one slot, an integer sum."""
+    n_layers = hosts_f.shape[1]
+    n_cand = counts.size
+    ratio = x0 / max(comp_total / n_layers, 1e-300)
+    order = np.argsort(ratio, kind="mergesort")
+    k_of[:] = 0
+    if _memory1(k_of, counts, hosts_f, bcap) <= cap:
+        return
+    for r in order:
+        dist = int(math.ceil(ratio[r])) + 1
+        lim = n_layers // max(dist, 1)
+        k_of[r] = 0
+        for k in range(n_cand):
+            if counts[k] <= lim:
+                k_of[r] = k
+        if _memory1(k_of, counts, hosts_f, bcap) <= cap:
+            return
+    while True:
+        grown = False
+        for r in order:
+            if k_of[r] < n_cand - 1:
+                k_of[r] += 1
+                grown = True
+                if _memory1(k_of, counts, hosts_f, bcap) <= cap:
+                    return
+        if not grown:
+            return
+
+
+@_jit
+def _memory1(k_of, counts, hosts_f, bcap):
+    buf = np.empty(hosts_f.shape[1])
+    return _memory_parts(k_of, counts, hosts_f, bcap, buf) + buf.max()
+
+
+@_jit
+def try_each(seeds, fst, b0, comp_total, x0, feas, best_k):
+    """:func:`try_assignment` of each row of ``seeds`` in turn; the last one taken into ``best_k`` (False: none)."""
+    taken = False
+    for i in range(seeds.shape[0]):
+        if try_assignment(seeds[i], 0.0, fst, b0, comp_total, x0, feas):
+            best_k[:] = seeds[i]
+            taken = True
+    return taken
+
+
+# local improvement state (ist of improve)
+CURSOR, SINCE, EVALS = range(3)
+
+
+@_jit
+def move(k_of, m, out, order, counts, hosts_f, bcap, cap, buf):
+    """Local move ``m`` of an assignment into ``out``; False when it does not apply. Moves ``r * K + k``: request
+    ``r`` to candidate ``k != k_of[r]``, and when that breaks the capacity equation (at one slot, step
+    ``min_steps - 1``: ``bcap``), the other requests made denser one candidate at a time, in ``order`` (lowest
+    transfer-to-compute ratio first: their transfers hide best), each as far as needed before the next; then
+    ``R * K + r * R + q``: ``r`` one candidate denser and ``q`` (``!= r``) one sparser (trading memory between
+    two requests). ``buf`` (L) is scratch."""
+    n_req, n_cand = k_of.size, counts.size
+    out[:] = k_of
+    if m < n_req * n_cand:
+        r, k = m // n_cand, m % n_cand
+        if k == k_of[r]:
+            return False
+        out[r] = k
+        res = _memory_parts(out, counts, hosts_f, bcap, buf)
+        for q in order:
+            while q != r and out[q] < n_cand - 1 and res + buf.max() > cap:
+                # q one candidate denser: its resident layers and its buffer share change, integer sums
+                res -= bcap[q] * (counts[out[q] + 1] - counts[out[q]])
+                buf += bcap[q] * (hosts_f[out[q] + 1] - hosts_f[out[q]])
+                out[q] += 1
+        return res + buf.max() <= cap
+    p = m - n_req * n_cand
+    r, q = p // n_req, p % n_req
+    if q == r or k_of[r] + 1 >= n_cand or k_of[q] < 1:
+        return False
+    out[r] = k_of[r] + 1
+    out[q] = k_of[q] - 1
+    return True
+
+
+@_jit
+def _memory_parts(k_of, counts, hosts_f, bcap, buf):
+    """The capacity equation at one slot of ``k_of``: returns the resident blocks, the buffer per layer in
+    ``buf`` (integer sums: exact in any order)."""
+    n_layers = hosts_f.shape[1]
+    res = 0.0
+    buf[:] = 0.0
+    for r in range(k_of.size):
+        res += bcap[r] * (n_layers - counts[k_of[r]])
+        for layer in range(n_layers):
+            buf[layer] += bcap[r] * hosts_f[k_of[r], layer]
+    return res
+
+
+@_jit
+def improve(k_of, ist, fst, max_evals, stop_evals, b0, comp_total, x0, feas, cand, order, bcap, cap):
+    """First-improvement local search from the incumbent ``k_of`` (feasible, its key in ``fst[BEST_*]``) over the
+    moves of :func:`move`, scanned round robin from ``ist[CURSOR]``: an improving feasible move is taken at
+    once. Stops when a whole round finds none (True) or at ``max_evals`` evaluations (True), or pauses at
+    ``stop_evals`` (False) so the caller can check its deadline."""
+    n_cand = feas[0].size
+    n_moves = k_of.size * n_cand + k_of.size * k_of.size
+    while ist[SINCE] < n_moves:
+        if ist[EVALS] >= max_evals:
+            return True
+        if ist[EVALS] >= stop_evals:
+            return False
+        m = ist[CURSOR]
+        ist[CURSOR] = (m + 1) % n_moves
+        ist[SINCE] += 1
+        if not move(k_of, m, cand, order, feas[0], feas[1], bcap, cap, feas[15][6]):
+            continue
+        ist[EVALS] += 1
+        if try_assignment(cand, 0.0, fst, b0, comp_total, x0, feas):
+            k_of[:] = cand
+            ist[SINCE] = 0
+    return True

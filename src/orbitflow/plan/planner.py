@@ -123,13 +123,17 @@ class Planner:
     looks for a strictly better plan at future block boundaries (one extra bounded search per boundary).
     Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes for the main search and
     ``time_limit_s`` per :meth:`plan` call (None: unlimited), never spent before the first dive (one node per
-    request) is done.
+    request) is done; a search cut by it keeps a fifth of it to polish its incumbent (``improve_evals``), which
+    that polish gets even when the first dive ran past the limit.
     When one runs out, the best plan found so far is returned with ``plan.stats.exact`` False and a
     certified ``stats.gap``: no plan of the space is faster than ``stats.lower_bound_s``; if none was
     found, the plan is infeasible (not proven: ``exact`` False) and the engine pauses a victim as for a proven
     one. ``gap`` (relative) stops the search once the incumbent is proven within it (0: exact). Each expiry
     search ("is some other plan strictly faster at this future step?") gets ``expiry_node_limit`` nodes
     (None: unlimited); an undecided one ends the plan's validity there (re-planning early is safe).
+    ``improve_evals``: exact evaluations of the local improvement of the first incumbent (moves of one request's
+    distance, or of two requests' in opposite directions; :func:`orbitflow.plan.compiled.improve`) before the
+    search; 0 turns it off. It only makes budgeted plans better and exact searches prune earlier.
     ``compiled``: run the search and the step evaluator compiled (:mod:`orbitflow.plan.compiled`, numba,
     without the GIL); None: when numba is installed and ``ORBITFLOW_PLAN_COMPILED`` is not ``0``. Both give the
     same plans; the pure Python / NumPy path is the reference.
@@ -154,6 +158,7 @@ class Planner:
         expiry_node_limit: int | None = 200,
         host_capacity_blocks: float = math.inf,
         compiled: bool | None = None,
+        improve_evals: int = 256,
     ) -> None:
         lo, hi = _check_limits(space, window, block_size, alpha, capacity_blocks, node_limit, expiry_node_limit,
                                full_max_evals, gap, time_limit_s)
@@ -176,6 +181,9 @@ class Planner:
         self.time_limit_s = time_limit_s
         self.gap = float(gap)
         self.expiry_node_limit = expiry_node_limit
+        if improve_evals < 0:
+            raise ValueError(f"improve_evals must be >= 0, got {improve_evals}")
+        self.improve_evals = int(improve_evals)
         self._victims = resolve_victim_order(victim_order, cost_model.num_layers, seed)
 
     @property
@@ -341,7 +349,8 @@ class Planner:
     def _solve_pruned(self, win: Horizon, stats: PlanStats, **search) -> np.ndarray | None:
         """Exact branch and bound over per-request distance candidates (:class:`BranchAndBound`: ``upper``,
         ``first_only``, ``node_limit``, ``deadline``, ``hint``); returns the host mask or None."""
-        return BranchAndBound(self.constraints, win, stats, gap=self.gap, **search).run()
+        return BranchAndBound(self.constraints, win, stats, gap=self.gap, improve_evals=self.improve_evals,
+                              **search).run()
 
 
 def _check_ids(reqs: list[PlanRequest]) -> None:
@@ -365,4 +374,9 @@ def warm_up() -> None:
     model = CostModel([1e-3] * 4, link_blocks_per_s=1e3)
     requests = [PlanRequest("a", 8, 120, 40, 0.0, 6e-3), PlanRequest("b", 4, 60, 40, 0.0, 6e-3)]
     Planner(model, capacity_blocks=30, window=(1, 4)).plan(requests)
+    # a search cut by its budget: the local improvement's kernels
+    model = CostModel([1e-3] * 8, link_blocks_per_s=8e3)
+    requests = [PlanRequest("a", 8, 120, 40, 0.0, 2e-2), PlanRequest("b", 4, 60, 40, 0.0, 2e-2),
+                PlanRequest("c", 6, 90, 40, 0.0, 2e-2)]
+    Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1).plan(requests)
     _warm = True

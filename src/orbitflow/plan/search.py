@@ -16,7 +16,8 @@ The latency bound of a child is the largest of
   that transfer after layer ``l'-1`` ends: ``W(l) + sum_{k>=l} comp_k + sum_{l'>l} P(l')`` with ``P(l')``
   the transfer seconds of back-to-back host layers at ``l'``;
 * forced volume: the unassigned requests must together offload at least ``y`` blocks for capacity to hold,
-  so the link moves at least ``W(L-1) + y / rate`` before the last host layer runs (``+ min comp``);
+  so the link moves at least ``W(L-1)`` plus the cheapest fractional cover of ``y``
+  (:func:`orbitflow.plan.bounds.cover_cost`) before the last host layer runs (``+ min comp``);
 * chain: each request's own transfers are serialised with its compute (single buffer slot);
 * separable window bounds (:func:`orbitflow.plan.bounds.separable_tables`): for each tiling of the layers
   into windows, a sum of per-request terms; the assigned requests count exactly, the unassigned ones as the
@@ -28,6 +29,14 @@ is added), so they bound every completion. At the last request the children that
 propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`, vectorised over children), and
 those that survive it are run through the exact schedule (stopped part-way once slower than the incumbent)
 and the window rule. Nodes are expanded depth first, cheapest bound first.
+
+Incumbents: before the search, the hint (the previous plan), the greedy by transfer-to-compute ratio and the
+sparsest uniform distance that fits. Local improvement (:meth:`BranchAndBound._improve`, compiled
+:func:`orbitflow.plan.compiled.improve`: one request to any candidate, the others made denser to keep
+capacity, or two requests one candidate each in opposite directions; an improving feasible move is taken at
+once) polishes the incumbent of a search that was cut short, in a share (``IMPROVE_SHARE``) of the time left
+kept for it, and the first incumbent of a search without a node budget over a big space. It only ever
+replaces the incumbent by a strictly better feasible plan, so no proven optimum changes.
 
 Budgets (node count, deadline) stop the search with the incumbent; the least bound among the children left
 unexplored then certifies its gap.
@@ -45,13 +54,27 @@ from typing import NamedTuple
 import numpy as np
 
 from orbitflow.plan import compiled as cc
-from orbitflow.plan.bounds import SeparableTables, count_matrix, dp_bound, separable_tables
+from orbitflow.plan.bounds import SeparableTables, count_matrix, cover_cost, cover_tables, dp_bound, separable_tables
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
 from orbitflow.plan.types import REL_TOL, PlanStats, better
 
-PAUSE_EVERY = 32  # compiled search: nodes between deadline checks
+PAUSE_S = 1e-4  # compiled kernels under a deadline: seconds of work between deadline checks (about)
+PAUSE_EVERY = 256  # ... and at most this many nodes / evaluations
+BIG_SPACE = 10**6  # assignments of the pruned space above which an exact search polishes its first incumbent
+IMPROVE_SHARE = 0.2  # of the time left when a search with a deadline starts: kept for the local improvement
+
+
+def paced_chunk(now: float, since: float, units: int, deadline: float) -> int:
+    """Units of work (search nodes, evaluations) to run before the next deadline check: about ``PAUSE_S`` seconds
+    at the cost per unit of the last chunk (``units`` done since ``since``), not past the deadline by more than
+    one unit; at least 1, at most ``PAUSE_EVERY``. A node's cost varies a hundredfold with R and L, so a fixed
+    count would overshoot a 1 ms budget at (16, 80) or check the clock every few microseconds at (4, 32)."""
+    per = (now - since) / max(units, 1)
+    if per <= 0:
+        return PAUSE_EVERY
+    return int(max(1, min(PAUSE_EVERY, PAUSE_S / per, max(deadline - now, 0.0) / per + 1)))
 
 
 def prunable(lb: float, moved_lb: float, best: tuple[float, float], gap: float = 0.0) -> bool:
@@ -125,6 +148,7 @@ class _Children(NamedTuple):
     x: float  # seconds to move one layer of the next request
     alive: np.ndarray  # can fit the capacity equation
     lat_lb: np.ndarray  # lower bound on the step-0 latency of every completion
+    key: np.ndarray  # the visiting order (cheapest first): a weaker bound (see _bound_children)
     res: np.ndarray  # resident blocks of the assigned requests
     buf: np.ndarray  # [k, L] buffer blocks per layer of the assigned requests
     vol: np.ndarray  # [k, L] link bound terms (see the module docstring)
@@ -149,11 +173,17 @@ class BranchAndBound:
         node_limit: int | None = None,
         deadline: float | None = None,
         hint: list | None = None,
+        improve_evals: int = 0,
     ) -> None:
         self.rules, self.win, self.stats = rules, win, stats
         self.first_only, self.gap, self.hint = first_only, gap, hint
         self.node_limit = node_limit  # None: unlimited
         self.deadline = deadline  # time.perf_counter() value after which the search stops
+        self.improve_deadline = deadline  # ... and the local improvement of its incumbent, when it was cut
+        self.improve_s = 0.0  # the improvement's share of the budget, which it gets even past the deadline
+        if deadline is not None and improve_evals > 0 and not first_only:  # keep a share for the improvement
+            self.improve_s = IMPROVE_SHARE * max(0.0, deadline - time.perf_counter())
+            self.deadline = deadline - self.improve_s
         self.nodes = 0
         self.n_layers = rules.num_layers
         self.tables = tables = candidate_tables(self.n_layers)
@@ -174,7 +204,10 @@ class BranchAndBound:
         self.lat_ok = rules.lat_prefilter(win)
         self.compiled = rules.compiled and self.edf
         self.best_host: np.ndarray | None = None
+        self.best_k: np.ndarray | None = None  # the incumbent's candidate per request
         self.best_key = (upper, math.inf)
+        self.improve_evals = improve_evals
+        self._feas_data: tuple | None = None
         self.choice = [0] * self.n_req
         self.done = False
         self.dive_start = 0
@@ -211,6 +244,7 @@ class BranchAndBound:
         self.sep_off = self.comp_total - sep.between @ cum
         ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
         self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
+        self.cover = cover_tables(o, self.bcap, self.x0, self.n_layers)
         # per-request chain stall lower bound of each candidate
         gaps = cum[tables.gap_last] - cum[tables.gap_first]
         gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
@@ -225,6 +259,8 @@ class BranchAndBound:
             return self.best_host
         if not self.first_only:
             self._seed_incumbents()
+            if self.node_limit is None and len(self.counts) ** self.n_req > BIG_SPACE:
+                self._improve()  # a long search without a node budget: a better incumbent first prunes more of it
         self.dive_start = self.nodes  # the no-offload try and the seeds do not eat into the first dive's allowance
         if self.compiled and self.trace is None:
             self._search_compiled()
@@ -232,6 +268,8 @@ class BranchAndBound:
             zero = np.zeros(self.n_layers)
             self._node(0, 0.0, zero, zero, zero, self.comp_total, 0.0, np.zeros(self.sep_off.size),
                        np.zeros(self.mats.shape[1:]))
+        if not self.first_only and not self.stats.exact:  # cut short: polish the incumbent in the time kept for it
+            self._improve()
         if self.best_host is not None and not self.first_only:
             best = self.best_key[0]
             lower = min(best, self.open_lb)
@@ -246,7 +284,7 @@ class BranchAndBound:
     def _try_no_offload(self) -> bool:
         """Offloading nothing is optimal whenever it is feasible (no stall, nothing moved)."""
         host = np.zeros((self.n_req, self.n_layers), dtype=bool)
-        if self.rules.memory(host, self.bcap[None])[0] > self.cap:
+        if float(self.bcap.sum()) * self.n_layers > self.cap:  # every layer resident, no buffer (integer sums)
             return False
         self._leaf([0] * self.n_req, host)
         return self.best_host is not None
@@ -261,12 +299,20 @@ class BranchAndBound:
             seeds.append([k_of_dist.get(h, greedy[r]) if h != -1 else greedy[r] for r, h in enumerate(self.hint)])
         seeds.append(greedy)
         # the sparsest uniform distance that fits spreads the transfers over the layers (the greedy bunches them)
-        # a uniform placement takes what one request holding all the batch's blocks would: every candidate at
-        # once, as a batch of one-request rows (row k: the whole batch's blocks on candidate k)
-        batch = float(self.bcap.sum()) * np.eye(len(self.counts))
-        fits = np.flatnonzero(memory_blocks(self.hosts_f, batch, 1) <= self.cap)
+        # a uniform placement takes what one request holding all the batch's blocks would: the resident layers
+        # and, when it offloads any, one buffered layer (integer sums, exact)
+        memory = float(self.bcap.sum()) * (self.n_layers - self.counts + (self.counts > 0))
+        fits = np.flatnonzero(memory <= self.cap)
         if fits.size:
             seeds.append([int(fits[0])] * self.n_req)
+        if self.compiled:  # compiled.try_each: the same evaluations as _leaf, in one call
+            self.stats.leaves += len(seeds)
+            self.nodes += len(seeds)
+            fst, k_arr = np.array([*self.best_key], dtype=float), np.zeros(self.n_req, dtype=np.int64)
+            seeds_a = np.array(seeds, dtype=np.int64)
+            if cc.try_each(seeds_a, fst, self.b0, self.comp_total, self.x0, self._feas(), k_arr):
+                self._set_best(k_arr, (float(fst[0]), float(fst[1])))
+            return
         for k_of in seeds:
             self._leaf([k_of[r] for r in self.order])
 
@@ -274,6 +320,10 @@ class BranchAndBound:
         """Offload until capacity holds at step ``min_steps - 1``: requests whose transfer hides best behind
         compute (lowest transfer-to-compute ratio) first, each at the densest candidate whose gaps hide its
         transfer, then one candidate denser at a time, round robin, in the same order."""
+        if self.compiled:  # compiled.greedy, its twin
+            k_arr = np.zeros(self.n_req, dtype=np.int64)
+            cc.greedy(self.x0, self.comp_total, self.counts, self.hosts_f, self.bcap, self.cap, k_arr)
+            return k_arr.tolist()
         n_layers = self.n_layers
         ratio = self.x0 / max(self.comp_total / n_layers, 1e-300)  # layers of compute one transfer takes
         order = np.argsort(ratio, kind="stable")
@@ -356,9 +406,13 @@ class BranchAndBound:
         x = self.x0[r]
         new_vol = vol[None, :] + x * self.cumh[:n_kids]
         new_after = after[None, :] + x * self.pairs_after[:n_kids]
-        lat_lb = (new_vol + self.suffix_comp + new_after).max(axis=1)
+        link_lb = (new_vol + self.suffix_comp + new_after).max(axis=1)
+        forced = new_vol[:, -1] + cover_cost(ymin, self.cover, depth + 1)
+        lat_lb = np.maximum(link_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
+        # the visiting order's key: the same bound with the forced volume at the least rate (not the cover): ordered
+        # by the cover, first dives went to children that leave little to offload to the rest and ended worse
         forced = new_vol[:, -1] + ymin * (self.ratio_suffix[depth + 1] / self.link)
-        lat_lb = np.maximum(lat_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
+        key = np.maximum(link_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
         # separable window bounds: assigned requests exactly, the rest as their cheapest fractional offload
         kid_sep = sep[:, None] + x * self.sep_n[:, :n_kids]
         rest_b0 = float(self.rest_b0[depth + 1])
@@ -372,8 +426,9 @@ class BranchAndBound:
         kid_chain = np.maximum(self.comp_total + self.chain[r, :n_kids], chain_lb)
         if self.edf:
             lat_lb = np.maximum(np.maximum(lat_lb, kid_chain), sep_lb)
+            key = np.maximum(np.maximum(key, kid_chain), sep_lb)
         else:  # the bounds are proven for the executor's schedule only
-            lat_lb = np.full(n_kids, self.comp_total)
+            lat_lb = key = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * self.counts[:n_kids]
         if self.edf and depth == self.n_req - 1:
             # leaves: the propagated release/need bound (bounds.dp_bound) before the exact schedule; above the
@@ -383,13 +438,14 @@ class BranchAndBound:
             if keep.size:
                 dp = dp_bound(v[None] + x * self.mats[keep], self.comp0)
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp)
-        return _Children(x, alive, lat_lb, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
+                key[keep] = np.maximum(key[keep], dp)
+        return _Children(x, alive, lat_lb, key, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
 
     def _visit(self, depth: int, kids: _Children, v: np.ndarray) -> None:
         """Visit the surviving children, cheapest bound first (ties: fewer offloaded layers)."""
         last = depth == self.n_req - 1
         lat_lb, alive = kids.lat_lb, kids.alive
-        ordered = np.lexsort((self.counts[: lat_lb.size], lat_lb))
+        ordered = np.lexsort((self.counts[: lat_lb.size], kids.key))
         for i, k in enumerate(ordered):
             if not alive[k]:
                 continue
@@ -411,30 +467,22 @@ class BranchAndBound:
 
     def _search_compiled(self) -> None:
         """The search of :meth:`_node`, run by :func:`orbitflow.plan.compiled.bb_search` (no GIL, no Python
-        object per node). It hands back a leaf that beats the incumbent at step 0 (the window rule is checked
-        here), and every ``PAUSE_EVERY`` nodes when there is a deadline."""
+        object per node, leaves checked against the window rule there too). With a deadline it hands back
+        control every :func:`paced_chunk` nodes."""
         ist, fst = self._compiled_state()
-        k_of = np.zeros(self.n_req, dtype=np.int64)
-        args = self._compiled_args(ist, fst, k_of)
-        win = self.win
+        best_k = np.zeros(self.n_req, dtype=np.int64)
+        args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
+            self._feas(), best_k, tuple(self.cover), np.zeros((self.n_req, len(self.counts))))
         nodes0 = self.nodes
-        while True:
-            code = cc.bb_search(*args)
-            if code == cc.LEAF:
-                host = self.hosts[k_of]
-                lat0, lb = float(fst[cc.LEAF_LAT]), float(fst[cc.LEAF_LB])
-                win.seg_cache[(host.tobytes(), 0)] = lat0
-                if self.rules.feasible(win, host, lat0, later_lb=lb):
-                    self.best_host, self.best_key = host.copy(), (lat0, float(fst[cc.LEAF_MOVED]))
-                    fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
-                    if self.first_only:
-                        ist[cc.DONE] = 1
-            elif code == cc.PAUSED:
-                if time.perf_counter() > self.deadline:
-                    ist[cc.TIMED_OUT] = 1
-                ist[cc.CHUNK_STOP] = int(ist[cc.NODES]) + PAUSE_EVERY
-            else:
-                break
+        since, done = time.perf_counter(), self.nodes
+        while cc.bb_search(*args) == cc.PAUSED:
+            now, nodes = time.perf_counter(), int(ist[cc.NODES])
+            if now > self.deadline:
+                ist[cc.TIMED_OUT] = 1
+            ist[cc.CHUNK_STOP] = nodes + paced_chunk(now, since, nodes - done, self.deadline)
+            since, done = now, nodes
+        if (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])) != self.best_key:
+            self._set_best(best_k, (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])))
         leaves = int(ist[cc.LEAVES])
         self.nodes = int(ist[cc.NODES])
         self.stats.nodes += self.nodes - nodes0 - leaves
@@ -443,6 +491,20 @@ class BranchAndBound:
             self.stats.exact = False
         self.done = bool(ist[cc.DONE])
         self.open_lb = float(fst[cc.OPEN_LB])
+
+    def _feas(self) -> tuple:
+        """The window rule's data for the compiled kernels (:func:`orbitflow.plan.compiled.feasibility_data`),
+        built once per search."""
+        if self._feas_data is None:
+            win, rules, t = self.win, self.rules, self.tables
+            comp = np.array(win.comp, dtype=float)  # [S, L]
+            tails = np.cumsum(comp[:, ::-1], axis=1)[:, ::-1].copy()  # compiled.tail of each row, the same floats
+            self._feas_data = cc.feasibility_data(
+                t.counts, t.hosts_f, t.lay_ptr, t.lay, win.blocks[: win.horizon], self.cap, rules.host_capacity_blocks,
+                rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp, tails,
+                np.array([float(c.sum()) for c in comp]), rules.cost_model.transfer_s(win.blocks[win.seg_starts_a]),
+                win.slo, win.deposit, win.compute_grows)
+        return self._feas_data
 
     def _compiled_state(self) -> tuple[np.ndarray, np.ndarray]:
         """The compiled search's integer and float state (``compiled.N_IST`` / ``N_FST`` slots) from this search's."""
@@ -502,36 +564,88 @@ class BranchAndBound:
     def _leaf(self, choice: list[int], host: np.ndarray | None = None, lb: float = 0.0) -> None:
         """Exact evaluation of a complete assignment (``choice[d]`` for request ``order[d]``); ``lb``: the
         search's bound on its latency. A leaf counts against the node budget like a node."""
-        stats = self.stats
-        stats.leaves += 1
+        self.stats.leaves += 1
         self.nodes += 1
-        order = self.order
         k_of = [0] * self.n_req
         for d, k in enumerate(choice):
-            k_of[order[d]] = k
+            k_of[self.order[d]] = k
+        self._try(k_of, lb, host)
+
+    def _try(self, k_of: list[int], lb: float = 0.0, host: np.ndarray | None = None) -> bool:
+        """Whether the assignment ``k_of`` (candidate per request) beats the incumbent in (step-0 latency, moved
+        blocks) and is feasible; then it is the incumbent. ``host``: its mask, when known."""
+        if self.compiled:  # the same floats and checks, without the GIL (compiled.try_assignment)
+            fst = np.array([*self.best_key], dtype=float)
+            k_arr = np.asarray(k_of, dtype=np.int64)
+            if not cc.try_assignment(k_arr, lb, fst, self.b0, self.comp_total, self.x0, self._feas()):
+                return False
+            self._set_best(k_arr, (float(fst[0]), float(fst[1])))
+            return True
         moved = float(sum(self.b0[r] * self.counts[k_of[r]] for r in range(self.n_req)))
         if host is None:
             host = self.hosts[k_of]
         if self.edf:
-            lists = [self.lists[k] for k in k_of]
             best = self.best_key[0]
             cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-            if self.compiled:  # the same floats, without the GIL
-                stalls = cc.edf_stalls(self.comp0, lists, self.x0, abort_above=cut)
-                stalls = None if stalls is None else stalls.tolist()
-            else:
-                stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut)
+            stalls = edf_stalls(self.comp0_list, [self.lists[k] for k in k_of], self.x0_list, abort_above=cut)
             if stalls is None:  # slower than the incumbent: stopped part-way
-                return
+                return False
             lat0 = self.comp_total + float(sum(stalls))
             self.win.seg_cache[(host.tobytes(), 0)] = lat0
         else:
             lat0 = self.rules.seg_latencies(self.win, host, upto=1)[0]
         key = (lat0, moved)
         if not better(key, self.best_key):
-            return
+            return False
         if not self.rules.feasible(self.win, host, lat0, later_lb=lb if self.edf else 0.0):
-            return
-        self.best_host, self.best_key = host.copy(), key
+            return False
+        self._set_best(np.asarray(k_of, dtype=np.int64), key)
+        return True
+
+    def _set_best(self, k_of: np.ndarray, key: tuple[float, float]) -> None:
+        self.best_k, self.best_host, self.best_key = k_of.copy(), self.hosts[k_of], key
         if self.first_only:
             self.done = True
+
+    def _improve(self) -> None:
+        """Local improvement of the incumbent before the search (:func:`orbitflow.plan.compiled.improve`; the
+        reference runs the same moves through :meth:`_try`): at most ``improve_evals`` exact evaluations,
+        stopped at the deadline but given its share of the budget (``improve_s``) even past it. It only ever
+        replaces the incumbent by a strictly better feasible plan."""
+        if self.best_k is None or self.improve_evals <= 0:
+            return
+        ist = np.zeros(3, dtype=np.int64)
+        k_of, cand = self.best_k.copy(), np.empty(self.n_req, dtype=np.int64)
+        order = np.argsort(self.x0, kind="stable")  # transfer-to-compute ratio, as the greedy's
+        buf = np.empty(self.n_layers)
+        if self.compiled:
+            fst = np.array([*self.best_key], dtype=float)
+            end, since, chunk = self.improve_deadline, time.perf_counter(), 1
+            if end is not None:  # a first dive past the deadline (or a busy machine) does not take the share
+                end = max(end, since + self.improve_s)
+            while end is None or time.perf_counter() <= end:
+                evals = int(ist[cc.EVALS])
+                stop = self.improve_evals if end is None else evals + chunk
+                if cc.improve(k_of, ist, fst, self.improve_evals, stop, self.b0, self.comp_total, self.x0,
+                              self._feas(), cand, order, self.bcap, self.cap):
+                    break
+                if end is not None:
+                    now = time.perf_counter()
+                    chunk, since = paced_chunk(now, since, int(ist[cc.EVALS]) - evals, end), now
+            if (float(fst[0]), float(fst[1])) != self.best_key:
+                self._set_best(k_of, (float(fst[0]), float(fst[1])))
+        else:
+            n_cand = len(self.counts)
+            n_moves = self.n_req * (n_cand + self.n_req)
+            end = None if self.improve_deadline is None else max(self.improve_deadline,
+                                                                 time.perf_counter() + self.improve_s)
+            while ist[cc.SINCE] < n_moves and ist[cc.EVALS] < self.improve_evals:
+                if end is not None and time.perf_counter() > end:
+                    break
+                m = int(ist[cc.CURSOR])
+                ist[cc.CURSOR], ist[cc.SINCE] = (m + 1) % n_moves, ist[cc.SINCE] + 1
+                if cc.move(k_of, m, cand, order, self.counts, self.hosts_f, self.bcap, self.cap, buf):
+                    ist[cc.EVALS] += 1
+                    if self._try(cand.tolist()):
+                        k_of[:], ist[cc.SINCE] = cand, 0
+        self.stats.improve_evals += int(ist[cc.EVALS])

@@ -64,6 +64,7 @@ class PlanStats:
 
     nodes: int = 0  # branch-and-bound nodes, expiry searches included
     leaves: int = 0  # complete placements evaluated exactly
+    improve_evals: int = 0  # placements the local improvement of the first incumbent evaluated exactly
     exact: bool = True  # False: a budget ran out (or the space was searched locally) before a proof
     lower_bound_s: float | None = None  # certified: no plan of the space has a faster step 0 (None: unknown)
     gap: float | None = None  # (predicted - lower_bound) / predicted (None: unknown)
