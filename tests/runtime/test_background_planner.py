@@ -112,3 +112,26 @@ def test_a_dropped_planner_does_not_leave_its_process_behind():
     while pids & {p.pid for p in multiprocessing.active_children()} and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pids & {p.pid for p in multiprocessing.active_children()}
+
+
+def test_a_process_that_died_between_solves_costs_no_step():
+    """The pool learns of the death before the next submission: solve_ahead must not raise into the step."""
+    import time
+
+    controller = Controller(OrbitFlowPolicy(), context(), background="process")
+    try:
+        controller.solve(batch(), step=0, trigger="batch")
+        controller.solve_ahead(batch(1), step_next=1)
+        controller.solve(batch(1), step=1, trigger="expiry")
+        pool = controller._background._pool
+        for pid in list(pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not pool._broken and time.monotonic() < deadline:  # wait until the pool knows
+            time.sleep(0.05)
+        assert pool._broken
+        controller.solve_ahead(batch(2), step_next=2)  # raised BrokenProcessPool before the fix
+        assert controller.solve(batch(2), step=2, trigger="expiry").feasible
+        assert controller.records[-1].background and controller._background.mode == "thread"
+    finally:
+        controller.close()

@@ -155,7 +155,11 @@ class Controller:
         """Start solving the plan for the next step now, in the background (the caller passes the batch as
         it will be then: every request one token longer). The solve gets the current snapshot of the planning
         inputs; later changes replace ``self.ctx`` and leave that snapshot alone."""
-        future = self._background.submit(requests_next, self.ctx)
+        try:
+            future = self._background.submit(requests_next, self.ctx)
+        except BrokenProcessPool:  # the planner process died between solves
+            self._background.fall_back_to_thread()
+            future = self._background.submit(requests_next, self.ctx)
         self._ahead = (step_next, [r.request_id for r in requests_next], future)
 
     def _install(self, plan: Plan, ids: list, step: int, trigger: str, solve_s: float, background=False) -> Plan:
