@@ -57,7 +57,5 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] or already [T, 1, head_dim]."""
-    if cos.dim() == 2:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim] (`cos_sin` unsqueezed once, shared by every layer)."""
     return (x * cos) + (rotate_half(x) * sin)
