@@ -51,10 +51,14 @@ def _init_worker(policy: Policy) -> None:
     warm_up()
 
 
-def _solve_in_worker(requests: list[PlanRequest], ctx: PlanContext) -> tuple[Plan, float]:
+def _timed_plan(policy: Policy, requests: list[PlanRequest], ctx: PlanContext) -> tuple[Plan, float]:
     start = time.perf_counter()
-    plan = _worker_policy.plan(requests, ctx)
+    plan = policy.plan(requests, ctx)
     return plan, time.perf_counter() - start
+
+
+def _solve_in_worker(requests: list[PlanRequest], ctx: PlanContext) -> tuple[Plan, float]:
+    return _timed_plan(_worker_policy, requests, ctx)
 
 
 class BackgroundPlanner:
@@ -78,15 +82,10 @@ class BackgroundPlanner:
     def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
         """A future of ``(plan, solve seconds)``; ``ctx`` is the snapshot the solve sees."""
         if self.mode == "thread":
-            return self._pool.submit(self._solve_here, requests, ctx)
+            return self._pool.submit(_timed_plan, self.policy, requests, ctx)
         if ctx.previous is not None:  # a read-only mapping does not pickle; the process's copy is its own
             ctx = replace(ctx, previous=dict(ctx.previous))
         return self._pool.submit(_solve_in_worker, requests, ctx)
-
-    def _solve_here(self, requests: list[PlanRequest], ctx: PlanContext) -> tuple[Plan, float]:
-        start = time.perf_counter()
-        plan = self.policy.plan(requests, ctx)
-        return plan, time.perf_counter() - start
 
     def fall_back_to_thread(self) -> None:
         """After the planner process died: warn once and solve on a thread from now on."""
