@@ -114,12 +114,19 @@ def capture_steps(llm: LLM, cost_model: CostModel, samples: list[StepSample]) ->
     llm.executor.step = step
 
 
+def step_model(profile: HardwareProfile, llm: LLM) -> CostModel:
+    """The cost model the simulator charges this engine's steps with: the profile's, at the engine's depth."""
+    return profile.cost_model(prefetch_slots=llm.kv.transfer.prefetch_slots)
+
+
 def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfile, trace: Trace,
                deadline_s: float) -> EngineRun:
     llm = LLM(config, profile=profile, loaded=loaded)
     engine, clock = llm.engine, llm.clock
     run = EngineRun(metrics=None)  # type: ignore[arg-type]
-    capture_steps(llm, profile.cost_model(), run.steps)  # the simulator's model, not the controller's EWMA copy
+    # The simulator's model (not the controller's EWMA copy) at the prefetch depth the engine runs (the policy's
+    # own: DeepSpeed fetches two layers ahead), as SimExecutor builds it.
+    capture_steps(llm, step_model(profile, llm), run.steps)
     pending = list(trace)
     step_wall = 0.0
     start = clock.now()

@@ -1,1 +1,1 @@
-from tiny_models import tiny_chat_dir  # noqa: F401  (session fixture)
+from tiny_models import tiny_chat_dir, tiny_llama  # noqa: F401  (session fixtures)

@@ -29,3 +29,22 @@ def test_kendall_tau_allows_no_swap_at_0_9(sve):
     order = ["a", "b", "c", "d", "e"]
     assert sve.kendall_tau(order, order) == pytest.approx(1.0)
     assert sve.kendall_tau(order, ["b", "a", "c", "d", "e"]) == pytest.approx(0.8)  # one swap: below 0.9
+
+
+@pytest.mark.parametrize("policy", ["deepspeed", "orbitflow"])
+def test_engine_steps_are_charged_with_the_planners_model_at_its_depth(sve, tiny_llama, policy):
+    """The per-step error compares each engine step with the model the planner plans with (DeepSpeed's depth 2
+    included): measured against a depth-1 model, DeepSpeed's steps looked 56% off when the simulator was not."""
+    from tiny_models import make_llm
+
+    from orbitflow.plan import Placement
+    from orbitflow.policies import make_policy
+
+    llm = make_llm(tiny_llama, policy=make_policy(policy), link_gbps=0.01)
+    try:
+        mine, planner = sve.step_model(llm.profile, llm), llm.engine.controller.ctx.cost_model
+        assert mine.prefetch_slots == planner.prefetch_slots == make_policy(policy).prefetch_slots
+        placement = Placement.from_distances(mine.num_layers, [1, 1])
+        assert mine.step(placement, [4, 6], 150).total_s == pytest.approx(planner.step(placement, [4, 6], 150).total_s)
+    finally:
+        llm.close()
