@@ -2,20 +2,23 @@
 
 import math
 
+import pytest
+
 from tiny_models import make_llm
 
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.hardware import HardwareProfile
-from orbitflow.runtime.profiler import _fit_transfer_latency, profile_executor
+from orbitflow.runtime.profiler import _fit_prefill, _fit_transfer_latency, profile_executor
 
 
 def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
     llm = make_llm(tiny_llama, device_kv_blocks=8, host_kv_blocks=256, link_gbps=0.05)
     try:
-        p = profile_executor(llm.executor, "tiny@here", contexts=(16, 48, 96), steps=2, batch=3, chunk=16)
+        p = profile_executor(llm.executor, "tiny@here", contexts=(16, 48, 96), steps=2, batch=3, chunk=16,
+                             prefill_sizes=(16, 32))
     finally:
         llm.close()
-    for name in ("decode_a", "decode_b", "prefill_a", "prefill_b", "decode_per_request_s", "transfer_latency_s",
+    for name in ("decode_a", "decode_b", "prefill_a", "prefill_b", "prefill_c", "decode_per_request_s", "transfer_latency_s",
                  "move_latency_s", "mixed_step_overhead_s", "decode_tail_fraction"):
         value = getattr(p, name)
         assert math.isfinite(value) and value >= 0, name
@@ -31,3 +34,13 @@ def test_transfer_latency_fit_recovers_a_known_latency():
     for latency in (0.0, 0.0004, 0.002):
         stall = sum(edf_stalls(comp, [hosts], [xfer + latency]))
         assert abs(_fit_transfer_latency(comp, stall, xfer, hosts) - latency) < 1e-7
+
+
+def test_prefill_fit_recovers_the_attention_term_and_stays_non_negative():
+    from orbitflow.plan.hardware import attention_pairs
+
+    a, b, c = 1e-3, 0.03, 4e-7
+    points = [(n, a * n + b + c * attention_pairs(0, n)) for n in (16, 64, 128, 256, 512, 768)]
+    assert _fit_prefill(points) == tuple(pytest.approx(x, rel=1e-6) for x in (a, b, c))
+    # a prompt that got cheaper with length (noise) never gives a negative per-token or per-pair cost
+    assert all(x >= 0 for x in _fit_prefill([(16, 0.05), (256, 0.04), (768, 0.2)]))

@@ -22,7 +22,7 @@ def calibrated(**kw) -> HardwareProfile:
     base = dict(name="calibrated", num_layers=LAYERS, kv_bytes_per_token_per_layer=256, decode_a=2e-6,
                 decode_b=0.012, link_bytes_per_s=2e6, device_kv_blocks=40, host_kv_blocks=4000, block_size=16,
                 decode_per_request_s=0.003, transfer_latency_s=0.0007, move_latency_s=0.002,
-                mixed_step_overhead_s=0.005, decode_tail_fraction=0.15)
+                mixed_step_overhead_s=0.005, decode_tail_fraction=0.15, prefill_c=2e-7)
     return HardwareProfile(**(base | kw))
 
 
@@ -124,6 +124,20 @@ def test_a_prefill_beside_decodes_adds_the_measured_interference():
     kv.allocate("p", 0, [True] * LAYERS)
     mixed = execute(ex, [SeqInput("d", [0], 41), SeqInput("p", [0] * 32, 0)]).step_s
     assert mixed == pytest.approx(decode + prefill + 0.005, rel=1e-3)
+
+
+def test_a_prefill_chunk_pays_attention_over_its_cached_prefix():
+    """Causal attention's quadratic part: a 32-token chunk after 64 cached tokens scores 32 * 64 + 32 * 33 / 2
+    (query, key) pairs, a fresh 32-token prompt only the second term."""
+    profile = calibrated()
+    kv = accounting_kv(profile, device_blocks=10_000)
+    ex = SimExecutor(profile, kv, VirtualClock())
+    kv.allocate("fresh", 0, [True] * LAYERS)
+    kv.allocate("chunk", 64, [True] * LAYERS)
+    fresh = execute(ex, [SeqInput("fresh", [0] * 32, 0)]).step_s
+    chunk = execute(ex, [SeqInput("chunk", [0] * 32, 64)]).step_s
+    assert fresh == pytest.approx(profile.prefill_s(32))
+    assert chunk - fresh == pytest.approx(2e-7 * 32 * 64)
 
 
 def test_on_the_simulator_the_mismatch_check_never_fires():

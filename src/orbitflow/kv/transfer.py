@@ -178,6 +178,10 @@ class TransferEngine:
         on the host, and land in pageable memory that makes the copy synchronous), no index tensor, no
         host-side read of memory a copy may still write."""
         src_planes, dst_planes = head_planes(src.storage), head_planes(dst.storage)
+        if not self.is_cuda:  # one strided copy per run (each torch call re-takes the GIL the step loop needs)
+            for s0, d0, m in _runs(src_ids, dst_ids):
+                dst_planes[:, :, d0:d0 + m].copy_(src_planes[:, :, s0:s0 + m])
+            return
         for s0, d0, m in _runs(src_ids, dst_ids):
             for plane in (0, 1):
                 for head in range(src_planes.shape[1]):

@@ -33,6 +33,11 @@ class ProfileError(ValueError):
     """A profile (or a profile file) is malformed; the message names the field."""
 
 
+def attention_pairs(cached: int, new: int) -> int:
+    """(query, key) pairs that causal attention scores for ``new`` tokens after ``cached`` ones."""
+    return new * cached + new * (new + 1) // 2
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -49,6 +54,9 @@ class HardwareProfile:
     layer_compute_table: list[list[float]] | None = None
     prefill_a: float | None = None  # seconds per prompt token; None: decode_b / PREFILL_RIDGE_TOKENS
     prefill_b: float | None = None  # seconds per prefill call; None: decode_b
+    # seconds per (query, key) pair a prefill's causal attention scores (its quadratic part): a chunk of n new
+    # tokens after p cached ones scores n * p + n * (n + 1) / 2 pairs (`attention_pairs`); 0 in the presets
+    prefill_c: float = 0.0
     tensor_parallel: int = 1
     # Divides the link rate: TP all-reduces ride the same PCIe links and the GPUs share the host's root
     # complex. None: 1 + 0.5 * log2(tensor_parallel), i.e. 1.0 / 1.5 / 2.0 for TP 1 / 2 / 4 (assumed).
@@ -99,7 +107,8 @@ class HardwareProfile:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             need(ok, fname, f"must be a finite number, got {value!r}")
             need(value > 0 if positive else value >= 0, fname, f"must be {'>' if positive else '>='} 0")
-        for fname in ("decode_per_request_s", "transfer_latency_s", "move_latency_s", "mixed_step_overhead_s"):
+        for fname in ("decode_per_request_s", "transfer_latency_s", "move_latency_s", "mixed_step_overhead_s",
+                      "prefill_c"):
             value = getattr(self, fname)
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             need(ok and value >= 0, fname, f"must be a finite number >= 0, got {value!r}")
@@ -188,14 +197,17 @@ class HardwareProfile:
             return 0.0
         return nbytes / self.effective_link_bytes_per_s + layers_moved * self.move_latency_s
 
-    def prefill_s(self, num_tokens: int) -> float:
+    def prefill_s(self, num_tokens: int, pairs: int | None = None) -> float:
+        """Seconds of a prefill step over ``num_tokens`` prompt tokens whose attention scores ``pairs`` (query,
+        key) pairs (default: one fresh prompt, `attention_pairs(0, num_tokens)`)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if num_tokens == 0:
             return 0.0
         a = self.prefill_a if self.prefill_a is not None else self.decode_b / PREFILL_RIDGE_TOKENS
         b = self.prefill_b if self.prefill_b is not None else self.decode_b
-        return a * num_tokens + b
+        pairs = attention_pairs(0, num_tokens) if pairs is None else pairs
+        return a * num_tokens + b + self.prefill_c * pairs
 
     def layer_transfer_s(self, tokens: float) -> float:
         """Seconds to move ``tokens`` tokens of one layer's KV from host to device."""

@@ -16,7 +16,8 @@ are calibrated at once:
 - ``decode_tail_fraction``: the share of a decode step after the last layer's attention (LM head, sampling),
   which no transfer can overlap;
 - ``mixed_step_overhead_s``: a prefill chunk beside a decode against the two run apart (interleaved);
-- prefill: ``prefill_a * tokens + prefill_b`` from the prompts of the decode fit;
+- prefill: ``prefill_a * tokens + prefill_b + prefill_c * pairs`` (``pairs``: the (query, key) pairs its causal
+  attention scores), fitted (non-negative, relative least squares) to prompts of several lengths;
 - the link rate: the configured throttle, or the measured host-to-device block copy rate.
 
 Each figure is a median over interleaved repeats; the profile's ``extra`` keeps the raw medians.
@@ -120,10 +121,11 @@ class _Bench:
         self.kv.close()
 
 
-def _measure_context(bench: _Bench, contexts, steps: int) -> tuple[float, float, float, float, list[float]]:
-    """Phase 1: decode compute of one request against its context (a + b*ctx), prefill of its prompt
-    (pa + pb*tokens), and the last layer's share beyond a middle one (LM head and sampling) per step."""
-    xs, ys, prefill, tails = [], [], [], []
+def _measure_context(bench: _Bench, contexts, steps: int,
+                     prefill: list[tuple[int, float]]) -> tuple[float, float, list[float]]:
+    """Phase 1: decode compute of one request against its context (a + b*ctx) and the last layer's share
+    beyond a middle one (LM head and sampling) per step; each context's prefill goes to `prefill`."""
+    xs, ys, tails = [], [], []
     for ctx in contexts:
         prefill.append((ctx, bench.prefill("p", ctx).step_s))
         results = [bench.decode(["p"]) for _ in range(steps + 1)]
@@ -137,8 +139,33 @@ def _measure_context(bench: _Bench, contexts, steps: int) -> tuple[float, float,
     a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     if a < 0:  # noise on a busy machine: no measurable growth with context
         a, b = 0.0, float(np.median(ys))
-    pa, pb = np.polyfit([p[0] for p in prefill], [p[1] for p in prefill], 1)
-    return float(a), float(b), float(pa), float(pb), tails
+    return float(a), float(b), tails
+
+
+def _measure_prefill(bench: _Bench, sizes, repeats: int, prefill: list[tuple[int, float]]) -> None:
+    """Phase 1b: prefill steps of fresh prompts of each size (interleaved repeats), appended to `prefill`."""
+    for _ in range(repeats):
+        for n in sizes:
+            prefill.append((n, bench.prefill("q", n).step_s))
+            bench.free("q")
+
+
+def _fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """``(a, b, c)`` >= 0 of ``a * tokens + b + c * pairs`` for fresh prompts, least squares on the relative
+    error (a 16-token prompt counts as much as a 768-token one). Non-negative by trying every subset of the
+    three terms and keeping the best fit whose coefficients are all >= 0."""
+    n = np.asarray([p[0] for p in points], dtype=float)
+    y = np.asarray([p[1] for p in points], dtype=float)
+    features = np.stack([n, np.ones_like(n), n * (n + 1) / 2], axis=1) / y[:, None]
+    best, coef = np.inf, np.array([0.0, float(np.median(y)), 0.0])
+    for mask in ([0, 1, 2], [0, 1], [1, 2], [0, 2], [0], [1], [2]):
+        sol, *_ = np.linalg.lstsq(features[:, mask], np.ones_like(y), rcond=None)
+        if np.all(sol >= 0):
+            err = float(np.sum((features[:, mask] @ sol - 1.0) ** 2))
+            if err < best:
+                best, coef = err, np.zeros(3)
+                coef[mask] = sol
+    return float(coef[0]), float(coef[1]), float(coef[2])
 
 
 def _measure_per_request(bench: _Bench, batch: int, per_req: int, single: int, steps: int, extra: dict) -> float:
@@ -209,13 +236,13 @@ def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict) ->
 
 
 def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 7, batch: int = 4,
-                     chunk: int = 64) -> HardwareProfile:
+                     chunk: int = 64, prefill_sizes=(16, 64, 128, 256, 512)) -> HardwareProfile:
     """Fit every cost of a ModelExecutor that the cost model charges (see the module docstring)."""
     kv = executor.kv
     spare = 4 * steps + 8
     per_req = max(contexts[1] // batch, 16)
     single = per_req * batch  # the single request holding as many tokens as the batch
-    device_tokens = (max(contexts) + spare) + batch * (per_req + spare) + (single + spare) + 2 * (chunk + spare)
+    device_tokens = (max(*contexts, *prefill_sizes) + spare) + batch * (per_req + spare) + (single + spare) + 2 * (chunk + spare)
     bench = _Bench(executor, device_tokens, single + spare)
     link = kv.transfer.link_bytes_per_s or measure_link_bytes_per_s(bench.kv)
     extra: dict = {"steps_per_point": steps}
@@ -225,7 +252,11 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         for _ in range(3):
             bench.decode(["w"])
         bench.free("w")
-        a, b, pa, pb, tails = _measure_context(bench, contexts, steps)
+        prefill: list[tuple[int, float]] = []
+        a, b, tails = _measure_context(bench, contexts, steps, prefill)
+        _measure_prefill(bench, prefill_sizes, 2, prefill)
+        pa, pb, pc = _fit_prefill(prefill)
+        extra["prefill_points"] = [[int(t), round(s, 6)] for t, s in sorted(prefill)]
         per_request = _measure_per_request(bench, batch, per_req, single, steps, extra)
         mixed_overhead = _measure_mixed_step(bench, chunk, steps, extra)
         move_latency = _measure_moves(bench, link)
@@ -245,6 +276,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         block_size=kv.block_size,
         prefill_a=max(pa, 1e-7),
         prefill_b=max(pb, 1e-5),
+        prefill_c=pc,
         decode_per_request_s=per_request,
         transfer_latency_s=transfer_latency,
         move_latency_s=move_latency,

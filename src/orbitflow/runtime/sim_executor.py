@@ -18,7 +18,7 @@ import numpy as np
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Placement
 from orbitflow.plan.cost_model import edf_stalls
-from orbitflow.plan.hardware import HardwareProfile
+from orbitflow.plan.hardware import HardwareProfile, attention_pairs
 from orbitflow.runtime.executor import Executor
 from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
 
@@ -93,7 +93,8 @@ class SimExecutor(Executor):
         decode = [s for s in seqs if s.is_decode]
         noise = float(np.exp(self.rng.normal(0.0, self.noise))) if self.noise > 0 else 1.0
         prefill_tokens = sum(len(s.token_ids) for s in prefill)
-        prefill_s = self.profile.prefill_s(prefill_tokens) * noise
+        pairs = sum(attention_pairs(s.start_pos, len(s.token_ids)) for s in prefill)
+        prefill_s = self.profile.prefill_s(prefill_tokens, pairs) * noise
         if prefill_tokens and self.noise_cv:
             prefill_s *= float(self._factors(1)[0])
         compute, stall, h2d = self._decode_cost(decode, slowdown, noise)

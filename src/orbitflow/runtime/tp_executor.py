@@ -475,7 +475,7 @@ class TensorParallelExecutor(Executor):
         for rank, (_, p, allreduce) in enumerate(replies):
             per_rank.append({"rank": rank, "decode_a": p.decode_a, "decode_b": p.decode_b,
                              "decode_per_request_s": p.decode_per_request_s, "prefill_a": p.prefill_a,
-                             "prefill_b": p.prefill_b, "link_bytes_per_s": p.link_bytes_per_s,
+                             "prefill_b": p.prefill_b, "prefill_c": p.prefill_c, "link_bytes_per_s": p.link_bytes_per_s,
                              "transfer_latency_s": p.transfer_latency_s, **allreduce})
         extra = dict(profile.extra)
         extra["tensor_parallel"] = {"size": self.size, "tp_link": self.parallel.tp_link, "backend": self.backend,
