@@ -208,6 +208,12 @@ def _relative(model: float, measured: float) -> float:
     return 0.0 if model == 0 else math.inf
 
 
+def rerun_taus(runs: list[dict]) -> list[float]:
+    """Kendall tau between the engine's rankings of consecutive runs: how well the engine agrees with itself,
+    which bounds how well any simulator can agree with it."""
+    return [kendall_tau(a["ranking_engine"], b["ranking_engine"]) for a, b in zip(runs, runs[1:])]
+
+
 def checks(run: dict) -> dict[str, bool]:
     e = run["errors"]
     return {"step_err_median": e["step_err_median"] <= TARGETS["step_err_median"],
@@ -342,6 +348,11 @@ def write_md(path: str, payload: dict) -> None:
                      f"| {pct('stall_err')(r)} | {r['kendall_tau']:+.2f} | {' > '.join(r['ranking_engine'])} "
                      f"| {' > '.join(r['ranking_simulator'])} |")
     lines += ["", "Criteria of issue 12 (every run):", ""] + [f"- {line}" for line in payload["verdict"]] + [""]
+    if payload["engine_rerun_taus"]:
+        lines += ["The engine against itself: Kendall tau between the engine's rankings of consecutive runs (same "
+                  "trace, config and code; a fresh profile each run): "
+                  f"{', '.join(f'{t:+.2f}' for t in payload['engine_rerun_taus'])}. No simulator can agree with the "
+                  "engine more reliably than the engine agrees with itself.", ""]
     last = runs[-1]
     lines += [f"Per policy, {last['label']} (TBT attainment and P95 TBT, engine / simulator; 'stall error, measured "
               "compute': signed, the transfer model alone, fed each step's measured per-layer compute):", "",
@@ -434,6 +445,8 @@ def main() -> None:
             print(f"  {key:16s} {min(vals):6.1f} / {statistics.median(vals):6.1f} / {max(vals):6.1f} {unit}")
         taus = [r["kendall_tau"] for r in runs]
         print(f"  {'kendall_tau':16s} {min(taus):+6.2f} / {statistics.median(taus):+6.2f} / {max(taus):+6.2f}")
+        print(f"  engine against its own previous run (the ceiling for any simulator): Kendall tau "
+              f"{', '.join(f'{t:+.2f}' for t in rerun_taus(runs))}")
     print()
     for line in verdict:
         print(line)
@@ -449,7 +462,7 @@ def main() -> None:
                   "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                   "loadavg_before": load_before, "loadavg_after": loadavg(), "wall_s": time.perf_counter() - wall0,
                   "targets": TARGETS},
-        "runs": runs, "verdict": verdict, "pass": overall,
+        "runs": runs, "verdict": verdict, "pass": overall, "engine_rerun_taus": rerun_taus(runs),
     }
     setup = payload["setup"]
     print(f"wall time {setup['wall_s'] / 60:.1f} min; load average after {setup['loadavg_after']}")

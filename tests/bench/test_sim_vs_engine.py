@@ -48,3 +48,9 @@ def test_engine_steps_are_charged_with_the_planners_model_at_its_depth(sve, tiny
         assert mine.step(placement, [4, 6], 150).total_s == pytest.approx(planner.step(placement, [4, 6], 150).total_s)
     finally:
         llm.close()
+
+
+def test_rerun_taus_compare_consecutive_engine_rankings(sve):
+    runs = [{"ranking_engine": ["a", "b", "c"]}, {"ranking_engine": ["a", "b", "c"]}, {"ranking_engine": ["c", "b", "a"]}]
+    assert sve.rerun_taus(runs) == [pytest.approx(1.0), pytest.approx(-1.0)]
+    assert sve.rerun_taus(runs[:1]) == []

@@ -89,3 +89,21 @@ def test_a_lone_request_solved_ahead_still_gets_the_fastest_plan_that_fits():
         assert ahead.feasible and ahead.distances == now.distances
     finally:
         controller.close()
+
+
+def test_the_controller_loads_the_compiled_planner_when_the_engine_starts(monkeypatch):
+    """A real engine's first request must not pay for numba's cache load inside its first step (it did: 0.1-0.3 s,
+    which also shifted every later step of sim_vs_engine's engine runs against the simulator's)."""
+    from orbitflow.plan import compiled, planner
+
+    if not compiled.enabled(None):
+        return  # no compiler: nothing to load
+    monkeypatch.setattr(planner, "_warm", False)
+    calls = []
+    real = planner.Planner.plan
+    monkeypatch.setattr(planner.Planner, "plan", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    controller = Controller(FixedPlacementPolicy("none"), context(), background=False)
+    try:
+        assert planner._warm and calls  # a tiny solve ran at construction
+    finally:
+        controller.close()
