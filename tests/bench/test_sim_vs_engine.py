@@ -51,6 +51,7 @@ def test_engine_steps_are_charged_with_the_planners_model_at_its_depth(sve, tiny
 
 
 def test_rerun_taus_compare_consecutive_engine_rankings(sve):
-    runs = [{"ranking_engine": ["a", "b", "c"]}, {"ranking_engine": ["a", "b", "c"]}, {"ranking_engine": ["c", "b", "a"]}]
+    orders = (["a", "b", "c"], ["a", "b", "c"], ["c", "b", "a"])
+    runs = [{"ranking_engine": order} for order in orders]
     assert sve.rerun_taus(runs) == [pytest.approx(1.0), pytest.approx(-1.0)]
     assert sve.rerun_taus(runs[:1]) == []

@@ -3,7 +3,6 @@
 import math
 
 import pytest
-
 from tiny_models import make_llm
 
 from orbitflow.plan.cost_model import edf_stalls
@@ -18,8 +17,8 @@ def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
                              prefill_sizes=(16, 32))
     finally:
         llm.close()
-    for name in ("decode_a", "decode_b", "prefill_a", "prefill_b", "prefill_c", "decode_per_request_s", "transfer_latency_s",
-                 "move_latency_s", "mixed_step_overhead_s", "decode_tail_fraction"):
+    for name in ("decode_a", "decode_b", "prefill_a", "prefill_b", "prefill_c", "decode_per_request_s",
+                 "transfer_latency_s", "move_latency_s", "mixed_step_overhead_s", "decode_tail_fraction"):
         value = getattr(p, name)
         assert math.isfinite(value) and value >= 0, name
     assert p.link_bytes_per_s == 0.05e9  # the configured throttle
