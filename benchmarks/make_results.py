@@ -75,7 +75,7 @@ OTHER_STAGES = {
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3",
                      "--json", "docs/results/sim_fidelity.json", "--md", "docs/results/sim_fidelity.md"],
-    # where the ranking is not to be trusted: at SLO scale 1.5 three baselines sit within the engine's own noise
+    # where the ranking is not to be trusted: at SLO scale 1.5 three baselines' steps sit within a few % of the SLO
     "sim_fidelity_tight": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3", "--slo-scale", "1.5",
                            "--json", "docs/results/sim_fidelity_tight.json",
                            "--md", "docs/results/sim_fidelity_tight.md",

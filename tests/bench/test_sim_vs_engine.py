@@ -25,10 +25,28 @@ def test_step_errors_split_the_stall_error(sve):
     assert math.isnan(sve.step_errors([])["stall_err_transfer"])
 
 
+def keys(*order):
+    return {p: (i, 0.0) for i, p in enumerate(order)}
+
+
 def test_kendall_tau_allows_no_swap_at_0_9(sve):
     order = ["a", "b", "c", "d", "e"]
-    assert sve.kendall_tau(order, order) == pytest.approx(1.0)
-    assert sve.kendall_tau(order, ["b", "a", "c", "d", "e"]) == pytest.approx(0.8)  # one swap: below 0.9
+    assert sve.kendall_tau(keys(*order), keys(*order)) == pytest.approx(1.0)
+    assert sve.kendall_tau(keys(*order), keys("b", "a", "c", "d", "e")) == pytest.approx(0.8)  # one swap: below 0.9
+    assert sve.kendall_tau(keys(*order), keys(*reversed(order))) == pytest.approx(-1.0)
+
+
+def test_a_tie_is_neither_agreement_nor_disagreement(sve):
+    """tau-b: the simulator predicting a and b equal (same attainment, same P95 TBT) costs less than predicting
+    them in the wrong order, and more than predicting them in the right one."""
+    engine = keys("a", "b", "c", "d", "e")
+    tied = {**keys("a", "b", "c", "d", "e"), "b": (0, 0.0)}  # a and b tied
+    tau = sve.kendall_tau(engine, tied)
+    assert tau == pytest.approx(9 / math.sqrt(10 * 9))  # 0.949
+    assert sve.kendall_tau(engine, keys("b", "a", "c", "d", "e")) < tau < 1.0
+    rows = {"a": {"tbt_attainment": 0.98, "p95_tbt_s": 0.1}, "b": {"tbt_attainment": 0.98, "p95_tbt_s": 0.1},
+            "c": {"tbt_attainment": 0.5, "p95_tbt_s": 0.2}}
+    assert sve.ranking_text(rows) == "a = b > c"
 
 
 @pytest.mark.parametrize("policy", ["deepspeed", "orbitflow"])
@@ -51,7 +69,7 @@ def test_engine_steps_are_charged_with_the_planners_model_at_its_depth(sve, tiny
 
 
 def test_rerun_taus_compare_consecutive_engine_rankings(sve):
-    orders = (["a", "b", "c"], ["a", "b", "c"], ["c", "b", "a"])
-    runs = [{"ranking_engine": order} for order in orders]
+    runs = [{"keys_engine": keys("a", "b", "c")}, {"keys_engine": keys("a", "b", "c")},
+            {"keys_engine": keys("c", "b", "a")}]
     assert sve.rerun_taus(runs) == [pytest.approx(1.0), pytest.approx(-1.0)]
     assert sve.rerun_taus(runs[:1]) == []
