@@ -160,8 +160,13 @@ class BlockPool:
         if not ids:
             return
         with self._lock:
-            idx = np.asarray(ids)
-            if not self._used[idx].all() or np.unique(idx).size != idx.size:  # a bug, never an expected shortage
+            if is_run(ids):  # the usual case (a run, a staging slot): slices, and its ids are distinct
+                idx = slice(ids[0], ids[0] + len(ids))
+                ok = bool(self._used[idx].all())
+            else:
+                idx = np.asarray(ids)
+                ok = bool(self._used[idx].all()) and np.unique(idx).size == idx.size
+            if not ok:  # a bug, never an expected shortage
                 raise ValueError(f"{self.tier} pool: freeing blocks that are not allocated (or twice): {ids}")
             self._used[idx] = False
             self._num_used -= len(ids)

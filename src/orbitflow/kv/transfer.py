@@ -177,7 +177,7 @@ class TransferEngine:
         `head_planes`), so a pinned host side is copied by DMA directly: no gather (which would read host memory
         on the host, and land in pageable memory that makes the copy synchronous), no index tensor, no
         host-side read of memory a copy may still write."""
-        src_planes, dst_planes = head_planes(src.storage), head_planes(dst.storage)
+        src_planes, dst_planes = _planes(src), _planes(dst)
         if not self.is_cuda:  # one strided copy per run (each torch call re-takes the GIL the step loop needs)
             for s0, d0, m in _runs(src_ids, dst_ids):
                 dst_planes[:, :, d0:d0 + m].copy_(src_planes[:, :, s0:s0 + m])
@@ -471,7 +471,8 @@ class TransferEngine:
             if staging is not None:
                 fetch.staging = staging  # owned by the fetch from here on (freed by release or end_step)
                 self._wait_and_check(self.device_pool, staging, "copy", "slot refill")
-                self.device.poison(self._slot_view(staging))  # strict: the slot holds garbage until the copy lands
+                if self.device.strict.enabled:  # strict: the slot holds garbage until the copy lands
+                    self.device.poison(self._slot_view(staging))
             else:
                 src = self.host_pool.storage
                 fetch.scratch = block_tensor(fetch.capacity, *src.shape[2:], src.dtype, self.device_pool.storage.device)
@@ -530,6 +531,14 @@ class TransferEngine:
                 with self._cond:
                     self._in_flight -= 1
                     self._cond.notify_all()
+
+
+def _planes(pool) -> torch.Tensor:
+    """`head_planes` of a pool's storage, made once per pool (the copy worker needs it for every transfer)."""
+    cached = getattr(pool, "_head_planes", None)
+    if cached is None or cached[0] is not pool.storage:
+        cached = pool._head_planes = (pool.storage, head_planes(pool.storage))
+    return cached[1]
 
 
 class _ScratchPool:
