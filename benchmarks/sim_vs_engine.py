@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -376,6 +377,17 @@ def write_md(path: str, payload: dict) -> None:
                      f"| {pct('stall_err')(r)} | {r['kendall_tau']:+.2f} | {r['ranking_engine']} "
                      f"| {r['ranking_simulator']} |")
     lines += ["", "Criteria of issue 12 (every run):", ""] + [f"- {line}" for line in payload["verdict"]] + [""]
+    if payload.get("previous"):
+        lines += ["Earlier invocations of the same command, just before this one (the criteria over their runs):", "",
+                  "| invocation | per-step error median | p95 | stall error | Kendall tau | all criteria |",
+                  "|---|---|---|---|---|---|"]
+        for i, prev in enumerate(payload["previous"], 1):
+            rs = prev["runs"]
+            cells = [", ".join(pct(key)(r) for r in rs) for key in ("step_err_median", "step_err_p95", "stall_err")]
+            taus = ", ".join(f"{r['kendall_tau']:+.2f}" for r in rs)
+            verdict = "PASS" if prev["pass"] else "FAIL"
+            lines.append(f"| {i} ({prev['setup']['date']}) | {' | '.join(cells)} | {taus} | {verdict} |")
+        lines.append("")
     if payload["engine_rerun_taus"]:
         lines += ["The engine against itself: Kendall tau between the engine's rankings of consecutive runs (same "
                   "trace, config and code; a fresh profile each run): "
@@ -407,6 +419,12 @@ def write_md(path: str, payload: dict) -> None:
         fh.write("\n".join(lines))
 
 
+def _load_previous(path: str) -> dict:
+    with open(path) as fh:
+        prev = json.load(fh)
+    return {"runs": prev["runs"], "setup": prev["setup"], "pass": prev["pass"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests (about 1-2 minutes per run)")
@@ -424,6 +442,8 @@ def main() -> None:
     parser.add_argument("--save", default=None, metavar="DIR",
                         help="also write the trace (trace.json) and each run's measured profile (profile-N.json), to "
                              "replay with: orbitflow simulate --profile DIR/profile-1.json --trace DIR/trace.json")
+    parser.add_argument("--previous", nargs="*", default=[], metavar="JSON",
+                        help="--json files of earlier invocations to list in the --md fragment (consecutive runs)")
     parser.add_argument("--title", default="How far to trust the simulator", help="heading of the --md fragment")
     parser.add_argument("--md", default=None, metavar="PATH",
                         help="write the docs fragment (e.g. docs/results/sim_fidelity.md)")
@@ -485,9 +505,10 @@ def main() -> None:
     overall = all(all(r["checks"].values()) for r in runs)
     print(f"{'PASS' if overall else 'FAIL'}  all criteria in all {len(runs)} run(s)")
 
-    command = "python benchmarks/sim_vs_engine.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/sim_vs_engine.py " + shlex.join(sys.argv[1:])
     payload = {
         "command": command.strip(), "title": args.title,
+        "previous": [_load_previous(path) for path in args.previous],
         "setup": {"description": description, "seed": args.seed, "repeat": args.repeat, "quick": args.quick,
                   "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
                              f"Python {platform.python_version()}",
