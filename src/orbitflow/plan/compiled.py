@@ -289,8 +289,9 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            last, f_scratch, cover, lat_key):
-    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key``."""
+            use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch):
+    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key``; with
+    ``use_dp`` also the propagated bound."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
     # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
@@ -312,6 +313,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 bmax = nb
         bmean = bsum / n_layers
         alive[d, k] = new_res + bmax + rest <= cap
+        slack[k] = cap - new_res - bmax - rest
         rhs = new_res + rest * n_layers - cap
         y1 = rhs + bmax
         if n_layers > 1:
@@ -348,24 +350,9 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
         lat_lb[d, k] = max(max(lat, kid_chain), sep_lb)
         lat_key[d, k] = max(max(key, kid_chain), sep_lb)
         kid_moved[d, k] = moved[d] + b0[r] * counts[k]
-    if last:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
-        for k in range(n_kids):
-            if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
-                continue
-            f = f_scratch
-            f[0] = (v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
-            for layer in range(1, n_layers):
-                s = max(f[layer - 1], v[d, 0, layer] + x * mats[k, 0, layer])
-                cand = -math.inf
-                for m in range(layer):
-                    q = f[m] + (v[d, m + 1, layer] + x * mats[k, m + 1, layer])
-                    if q > cand:
-                        cand = q
-                f[layer] = max(s, cand) + comp0[layer]
-            if f[n_layers - 1] > lat_lb[d, k]:
-                lat_lb[d, k] = f[n_layers - 1]
-            if f[n_layers - 1] > lat_key[d, k]:
-                lat_key[d, k] = f[n_layers - 1]
+    if use_dp:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
+        _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
+                     comp0, counts, f_scratch, w_scratch)
     # stable order by (key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
@@ -379,12 +366,74 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
 
 
 @_jit
+def _least_candidate(bc, slack_k, counts, n_layers):
+    """The first candidate a request of ``bc`` blocks per layer can fit with, given a child's spare capacity
+    ``slack_k`` (``BranchAndBound._least_candidates``)."""
+    lim = slack_k + bc + 1e-6
+    kmin = 0
+    while kmin < counts.size - 1 and bc * (n_layers - counts[kmin]) > lim:
+        kmin += 1
+    return kmin
+
+
+@_jit
+def _least_into(w, d, k, x, v, mats, order, bcap, x0, slack_k, counts, least):
+    """Child ``k``'s transfer-count matrix plus the least host layers of each request not assigned at depth ``d``
+    (``BranchAndBound._least_offload``: those common to every candidate it can still fit with, ``slack_k`` the
+    child's spare capacity with the unassigned requests fully offloaded) into ``w``, the entries the propagated
+    bound reads (row ``i``, layers ``>= i``) only. Returns False, ``w`` untouched, when none must offload."""
+    n_layers = w.shape[1]
+    forced = False
+    for e in range(d + 1, order.size):
+        q = order[e]
+        kmin = _least_candidate(bcap[q], slack_k, counts, n_layers)
+        if kmin == 0:
+            continue
+        if not forced:
+            forced = True
+            for i in range(n_layers + 1):
+                for layer in range(i, n_layers):
+                    w[i, layer] = v[d, i, layer] + x * mats[k, i, layer]
+        xq = x0[q]
+        for i in range(n_layers + 1):
+            for layer in range(i, n_layers):
+                w[i, layer] = w[i, layer] + xq * least[kmin, i, layer]
+    return forced
+
+
+@_jit
+def _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
+                 comp0, counts, f, w):
+    """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
+    unassigned requests at their least host layers (:func:`_least_into`); raises ``lat_lb`` and ``lat_key``."""
+    n_layers = comp0.size
+    for k in range(n_kids):
+        if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
+            continue
+        use_w = _least_into(w, d, k, x, v, mats, order, bcap, x0, slack[k], counts, least)
+        f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
+        for layer in range(1, n_layers):
+            s = max(f[layer - 1], w[0, layer] if use_w else v[d, 0, layer] + x * mats[k, 0, layer])
+            cand = -math.inf
+            for m in range(layer):
+                q = f[m] + (w[m + 1, layer] if use_w else v[d, m + 1, layer] + x * mats[k, m + 1, layer])
+                if q > cand:
+                    cand = q
+            f[layer] = max(s, cand) + comp0[layer]
+        if f[n_layers - 1] > lat_lb[d, k]:
+            lat_lb[d, k] = f[n_layers - 1]
+        if f[n_layers - 1] > lat_key[d, k]:
+            lat_key[d, k] = f[n_layers - 1]
+
+
+@_jit
 def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, alive, kid_moved,
               res, buf, vol, after, chain_lb, moved, sep, v,
               counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
               slo_on, dep, slo, alpha, d_lo, d_hi,
-              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key):
+              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
+              dp_depth, least, slack, w_scratch):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -415,7 +464,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, d == n_req - 1, f_scratch, cover, lat_key)
+                    cap, dp_depth[d], f_scratch, cover, lat_key, order, least, slack, w_scratch)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue
