@@ -381,8 +381,10 @@ def _least_into(w, d, k, x, v, mats, order, bcap, x0, slack_k, counts, least):
     """Child ``k``'s transfer-count matrix plus the least host layers of each request not assigned at depth ``d``
     (``BranchAndBound._least_offload``: those common to every candidate it can still fit with, ``slack_k`` the
     child's spare capacity with the unassigned requests fully offloaded) into ``w``, the entries the propagated
-    bound reads (row ``i``, layers ``>= i``) only. Returns False, ``w`` untouched, when none must offload."""
-    n_layers = w.shape[1]
+    bound reads only. Returns False, ``w`` untouched, when none must offload. Matrices are transposed
+    (``[layer, row]`` of :func:`orbitflow.plan.bounds.count_matrix`, row ``<= layer`` only): the bound's inner
+    loop runs along a row of them."""
+    n_layers = w.shape[0]
     forced = False
     for e in range(d + 1, order.size):
         q = order[e]
@@ -391,13 +393,13 @@ def _least_into(w, d, k, x, v, mats, order, bcap, x0, slack_k, counts, least):
             continue
         if not forced:
             forced = True
-            for i in range(n_layers + 1):
-                for layer in range(i, n_layers):
-                    w[i, layer] = v[d, i, layer] + x * mats[k, i, layer]
+            for layer in range(n_layers):
+                for i in range(layer + 1):
+                    w[layer, i] = v[d, layer, i] + x * mats[k, layer, i]
         xq = x0[q]
-        for i in range(n_layers + 1):
-            for layer in range(i, n_layers):
-                w[i, layer] = w[i, layer] + xq * least[kmin, i, layer]
+        for layer in range(n_layers):
+            for i in range(layer + 1):
+                w[layer, i] = w[layer, i] + xq * least[kmin, layer, i]
     return forced
 
 
@@ -413,10 +415,10 @@ def _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, la
         use_w = _least_into(w, d, k, x, v, mats, order, bcap, x0, slack[k], counts, least)
         f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
         for layer in range(1, n_layers):
-            s = max(f[layer - 1], w[0, layer] if use_w else v[d, 0, layer] + x * mats[k, 0, layer])
+            s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])
             cand = -math.inf
             for m in range(layer):
-                q = f[m] + (w[m + 1, layer] if use_w else v[d, m + 1, layer] + x * mats[k, m + 1, layer])
+                q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
                 if q > cand:
                     cand = q
             f[layer] = max(s, cand) + comp0[layer]
@@ -519,9 +521,9 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
             moved[e] = kid_moved[d, k]
             for j in range(sep_off.size):
                 sep[e, j] = sep[d, j] + x * sep_n[j, k]
-            for m in range(n_layers + 1):
-                for layer in range(n_layers):
-                    v[e, m, layer] = v[d, m, layer] + x * mats[k, m, layer]
+            for layer in range(n_layers):  # transposed, the entries the propagated bound reads (_least_into)
+                for m in range(layer + 1):
+                    v[e, layer, m] = v[d, layer, m] + x * mats[k, layer, m]
             ist[DEPTH] = e
             ist[PHASE] = ENTER
             descended = True

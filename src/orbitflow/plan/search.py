@@ -113,6 +113,8 @@ class CandidateTables(NamedTuple):
     lay_ptr: np.ndarray  # [K+1] CSR of ``lists`` (compiled search)
     lay: np.ndarray
     least_mats: np.ndarray  # [K, L+1, L] count_matrix of the host layers common to candidates k.. (all denser ones)
+    mats_t: np.ndarray  # [K, L, L+1] mats and least_mats transposed (the compiled search's layout)
+    least_t: np.ndarray
 
 
 @lru_cache(maxsize=64)
@@ -143,10 +145,12 @@ def candidate_tables(num_layers: int) -> CandidateTables:
     lay = np.array([i for hl in lists for i in hl], dtype=np.int64)
     common = np.logical_and.accumulate(hosts[::-1], axis=0)[::-1]  # layers offloaded by every candidate k..
     least_mats = np.stack([count_matrix(h) for h in common])
-    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last, lay_ptr, lay, least_mats):
+    mats_t, least_t = (np.ascontiguousarray(m.transpose(0, 2, 1)) for m in (mats, least_mats))
+    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last, lay_ptr, lay, least_mats, mats_t,
+              least_t):
         a.setflags(write=False)
     return CandidateTables(dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats, gap_first, gap_last, sep,
-                           lay_ptr, lay, least_mats)
+                           lay_ptr, lay, least_mats, mats_t, least_t)
 
 
 class _Children(NamedTuple):
@@ -509,7 +513,7 @@ class BranchAndBound:
         t = self.tables
         args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
             self._feas(), best_k, tuple(self.cover), np.zeros((self.n_req, len(self.counts))), self.dp_depth,
-            t.least_mats, np.zeros(len(self.counts)), np.zeros(self.mats.shape[1:]))
+            t.least_t, np.zeros(len(self.counts)), np.zeros(t.mats_t.shape[1:]))
         nodes0 = self.nodes
         since, done = time.perf_counter(), self.nodes
         while cc.bb_search(*args) == cc.PAUSED:
@@ -573,8 +577,8 @@ class BranchAndBound:
             np.zeros((n_req, n_cand)), np.zeros((n_req, n_cand), np.bool_), np.zeros((n_req, n_cand)),
             np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
             np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
-            np.zeros((n_req, n_layers + 1, n_layers)),
-            self.counts, self.hosts_f, self.cumh, self.pairs_after, self.mats, self.sep_n, self.sep_slope,
+            np.zeros((n_req, n_layers, n_layers + 1)),  # transposed, as t.mats_t
+            self.counts, self.hosts_f, self.cumh, self.pairs_after, t.mats_t, self.sep_n, self.sep_slope,
             self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
             self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
             np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
