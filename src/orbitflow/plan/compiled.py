@@ -462,11 +462,13 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                 return FINISHED
             n_kids = choice[d - 1] + 1 if same_as_prev[d] else n_cand
             nk[d] = n_kids
+            # BranchAndBound._propagate_at: not above the last request during the first dive
+            use_dp = d == n_req - 1 or (dp_depth[d] and ist[NODES] - ist[DIVE_START] > n_req + 1)
             _expand(d, order[d], n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, dp_depth[d], f_scratch, cover, lat_key, order, least, slack, w_scratch)
+                    cap, use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue

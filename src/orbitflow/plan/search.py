@@ -443,7 +443,7 @@ class BranchAndBound:
         else:  # the bounds are proven for the executor's schedule only
             lat_lb = key = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * self.counts[:n_kids]
-        if self.edf and self.dp_depth[depth]:
+        if self.edf and self._propagate_at(depth):
             # deep in the tree: the propagated release/need bound (bounds.dp_bound), the unassigned requests at their
             # least host layers; higher up the separable bound is about as tight and much cheaper
             keep = np.flatnonzero(alive)
@@ -455,6 +455,12 @@ class BranchAndBound:
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp)
                 key[keep] = np.maximum(key[keep], dp)
         return _Children(x, alive, lat_lb, key, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
+
+    def _propagate_at(self, depth: int) -> bool:
+        """Whether the children of a node at ``depth`` get the propagated bound: at the last request, and where the
+        unassigned requests hold little (``dp_depth``) once the first dive (one node per request and its leaf) is
+        done; the first dive is what a tight budget buys, and there the bound costs more than it prunes."""
+        return depth == self.n_req - 1 or (bool(self.dp_depth[depth]) and self.nodes - self.dive_start > self.n_req + 1)
 
     def _least_offload(self, depth: int, w: np.ndarray, new_res: np.ndarray, bmax: np.ndarray) -> np.ndarray:
         """The transfer-count matrices ``w`` of children (resident blocks ``new_res``, buffer peak ``bmax``) plus
