@@ -26,12 +26,13 @@ The latency bound of a child is the largest of
 
 The first three treat unassigned requests as offloading nothing (every term only grows when a host layer
 is added), so they bound every completion. Deep in the tree (the requests left unassigned hold at most
-``DP_REST_SHARE`` of the batch's blocks per layer; always at the last request) the children that survive also
-get the propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`, vectorised over children), with
-each unassigned request at the host layers common to every candidate it can still fit with (when capacity
-leaves a small request no candidate but the densest ones, their shared layers already cost it a transfer per
-layer); at the last request those that survive it are run through the exact schedule (stopped part-way once
-slower than the incumbent) and the window rule. Nodes are expanded depth first, cheapest bound first.
+``DP_REST_SHARE`` of the batch's blocks per layer, once the first dive is done; always at the last request) the
+children that survive also get the propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`,
+vectorised over children), with each unassigned request at the host layers common to every candidate it can
+still fit with (when capacity leaves a small request no candidate but the densest ones, their shared layers
+already cost it a transfer per layer); at the last request those that survive it are run through the exact
+schedule (stopped part-way once slower than the incumbent) and the window rule. Nodes are expanded depth first,
+cheapest bound first.
 
 Incumbents: before the search, the hint (the previous plan), the greedy by transfer-to-compute ratio and the
 sparsest uniform distance that fits. Local improvement (:meth:`BranchAndBound._improve`, compiled
