@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from orbitflow.plan import CostModel, Planner, PlanRequest
+from orbitflow.plan import CostModel, Planner, PlanRequest, search
 from orbitflow.plan import compiled as cc
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.search import BranchAndBound
@@ -117,8 +117,12 @@ def _planner_case(rng):
 
 
 @needs_numba
-def test_compiled_and_reference_planners_give_identical_plans():
-    """Same plan, window, expiry and node counts: the compiled search is the reference search."""
+@pytest.mark.parametrize("dp_everywhere", [False, True])
+def test_compiled_and_reference_planners_give_identical_plans(dp_everywhere, monkeypatch):
+    """Same plan, window, expiry and node counts: the compiled search is the reference search (also with the
+    propagated bound and the least offload of the unassigned requests at every depth)."""
+    if dp_everywhere:
+        monkeypatch.setattr(search, "DP_REST_SHARE", 1.0)
     rng = np.random.default_rng(1)
     cut = 0
     for i in range(60):

@@ -289,8 +289,9 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            last, f_scratch, cover, lat_key):
-    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key``."""
+            use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch):
+    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key``; with
+    ``use_dp`` also the propagated bound."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
     # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
@@ -312,6 +313,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 bmax = nb
         bmean = bsum / n_layers
         alive[d, k] = new_res + bmax + rest <= cap
+        slack[k] = cap - new_res - bmax - rest
         rhs = new_res + rest * n_layers - cap
         y1 = rhs + bmax
         if n_layers > 1:
@@ -348,24 +350,9 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
         lat_lb[d, k] = max(max(lat, kid_chain), sep_lb)
         lat_key[d, k] = max(max(key, kid_chain), sep_lb)
         kid_moved[d, k] = moved[d] + b0[r] * counts[k]
-    if last:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
-        for k in range(n_kids):
-            if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
-                continue
-            f = f_scratch
-            f[0] = (v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
-            for layer in range(1, n_layers):
-                s = max(f[layer - 1], v[d, 0, layer] + x * mats[k, 0, layer])
-                cand = -math.inf
-                for m in range(layer):
-                    q = f[m] + (v[d, m + 1, layer] + x * mats[k, m + 1, layer])
-                    if q > cand:
-                        cand = q
-                f[layer] = max(s, cand) + comp0[layer]
-            if f[n_layers - 1] > lat_lb[d, k]:
-                lat_lb[d, k] = f[n_layers - 1]
-            if f[n_layers - 1] > lat_key[d, k]:
-                lat_key[d, k] = f[n_layers - 1]
+    if use_dp:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
+        _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
+                     comp0, counts, f_scratch, w_scratch)
     # stable order by (key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
@@ -379,12 +366,76 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
 
 
 @_jit
+def _least_candidate(bc, slack_k, counts, n_layers):
+    """The first candidate a request of ``bc`` blocks per layer can fit with, given a child's spare capacity
+    ``slack_k`` (``BranchAndBound._least_candidates``)."""
+    lim = slack_k + bc + 1e-6
+    kmin = 0
+    while kmin < counts.size - 1 and bc * (n_layers - counts[kmin]) > lim:
+        kmin += 1
+    return kmin
+
+
+@_jit
+def _least_into(w, d, k, x, v, mats, order, bcap, x0, slack_k, counts, least):
+    """Child ``k``'s transfer-count matrix plus the least host layers of each request not assigned at depth ``d``
+    (``BranchAndBound._least_offload``: those common to every candidate it can still fit with, ``slack_k`` the
+    child's spare capacity with the unassigned requests fully offloaded) into ``w``, the entries the propagated
+    bound reads only. Returns False, ``w`` untouched, when none must offload. Matrices are transposed
+    (``[layer, row]`` of :func:`orbitflow.plan.bounds.count_matrix`, row ``<= layer`` only): the bound's inner
+    loop runs along a row of them."""
+    n_layers = w.shape[0]
+    forced = False
+    for e in range(d + 1, order.size):
+        q = order[e]
+        kmin = _least_candidate(bcap[q], slack_k, counts, n_layers)
+        if kmin == 0:
+            continue
+        if not forced:
+            forced = True
+            for layer in range(n_layers):
+                for i in range(layer + 1):
+                    w[layer, i] = v[d, layer, i] + x * mats[k, layer, i]
+        xq = x0[q]
+        for layer in range(n_layers):
+            for i in range(layer + 1):
+                w[layer, i] = w[layer, i] + xq * least[kmin, layer, i]
+    return forced
+
+
+@_jit
+def _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
+                 comp0, counts, f, w):
+    """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
+    unassigned requests at their least host layers (:func:`_least_into`); raises ``lat_lb`` and ``lat_key``."""
+    n_layers = comp0.size
+    for k in range(n_kids):
+        if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
+            continue
+        use_w = _least_into(w, d, k, x, v, mats, order, bcap, x0, slack[k], counts, least)
+        f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
+        for layer in range(1, n_layers):
+            s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])
+            cand = -math.inf
+            for m in range(layer):
+                q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
+                if q > cand:
+                    cand = q
+            f[layer] = max(s, cand) + comp0[layer]
+        if f[n_layers - 1] > lat_lb[d, k]:
+            lat_lb[d, k] = f[n_layers - 1]
+        if f[n_layers - 1] > lat_key[d, k]:
+            lat_key[d, k] = f[n_layers - 1]
+
+
+@_jit
 def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, alive, kid_moved,
               res, buf, vol, after, chain_lb, moved, sep, v,
               counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
               slo_on, dep, slo, alpha, d_lo, d_hi,
-              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key):
+              tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
+              dp_depth, least, slack, w_scratch):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -411,11 +462,13 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                 return FINISHED
             n_kids = choice[d - 1] + 1 if same_as_prev[d] else n_cand
             nk[d] = n_kids
+            # BranchAndBound._propagate_at: not above the last request during the first dive
+            use_dp = d == n_req - 1 or (dp_depth[d] and ist[NODES] - ist[DIVE_START] > n_req + 1)
             _expand(d, order[d], n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, d == n_req - 1, f_scratch, cover, lat_key)
+                    cap, use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue
@@ -470,9 +523,9 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
             moved[e] = kid_moved[d, k]
             for j in range(sep_off.size):
                 sep[e, j] = sep[d, j] + x * sep_n[j, k]
-            for m in range(n_layers + 1):
-                for layer in range(n_layers):
-                    v[e, m, layer] = v[d, m, layer] + x * mats[k, m, layer]
+            for layer in range(n_layers):  # transposed, the entries the propagated bound reads (_least_into)
+                for m in range(layer + 1):
+                    v[e, layer, m] = v[d, layer, m] + x * mats[k, layer, m]
             ist[DEPTH] = e
             ist[PHASE] = ENTER
             descended = True

@@ -25,10 +25,14 @@ The latency bound of a child is the largest of
   high in the tree, where most requests are still unassigned.
 
 The first three treat unassigned requests as offloading nothing (every term only grows when a host layer
-is added), so they bound every completion. At the last request the children that survive also get the
-propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`, vectorised over children), and
-those that survive it are run through the exact schedule (stopped part-way once slower than the incumbent)
-and the window rule. Nodes are expanded depth first, cheapest bound first.
+is added), so they bound every completion. Deep in the tree (the requests left unassigned hold at most
+``DP_REST_SHARE`` of the batch's blocks per layer, once the first dive is done; always at the last request) the
+children that survive also get the propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`,
+vectorised over children), with each unassigned request at the host layers common to every candidate it can
+still fit with (when capacity leaves a small request no candidate but the densest ones, their shared layers
+already cost it a transfer per layer); at the last request those that survive it are run through the exact
+schedule (stopped part-way once slower than the incumbent) and the window rule. Nodes are expanded depth first,
+cheapest bound first.
 
 Incumbents: before the search, the hint (the previous plan), the greedy by transfer-to-compute ratio and the
 sparsest uniform distance that fits. Local improvement (:meth:`BranchAndBound._improve`, compiled
@@ -63,6 +67,7 @@ from orbitflow.plan.types import REL_TOL, PlanStats, better
 PAUSE_S = 1e-4  # compiled kernels under a deadline: seconds of work between deadline checks (about)
 PAUSE_EVERY = 256  # ... and at most this many nodes / evaluations
 BIG_SPACE = 10**6  # assignments of the pruned space above which an exact search polishes its first incumbent
+DP_REST_SHARE = 0.05  # the propagated bound (dp_bound) where the unassigned requests hold at most this share
 IMPROVE_SHARE = 0.2  # of the time left when a search with a deadline starts: kept for the local improvement
 
 
@@ -108,6 +113,9 @@ class CandidateTables(NamedTuple):
     sep: SeparableTables
     lay_ptr: np.ndarray  # [K+1] CSR of ``lists`` (compiled search)
     lay: np.ndarray
+    least_mats: np.ndarray  # [K, L+1, L] count_matrix of the host layers common to candidates k.. (all denser ones)
+    mats_t: np.ndarray  # [K, L, L+1] mats and least_mats transposed (the compiled search's layout)
+    least_t: np.ndarray
 
 
 @lru_cache(maxsize=64)
@@ -136,10 +144,14 @@ def candidate_tables(num_layers: int) -> CandidateTables:
     sep = separable_tables(mats, counts)
     lay_ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     lay = np.array([i for hl in lists for i in hl], dtype=np.int64)
-    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last, lay_ptr, lay):
+    common = np.logical_and.accumulate(hosts[::-1], axis=0)[::-1]  # layers offloaded by every candidate k..
+    least_mats = np.stack([count_matrix(h) for h in common])
+    mats_t, least_t = (np.ascontiguousarray(m.transpose(0, 2, 1)) for m in (mats, least_mats))
+    for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last, lay_ptr, lay, least_mats, mats_t,
+              least_t):
         a.setflags(write=False)
     return CandidateTables(dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats, gap_first, gap_last, sep,
-                           lay_ptr, lay)
+                           lay_ptr, lay, least_mats, mats_t, least_t)
 
 
 class _Children(NamedTuple):
@@ -244,6 +256,8 @@ class BranchAndBound:
         self.sep_off = self.comp_total - sep.between @ cum
         ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
         self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
+        # the propagated bound where what is left unassigned is small (it offloads nothing there): always at the last
+        self.dp_depth = self.rest_b0[1:] <= DP_REST_SHARE * self.rest_b0[0]
         self.cover = cover_tables(o, self.bcap, self.x0, self.n_layers)
         # per-request chain stall lower bound of each candidate
         gaps = cum[tables.gap_last] - cum[tables.gap_first]
@@ -430,16 +444,48 @@ class BranchAndBound:
         else:  # the bounds are proven for the executor's schedule only
             lat_lb = key = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * self.counts[:n_kids]
-        if self.edf and depth == self.n_req - 1:
-            # leaves: the propagated release/need bound (bounds.dp_bound) before the exact schedule; above the
-            # leaves the separable bound is about as tight and much cheaper
+        if self.edf and self._propagate_at(depth):
+            # deep in the tree: the propagated release/need bound (bounds.dp_bound), the unassigned requests at their
+            # least host layers; higher up the separable bound is about as tight and much cheaper
             keep = np.flatnonzero(alive)
             keep = keep[[not prunable(float(lat_lb[k]), float(new_moved[k]), self.best_key, self.gap) for k in keep]]
             if keep.size:
-                dp = dp_bound(v[None] + x * self.mats[keep], self.comp0)
+                w = self._least_offload(depth, v[None] + x * self.mats[keep], new_res[keep],
+                                        new_buf[keep].max(axis=1))
+                dp = dp_bound(w, self.comp0)
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp)
                 key[keep] = np.maximum(key[keep], dp)
         return _Children(x, alive, lat_lb, key, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
+
+    def _propagate_at(self, depth: int) -> bool:
+        """Whether the children of a node at ``depth`` get the propagated bound: at the last request, and where the
+        unassigned requests hold little (``dp_depth``) once the first dive (one node per request and its leaf) is
+        done; the first dive is what a tight budget buys, and there the bound costs more than it prunes."""
+        return depth == self.n_req - 1 or (bool(self.dp_depth[depth]) and self.nodes - self.dive_start > self.n_req + 1)
+
+    def _least_offload(self, depth: int, w: np.ndarray, new_res: np.ndarray, bmax: np.ndarray) -> np.ndarray:
+        """The transfer-count matrices ``w`` of children (resident blocks ``new_res``, buffer peak ``bmax``) plus
+        those of the host layers every request not assigned yet must offload: the layers common to all its
+        candidates that can still fit. Candidate ``k`` of request ``r`` cannot fit when ``bcap_r (L - count_k)``
+        exceeds the child's spare capacity with the other unassigned requests fully offloaded (the least they
+        take: one block per layer each). The propagated bound only grows with host layers, so it still bounds
+        every completion."""
+        slack = self.cap - new_res - bmax - float(self.rest_b[depth + 1])
+        for r, kmin in zip(self.order[depth + 1:], self._least_candidates(depth, slack)):
+            w = w + self.x0[r] * self.tables.least_mats[kmin]
+        return w
+
+    def _least_candidates(self, depth: int, slack: np.ndarray) -> list[np.ndarray]:
+        """Per request not assigned at ``depth`` (in search order), the first candidate it can fit with in each
+        child (``slack``: the child's spare capacity with the unassigned requests fully offloaded): candidate ``k``
+        of ``r`` cannot fit when ``bcap_r (L - count_k)`` exceeds ``slack + bcap_r`` (what ``r`` took as fully
+        offloaded; 1e-6 blocks of slack for rounding). Every later candidate offloads more, so it takes less."""
+        out = []
+        for r in self.order[depth + 1:]:
+            bc = float(self.bcap[r])
+            fits = bc * (self.n_layers - self.counts)[None, :] <= (slack + bc + 1e-6)[:, None]
+            out.append(np.where(fits.any(axis=1), fits.argmax(axis=1), len(self.counts) - 1))
+        return out
 
     def _visit(self, depth: int, kids: _Children, v: np.ndarray) -> None:
         """Visit the surviving children, cheapest bound first (ties: fewer offloaded layers)."""
@@ -471,8 +517,10 @@ class BranchAndBound:
         control every :func:`paced_chunk` nodes."""
         ist, fst = self._compiled_state()
         best_k = np.zeros(self.n_req, dtype=np.int64)
+        t = self.tables
         args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
-            self._feas(), best_k, tuple(self.cover), np.zeros((self.n_req, len(self.counts))))
+            self._feas(), best_k, tuple(self.cover), np.zeros((self.n_req, len(self.counts))), self.dp_depth,
+            t.least_t, np.zeros(len(self.counts)), np.zeros(t.mats_t.shape[1:]))
         nodes0 = self.nodes
         since, done = time.perf_counter(), self.nodes
         while cc.bb_search(*args) == cc.PAUSED:
@@ -536,8 +584,8 @@ class BranchAndBound:
             np.zeros((n_req, n_cand)), np.zeros((n_req, n_cand), np.bool_), np.zeros((n_req, n_cand)),
             np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
             np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
-            np.zeros((n_req, n_layers + 1, n_layers)),
-            self.counts, self.hosts_f, self.cumh, self.pairs_after, self.mats, self.sep_n, self.sep_slope,
+            np.zeros((n_req, n_layers, n_layers + 1)),  # transposed, as t.mats_t
+            self.counts, self.hosts_f, self.cumh, self.pairs_after, t.mats_t, self.sep_n, self.sep_slope,
             self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
             self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
             np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
