@@ -433,7 +433,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.3, help="device KV budget as a fraction of a full batch's KV")
     parser.add_argument("--slo-scale", type=float, default=2.0,
                         help="TBT SLO as a multiple of the base SLO (the paper's scales: 1 to 2.5). At the default "
-                             "2.0 the five policies' attainments on the --quick trace lie 7+ points apart; at 1.5 the "
+                             "2.0 the five policies' attainments on the --quick trace lie 6+ points apart; at 1.5 the "
                              "decode steps of three baselines sit within a few percent of the SLO, so a few percent of "
                              "model error reorders them (docs/results.md, 'How far to trust the simulator')")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma list of policies")
