@@ -93,8 +93,19 @@ def measured(fn: Callable[[], tuple[float, float]]) -> tuple[float, float, float
     return ttft, span, 1024.0 * (_rss_kib("VmHWM") - before)
 
 
+def pool_blocks(loaded: LoadedModel, batch: int, context: int, new_tokens: int) -> int:
+    """Device blocks the engine preallocates for a point: every layer of every request, plus 64 spare."""
+    return batch * loaded.config.num_layers * -(-(context + new_tokens) // 16) + 64
+
+
+def pool_mib(loaded: LoadedModel, batch: int, context: int, new_tokens: int) -> float:
+    mc = loaded.config
+    bytes_per_block = 2 * 16 * mc.num_kv_heads * mc.head_dim * 4  # K and V, float32
+    return pool_blocks(loaded, batch, context, new_tokens) * bytes_per_block / 2**20
+
+
 def ours_runner(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, spec: str) -> Run:
-    blocks = len(prompts) * loaded.config.num_layers * -(-(len(prompts[0]) + new_tokens) // 16)
+    blocks = pool_blocks(loaded, len(prompts), len(prompts[0]), new_tokens) - 64
     # The whole batch is admitted at once, as transformers runs it: the running-batch token cap (default
     # 32768) would otherwise hold back the fourth 8192-token prompt and run the batch in waves.
     config = EngineConfig.build(model=MODEL, max_num_seqs=len(prompts), device_kv_blocks=blocks + 64,
@@ -145,7 +156,7 @@ def interleave(runs: dict[str, Run], repeats: int, bar: tqdm) -> dict[str, list[
     return samples
 
 
-def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str) -> dict:
+def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str, pool_mib: float = 0.0) -> dict:
     decode = {k: [batch * (new_tokens - 1) / span for _, span, _ in v] for k, v in samples.items()}
     prefill = {k: [batch * context / ttft for ttft, _, _ in v] for k, v in samples.items()}
     rss = {k: statistics.median(m for _, _, m in v) / 2**20 for k, v in samples.items()}
@@ -158,6 +169,7 @@ def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str
         "prefill_a": statistics.median(prefill[a]), "prefill_b": statistics.median(prefill[b]),
         "pratio": statistics.median(pratios), "prange": f"{min(pratios):.2f}-{max(pratios):.2f}",
         "rss_a": rss[a], "rss_b": rss[b],
+        "headroom": rss[b] + pool_mib - rss[a], "pool": pool_mib,
     }
 
 
@@ -165,7 +177,8 @@ COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "orbitflow d
            ("decode_b", "HF decode tok/s"), ("ratio", "Decode ratio"), ("range", "Decode ratio range"),
            ("prefill_a", "orbitflow prefill tok/s"), ("prefill_b", "HF prefill tok/s"),
            ("pratio", "Prefill ratio"), ("prange", "Prefill ratio range"),
-           ("rss_a", "orbitflow peak RSS MiB"), ("rss_b", "HF peak RSS MiB")]
+           ("rss_a", "orbitflow peak RSS MiB"), ("rss_b", "HF peak RSS MiB"), ("pool", "orbitflow device pool MiB"),
+           ("headroom", "HF + pool - orbitflow MiB")]
 OFFLOAD_COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "half on host decode tok/s"),
                    ("decode_b", "none decode tok/s"), ("ratio", "Ratio (host/none)"),
                    ("range", "Ratio range")]
@@ -204,7 +217,9 @@ def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threa
         f"repeats (ours, transformers, ours, ...); ranges are over the paired repeats. Transformers is "
         f"`LlamaForCausalLM.generate` with SDPA attention in the same process. Peak RSS is the growth of the "
         f"process's high-water mark during one run (both models stay loaded); ours includes its freshly built "
-        f"block pool.",
+        f"block pool. The last column is the issue's memory bound: transformers' peak plus our device pool's "
+        f"size, less our peak (positive: within it). Ours admits the whole batch at once "
+        f"(`max_num_batched_tokens` = batch x (context + new tokens)), as transformers runs it.",
         "",
         *([args.note, ""] if args.note else []),
         markdown_table(rows, COLUMNS),
@@ -289,7 +304,8 @@ def main() -> None:
             prompts = [[int(x) for x in torch.randint(3, vocab, (context,), generator=gen)] for _ in range(batch)]
             runs = {"ours": ours_runner(loaded, prompts, args.tokens, "none"),
                     "hf": hf_runner(hf, prompts, args.tokens, pad)}
-            row = summarize(interleave(runs, args.repeats, bar), batch, context, args.tokens, "ours", "hf")
+            row = summarize(interleave(runs, args.repeats, bar), batch, context, args.tokens, "ours", "hf",
+                            pool_mib(loaded, batch, context, args.tokens))
             rows.append(row)
             bar.write(f"context {context} batch {batch}: decode {row['decode_a']:.1f} vs {row['decode_b']:.1f} tok/s "
                       f"(ratio {row['ratio']:.2f}, {row['range']}), prefill ratio {row['pratio']:.2f}")
