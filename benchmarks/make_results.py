@@ -7,7 +7,8 @@ Run:  python benchmarks/make_results.py                 # simulator stage + the 
       python benchmarks/make_results.py --stages none   # re-assemble the page from the fragments on disk
 
 Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% CIs), planner
-(benchmarks/planner.py), engine_vs_hf (benchmarks/engine_vs_hf.py), sim_fidelity (benchmarks/sim_vs_engine.py).
+(benchmarks/planner.py), engine_vs_hf (benchmarks/engine_vs_hf.py), host_copy_bound (benchmarks/host_copy_bound.py),
+sim_fidelity (benchmarks/sim_vs_engine.py).
 The page always includes whichever fragments exist. Every simulator run is appended to a cache
 (docs/results/sim_runs.jsonl); --resume reuses the cached runs of the same setup, so an interrupted
 regeneration picks up where it stopped.
@@ -66,13 +67,15 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("sim_fidelity_tight", "Simulator vs the real engine at a tighter SLO"), ("planner", "Planner speed"),
              ("planner_engine_gpu", "The planner beside the engine (GPU)"),
              ("planner_engine_cpu", "The planner beside the engine (CPU)"),
-             ("engine_vs_hf", "Engine vs Hugging Face transformers"), ("serving", "Serving"),
+             ("engine_vs_hf", "Engine vs Hugging Face transformers"),
+             ("host_copy_bound", "Half on host: the copy's own cost"), ("serving", "Serving"),
              ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
              ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),
              ("cluster", "Scale-out: routers on a simulated cluster"))
 OTHER_STAGES = {
     "planner": ["benchmarks/planner.py", "--md", "docs/results/planner.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],
+    "host_copy_bound": ["benchmarks/host_copy_bound.py", "--md", "docs/results/host_copy_bound.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3",
                      "--json", "docs/results/sim_fidelity.json", "--md", "docs/results/sim_fidelity.md"],
     # where the ranking is not to be trusted: at SLO scale 1.5 three baselines' steps sit within a few % of the SLO
@@ -543,7 +546,8 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="sim",
-                    help="comma list of sim, planner, engine_vs_hf, sim_fidelity, sim_fidelity_tight, tensor_parallel, "
+                    help="comma list of sim, planner, engine_vs_hf, host_copy_bound, sim_fidelity, sim_fidelity_tight, "
+                         "tensor_parallel, "
                          "cluster, or 'all'; "
                          "'none' re-assembles the page from the fragments already in docs/results/ (the simulator "
                          "section included, with the line saying which commit made it)")
