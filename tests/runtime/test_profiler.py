@@ -43,3 +43,30 @@ def test_prefill_fit_recovers_the_attention_term_and_stays_non_negative():
     assert _fit_prefill(points) == tuple(pytest.approx(x, rel=1e-6) for x in (a, b, c))
     # a prompt that got cheaper with length (noise) never gives a negative per-token or per-pair cost
     assert all(x >= 0 for x in _fit_prefill([(16, 0.05), (256, 0.04), (768, 0.2)]))
+
+
+def test_context_phase_interleaves_so_a_drifting_machine_does_not_tilt_the_per_token_cost():
+    """Steps that get slower over time, with no real growth with context: measured one context after another
+    the drift reads as a per-token cost; interleaved rounds cancel it."""
+    from types import SimpleNamespace
+
+    from orbitflow.runtime.profiler import _measure_context
+
+    calls = [0]
+    ctx_of: dict = {}
+
+    def step(rid=None):
+        calls[0] += 1
+        return SimpleNamespace(step_s=0.05 + 1e-4 * calls[0], layer_compute_s=[0.01, 0.01, 0.01, 0.02])
+
+    def prefill(rid, ctx):
+        ctx_of[rid] = ctx
+        return step()
+
+    bench = SimpleNamespace(prefill=prefill, decode=lambda ids: step(ids[0]), free=lambda rid: None)
+    prefills: list = []
+    a, b, tails = _measure_context(bench, (16, 256, 768), 7, prefills)
+    assert [ctx for ctx, _ in prefills] == [16, 256, 768]
+    drift_per_token = 1e-4 * 15 / (768 - 16)  # what one-context-after-another would fit: ~2 us/token
+    assert abs(a) < 0.1 * drift_per_token
+    assert tails and all(t == pytest.approx(0.2) for t in tails)

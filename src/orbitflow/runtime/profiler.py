@@ -124,18 +124,30 @@ class _Bench:
 def _measure_context(bench: _Bench, contexts, steps: int,
                      prefill: list[tuple[int, float]]) -> tuple[float, float, list[float]]:
     """Phase 1: decode compute of one request against its context (a + b*ctx) and the last layer's share
-    beyond a middle one (LM head and sampling) per step; each context's prefill goes to `prefill`."""
+    beyond a middle one (LM head and sampling) per step; each context's prefill goes to `prefill`.
+
+    One request per context, all prefilled first, then decoded in interleaved rounds (the order reversed
+    every other round), `2 * steps` rounds: a machine that speeds up or slows down while it is measured
+    shifts every context alike instead of tilting the fitted per-token cost (measured one context after
+    another, it ranged 1.9-23 us/token between runs on a busy 2-core machine)."""
+    ids = [f"p{i}" for i in range(len(contexts))]
+    for rid, ctx in zip(ids, contexts):
+        prefill.append((ctx, bench.prefill(rid, ctx).step_s))
+    results: dict[str, list] = {rid: [] for rid in ids}
+    for round_ in range(2 * steps + 1):
+        for rid in (ids if round_ % 2 == 0 else ids[::-1]):
+            r = bench.decode([rid])
+            if round_:  # the first round warms each request up
+                results[rid].append(r)
     xs, ys, tails = [], [], []
-    for ctx in contexts:
-        prefill.append((ctx, bench.prefill("p", ctx).step_s))
-        results = [bench.decode(["p"]) for _ in range(steps + 1)]
-        for r in results[1:]:
+    for rid, ctx in zip(ids, contexts):
+        for r in results[rid]:
             comp = r.layer_compute_s
             if len(comp) > 2:
                 tails.append(max(0.0, comp[-1] - float(np.median(comp[1:-1]))) / max(sum(comp), 1e-12))
         xs.append(ctx)
-        ys.append(float(np.median([r.step_s for r in results[1:]])))
-        bench.free("p")
+        ys.append(float(np.median([r.step_s for r in results[rid]])))
+        bench.free(rid)
     a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     if a < 0:  # noise on a busy machine: no measurable growth with context
         a, b = 0.0, float(np.median(ys))
