@@ -254,8 +254,9 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
     spare = 4 * steps + 8
     per_req = max(contexts[1] // batch, 16)
     single = per_req * batch  # the single request holding as many tokens as the batch
-    device_tokens = ((max(*contexts, *prefill_sizes) + spare) + batch * (per_req + spare) + (single + spare)
-                     + 2 * (chunk + spare))
+    # phase 1 holds one request per context at once; later phases hold the rest
+    first = max(sum(contexts) + len(contexts) * spare, max(prefill_sizes) + spare)
+    device_tokens = first + batch * (per_req + spare) + (single + spare) + 2 * (chunk + spare)
     bench = _Bench(executor, device_tokens, single + spare)
     link = kv.transfer.link_bytes_per_s or measure_link_bytes_per_s(bench.kv)
     extra: dict = {"steps_per_point": steps}
