@@ -34,6 +34,7 @@ import torch
 
 from orbitflow.kv.manager import KVManager
 from orbitflow.model.loader import load_model
+from orbitflow.plan.placement import distance_row
 from orbitflow.runtime.executor import ModelExecutor, SeqInput
 
 MODEL = "smollm2-135m"
@@ -57,7 +58,9 @@ def main() -> None:
     blocks = args.batch * layers * (-(-(args.context + args.steps) // 16)) + 64
     kv = KVManager(layers, mc.num_kv_heads, mc.head_dim, blocks, blocks, block_size=16)
     executor = ModelExecutor(loaded.model, mc, kv)
-    half = [layer % 2 == 0 for layer in range(layers)]  # distance:2
+    half = distance_row(layers, 2).tolist()  # what placement distance:2 runs
+    per_layer = kv.blocks_for(args.context)  # blocks a host layer prefetches per request
+    copies = args.batch * (layers - sum(half))  # prefetches per step
 
     def run(seqs):
         for s in seqs:
@@ -85,8 +88,6 @@ def main() -> None:
     def copy_alone() -> float:
         """One step's prefetch bytes (each host layer of each request, distinct blocks as in a step, so the
         sources are not cache-hot), copied by this thread into distinct device blocks."""
-        per_layer = -(-args.context // 16)
-        copies = args.batch * (layers - sum(half))
         host_ids = [kv.host_pool.allocate(per_layer) for _ in range(copies)]
         dev_ids = [kv.device_pool.allocate(per_layer) for _ in range(copies)]
         try:
@@ -112,7 +113,7 @@ def main() -> None:
             samples["copy"].append(copy_alone())
     kv.close()
     none, half_s, copy = (statistics.median(samples[k]) for k in ("none", "half", "copy"))
-    nbytes = args.batch * (layers - sum(half)) * -(-args.context // 16) * kv.host_pool.bytes_per_block
+    nbytes = copies * per_layer * kv.host_pool.bytes_per_block
     lines = [
         f"{MODEL}, context {args.context}, batch {args.batch}, torch threads {torch.get_num_threads()}, "
         f"median of {args.repeats} interleaved repeats",
