@@ -22,10 +22,11 @@ def _edf_case(rng):
     return comp, [np.flatnonzero(h).tolist() for h in host], xfer
 
 
-def _reference_slots(comp, hosts, xfer, slots):
+def _reference_slots(comp, hosts, xfer, slots, host_layer_s=0.0):
     """Event-by-event simulation with ``slots`` buffer slots per request: a request's first ``slots`` host
     layers are released at t=0, its k-th (k >= slots) when its (k-slots)-th host layer has finished computing;
-    the link moves one released transfer at a time, the one needed earliest (ties: lower request)."""
+    the link moves one released transfer at a time, the one needed earliest (ties: lower request); a layer some
+    request reads from the host computes ``host_layer_s`` longer."""
     n_req = len(hosts)
     moved = [0] * n_req  # transfers moved per request
     done_at: dict[int, float] = {}  # layer -> end time
@@ -53,7 +54,7 @@ def _reference_slots(comp, hosts, xfer, slots):
             moved[r] += 1
         start = max([t] + [arrival[(r, layer)] for r in need])
         stalls.append(start - t)
-        t = start + c
+        t = start + c + (host_layer_s if need else 0.0)
         done_at[layer] = t
     return stalls
 
@@ -83,6 +84,26 @@ def test_compiled_edf_with_prefetch_slots_matches_event_simulation(slots):
         comp, hosts, xfer = _edf_case(rng)
         got = cc.edf_stalls(comp, hosts, xfer, slots=slots)
         assert np.allclose(got, _reference_slots(comp.tolist(), hosts, xfer.tolist(), slots), rtol=0, atol=1e-9)
+
+
+@needs_numba
+@pytest.mark.parametrize("slots", [1, 2])
+def test_host_layer_compute_matches_event_simulation_and_the_reference(slots):
+    rng = np.random.default_rng(20 + slots)
+    for _ in range(300):
+        comp, hosts, xfer = _edf_case(rng)
+        h = float(rng.uniform(0, 1.5))
+        ref = edf_stalls(comp, hosts, xfer, slots=slots, host_layer_s=h)
+        got = cc.edf_stalls(comp, hosts, xfer, slots=slots, host_layer_s=h)
+        assert got.tolist() == ref  # the compiled twin, bit for bit
+        assert np.allclose(ref, _reference_slots(comp.tolist(), hosts, xfer.tolist(), slots, h), rtol=0, atol=1e-9)
+        host = np.zeros((len(hosts), comp.size), dtype=bool)
+        for r, hl in enumerate(hosts):
+            host[r, hl] = True
+        cm = CostModel(comp, 1.0, prefetch_slots=slots, host_layer_s=h)
+        added = cc.step_added(comp, cc.tail(comp), host, np.asarray(xfer, dtype=float), slots, h)
+        assert added == sum(ref) + sum([h] * int(host.any(axis=0).sum()))
+        assert added == cm.added_s(host, np.asarray(xfer, dtype=float), comp)  # the reference path's floats
 
 
 @needs_numba

@@ -363,6 +363,28 @@ def test_depth_two_overlaps_the_next_layer_with_this_layers_compute():
     assert CostModel([1.0] * 4, 1.0, prefetch_slots=2).step(p, [2]).total_s == pytest.approx(9.0)
 
 
+def test_host_layer_compute_is_compute_that_a_busy_link_hides():
+    """A layer that reads prefetched KV computes ``host_layer_s`` longer (the copy thread's work beside it): a
+    compute-bound step pays it on every such layer, a link-bound one hides it under the link like any compute."""
+    p = Placement.from_distances(4, [1])  # every layer on the host, depth 2
+    # compute-bound: 0.5 s transfers, 1 s layers: only layer 0 stalls (0.5 s); 4 * (1 + 0.25) + 0.5
+    fast = CostModel([1.0] * 4, 4.0, prefetch_slots=2, host_layer_s=0.25).step(p, [2])
+    assert fast.total_s == pytest.approx(5.5) and fast.stall_s == pytest.approx(0.5)
+    assert np.allclose(fast.compute_per_layer_s, 1.25)
+    # link-bound: 2 s transfers back to back (8 s), then the last layer: the extra only shows there
+    slow = CostModel([1.0] * 4, 1.0, prefetch_slots=2, host_layer_s=0.25).step(p, [2])
+    assert slow.total_s == pytest.approx(9.25)
+    assert CostModel([1.0] * 4, 1.0, prefetch_slots=2).step(p, [2]).total_s == pytest.approx(9.0)
+    # a layer whose KV is on the device for every request pays nothing
+    half = Placement.from_mask(np.array([[True, False, True, False], [True, True, True, False]]))
+    cm = CostModel([1.0] * 4, 1e9, host_layer_s=0.25)
+    assert cm.step(half, [2, 2]).compute_s == pytest.approx(4.5)
+    assert cm.added_s(half.host, [2, 2], cm.compute()) == pytest.approx(0.5, abs=1e-6)
+    assert cm.with_updates(link_blocks_per_s=2.0).host_layer_s == 0.25
+    with pytest.raises(ValueError, match="host_layer_s"):
+        CostModel([1.0], 1.0, host_layer_s=-1.0)
+
+
 def test_prefetch_slots_validated_and_carried_by_updates():
     with pytest.raises(ValueError, match="prefetch_slots"):
         CostModel([1.0], 1.0, prefetch_slots=0)

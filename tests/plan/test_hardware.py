@@ -193,6 +193,19 @@ def test_bad_engine_overhead_names_the_field(field):
         small(**{field: math.nan})
 
 
+def test_host_layer_compute_per_prefetch_depth_reaches_the_cost_model():
+    p = small(host_layer_compute_s=[0.0003, 0.0006])
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p
+    assert q.cost_model().host_layer_s == 0.0003
+    assert q.cost_model(prefetch_slots=2).host_layer_s == 0.0006
+    assert q.cost_model(prefetch_slots=3).host_layer_s == 0.0006  # deeper: the deepest measured
+    assert small().cost_model(prefetch_slots=2).host_layer_s == 0.0  # old profiles and presets: none
+    for bad in ([], [-1e-3], [math.nan], "0.1", [True]):
+        with pytest.raises(ProfileError, match="host_layer_compute_s"):
+            small(host_layer_compute_s=bad)
+
+
 def test_decode_tail_goes_to_the_last_layer_and_keeps_the_total():
     p = small(decode_tail_fraction=0.2)
     comp = p.layer_compute_s(1000)

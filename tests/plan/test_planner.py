@@ -81,8 +81,8 @@ _BRUTE: dict = {}  # brute force answers, shared by the compiled and the referen
 def _case_key(pl, reqs, *extra):
     cm = pl.cost_model
     comp = tuple(cm.compute(0).tolist()) if cm.depends_on_tokens else tuple(cm.compute().tolist())
-    return (comp, cm.depends_on_tokens, cm.link_blocks_per_s, pl.capacity_blocks, pl.alpha, pl.min_steps,
-            pl.max_steps, tuple(reqs), *extra)
+    return (comp, cm.depends_on_tokens, cm.link_blocks_per_s, cm.request_overhead_s, cm.transfer_latency_s,
+            cm.host_layer_s, pl.capacity_blocks, pl.alpha, pl.min_steps, pl.max_steps, tuple(reqs), *extra)
 
 
 def brute_force(pl, reqs, n_layers):
@@ -118,9 +118,10 @@ def test_pruned_search_is_exact_vs_brute_force(seed, impl):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed):
-    """A calibrated profile adds a fixed latency per transfer and a per-request compute overhead: the bounds
-    must stay valid lower bounds and the search exact."""
+def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed, impl):
+    """A calibrated profile adds a fixed latency per transfer, a per-request compute overhead and extra compute
+    on every layer that reads prefetched KV: the bounds must stay valid lower bounds and the search exact, in
+    both implementations."""
     rng = np.random.default_rng(200 + seed)
     for _ in range(4):
         n_req = int(rng.integers(1, 5))
@@ -128,7 +129,8 @@ def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed):
         base, cap, reqs = random_case(rng, n_req, n_layers)
         comp = base.compute()
         cm = CostModel(comp, base.link_blocks_per_s, request_overhead_s=float(rng.uniform(0, 2) * comp.mean()),
-                       transfer_latency_s=float(rng.uniform(0, 1.5) * comp.mean()))
+                       transfer_latency_s=float(rng.uniform(0, 1.5) * comp.mean()),
+                       host_layer_s=float(rng.uniform(0, 1.0) * comp.mean()))
         pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False)
         got, best = plan_matches_brute_force(pl, reqs, n_layers)
         if best is not None:

@@ -24,6 +24,8 @@ def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
     assert p.link_bytes_per_s == 0.05e9  # the configured throttle
     assert p.device_kv_blocks == 8  # the engine's budget, not the scratch cache's
     assert {"decode_batch_s", "mixed_step_s", "offloaded_stall_s"} <= set(p.extra)
+    assert len(p.host_layer_compute_s) == 2  # depths 1 and 2
+    assert all(math.isfinite(v) and v >= 0 for v in p.host_layer_compute_s)
     assert HardwareProfile.from_json(p.to_json()) == p
     assert llm.kv.usage() == (0, 0)  # measured on a scratch cache
 
@@ -70,3 +72,32 @@ def test_context_phase_interleaves_so_a_drifting_machine_does_not_tilt_the_per_t
     drift_per_token = 1e-4 * 15 / (768 - 16)  # what one-context-after-another would fit: ~2 us/token
     assert abs(a) < 0.1 * drift_per_token
     assert tails and all(t == pytest.approx(0.2) for t in tails)
+
+
+def test_host_layer_compute_is_the_all_host_step_over_its_device_twin_per_depth():
+    """Phase 5 reads the extra compute per host layer at each prefetch depth from interleaved steps of "s"
+    (every layer on the host) and "t" (same context, on the device), whatever the machine's drift."""
+    from types import SimpleNamespace
+
+    from orbitflow.runtime.profiler import _measure_copy_thread
+
+    layers, extra_per_layer = 4, {1: 0.0003, 2: 0.0007}
+    transfer = SimpleNamespace(prefetch_slots=1)
+    calls, freed = [0], []
+
+    def decode(ids):
+        calls[0] += 1
+        base = 0.04 + 1e-4 * calls[0]  # drifts: only an interleaved difference cancels it
+        host = ids == ["s"]
+        per_layer = base / layers + (extra_per_layer[transfer.prefetch_slots] if host else 0.0)
+        return SimpleNamespace(compute_s=per_layer * layers, layer_compute_s=[per_layer] * layers,
+                               stall_s=0.001 if host else 0.0, step_s=per_layer * layers)
+
+    kv = SimpleNamespace(apply_placement=lambda rid, row: None, transfer=transfer, blocks_for=lambda n: 2,
+                         host_pool=SimpleNamespace(bytes_per_block=1000))
+    bench = SimpleNamespace(layers=layers, kv=kv, pos={"s": 64}, decode=decode, free=freed.append,
+                            prefill=lambda rid, ctx: None)
+    latency, host_layer = _measure_copy_thread(bench, link=1e6, steps=5, extra={})
+    assert host_layer == [pytest.approx(0.0003, abs=1e-4), pytest.approx(0.0007, abs=1e-4)]
+    assert transfer.prefetch_slots == 1 and freed == ["t"]  # the engine's depth back, the twin gone
+    assert latency >= 0

@@ -22,7 +22,8 @@ def calibrated(**kw) -> HardwareProfile:
     base = dict(name="calibrated", num_layers=LAYERS, kv_bytes_per_token_per_layer=256, decode_a=2e-6,
                 decode_b=0.012, link_bytes_per_s=2e6, device_kv_blocks=40, host_kv_blocks=4000, block_size=16,
                 decode_per_request_s=0.003, transfer_latency_s=0.0007, move_latency_s=0.002,
-                mixed_step_overhead_s=0.005, decode_tail_fraction=0.15, prefill_c=2e-7)
+                mixed_step_overhead_s=0.005, decode_tail_fraction=0.15, prefill_c=2e-7,
+                host_layer_compute_s=[0.0004, 0.0009])
     return HardwareProfile(**(base | kw))
 
 
@@ -61,7 +62,7 @@ def test_planner_and_simulator_predict_the_same_step(seed):
     assert charged.step_s == pytest.approx(planned.total_s, rel=1e-12)
     assert sum(charged.layer_stall_s) == pytest.approx(planned.stall_s, rel=1e-12, abs=1e-15)
     # and both carry the overheads: the same step on an overhead-free profile is cheaper
-    ideal = calibrated(decode_per_request_s=0.0, transfer_latency_s=0.0)
+    ideal = calibrated(decode_per_request_s=0.0, transfer_latency_s=0.0, host_layer_compute_s=None)
     cheaper = ideal.cost_model().step(Placement.from_mask(mask), blocks, total_tokens=sum(tokens)).total_s
     if n_req > 1 or mask.sum() < mask.size:
         assert planned.total_s > cheaper
@@ -96,6 +97,28 @@ def test_controller_mismatch_check_uses_the_shared_model_with_its_overheads():
         # expects for 4 requests (with their per-request overhead) is what was measured.
         controller.observe(float(per_layer.sum()), 2 * float(per_layer.sum()), per_layer.tolist(), tokens, None,
                            num_requests=n_req)
+        assert controller.mismatch
+        assert np.allclose(controller.ctx.cost_model.layer_compute_scale, 1.0)
+    finally:
+        controller.close()
+
+
+def test_mismatch_check_does_not_learn_the_host_layers_extra_compute():
+    """The layers that read prefetched KV compute ``host_layer_s`` longer by the model: a step measured so is
+    no reason to scale their compute (which would charge the extra twice)."""
+    profile = calibrated()
+    config = EngineConfig.build(model="calibrated", device_kv_blocks=profile.device_kv_blocks, block_size=16)
+    ctx = PlanContext.from_profile(config, profile)
+    controller = Controller(make_policy("orbitflow"), ctx, mismatch_threshold=0.01, background=False)
+    try:
+        cm = ctx.cost_model
+        assert cm.host_layer_s == profile.host_layer_compute_s[0] > 0
+        tokens, n_req = 400, 2
+        host_layers = [False, True, False, True, True, False]
+        measured = cm.compute(tokens, n_req) + cm.host_layer_s * np.array(host_layers)
+        # a mismatch from the link alone: the compute was what the model expects for these host layers
+        controller.observe(float(measured.sum()), 2 * float(measured.sum()), measured.tolist(), tokens, None,
+                           num_requests=n_req, host_layers=host_layers)
         assert controller.mismatch
         assert np.allclose(controller.ctx.cost_model.layer_compute_scale, 1.0)
     finally:

@@ -56,8 +56,9 @@ def enabled(compiled: bool | None = None) -> bool:
 
 # ==== the executor's schedule ===============================================================================
 @_jit
-def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr, stall):
-    """Per-layer stalls of the EDF schedule into ``stall``; returns their sum, or -1.0 once the step is known
+def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr, stall, hl):
+    """Per-layer stalls of the EDF schedule into ``stall``; returns what the placement adds to the compute (the
+    stalls, plus ``hl`` of extra compute per layer that reads prefetched KV), or -1.0 once the step is known
     to take longer than ``abort_above``.
 
     Request ``r``'s host layers are ``lay[ptr[row[r]]:ptr[row[r] + 1]]`` (CSR, increasing); ``xfer[r]`` the
@@ -79,6 +80,7 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
         fin[layer] = inf
     t_link = 0.0
     t = 0.0
+    added = 0.0
     for layer in range(n_layers):
         while True:
             waiting = False
@@ -114,23 +116,26 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
             arr[nxt[pick]] = t_link
             nxt[pick] += 1
         ready = -inf
+        extra = 0.0
         for r in range(n_req):
             c = cur[r]
             if c < ptr[row[r] + 1] and lay[c] == layer:
                 if arr[c] > ready:
                     ready = arr[c]
                 cur[r] = c + 1
+                extra = hl
         if ready > t:
             stall[layer] = ready - t
             t = ready
             if t + tail[layer] > abort_above:
                 return -1.0
-        t += comp[layer]
+        t += comp[layer] + extra
         fin[layer] = t
+        added += extra
     total = 0.0
     for layer in range(n_layers):
         total += stall[layer]
-    return total
+    return total + added
 
 
 def tail(comp: np.ndarray) -> np.ndarray:
@@ -144,6 +149,7 @@ def edf_stalls(
     xfer: Sequence[float] | np.ndarray,
     slots: int = 1,
     abort_above: float = math.inf,
+    host_layer_s: float = 0.0,
 ) -> np.ndarray | None:
     """Compiled counterpart of :func:`orbitflow.plan.cost_model.edf_stalls` with ``slots`` buffer slots per
     request (module docstring). Returns the per-layer stalls, or None once the step is known to take longer
@@ -162,7 +168,7 @@ def edf_stalls(
     stall = np.empty(n_layers)
     total = _edf(c, tail(c), ptr, lay, np.arange(n_req, dtype=np.int64), x, np.int64(slots), float(abort_above),
                  np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
-                 stall)
+                 stall, float(host_layer_s))
     return None if total < 0 else stall
 
 
@@ -174,13 +180,15 @@ def host_csr(host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ptr, lay.astype(np.int64)
 
 
-def step_stall(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.ndarray, slots: int = 1) -> float:
-    """Total stall of one step for a host mask (used for the planner's later window segments)."""
+def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.ndarray, slots: int = 1,
+               host_layer_s: float = 0.0) -> float:
+    """What a host mask adds to one step's compute (stalls and host-layer compute; ``CostModel.added_s``), for
+    the planner's window segments."""
     ptr, lay = host_csr(host)
     n_req, n_layers = host.shape
     return float(_edf(comp, tail, ptr, lay, np.arange(n_req, dtype=np.int64), xfer, np.int64(slots), math.inf,
                       np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers),
-                      np.empty(lay.size + 1), np.empty(n_layers)))
+                      np.empty(lay.size + 1), np.empty(n_layers), float(host_layer_s)))
 
 
 # ==== branch and bound ======================================================================================
@@ -496,7 +504,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     mv += b0[q] * counts[k_of[q]]
                 best = fst[BEST_LAT]
                 cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-                st = _edf(comp0, tail, lay_ptr, lay, k_of, x0, 1, cut, e_nxt, e_cur, e_fin, e_arr, e_stall)
+                st = _edf(comp0, tail, lay_ptr, lay, k_of, x0, 1, cut, e_nxt, e_cur, e_fin, e_arr, e_stall,
+                          feas[5][3])
                 if st >= 0:
                     lat0 = comp_total + st
                     if _better(lat0, mv, fst[BEST_LAT], fst[BEST_MOVED]) and leaf_feasible(k_of, lat0, lb, feas):
@@ -574,15 +583,16 @@ def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
 
 # ==== the window rule of one assignment, and local improvement ==============================================
 def feasibility_data(counts, hosts_f, lay_ptr, lay, blocks_h, cap, host_cap, alpha, min_steps, horizon, seg_starts,
-                     seg_ends, seg_comp, seg_tail, seg_sum, seg_xfer, slo, dep, compute_grows) -> tuple:
+                     seg_ends, seg_comp, seg_tail, seg_sum, seg_xfer, slo, dep, compute_grows,
+                     host_layer_s: float = 0.0) -> tuple:
     """What :func:`leaf_feasible` reads, as one tuple (numba passes it whole): the candidate tables, the blocks
     of every window step ``[H, R]``, the budgets (``cap``: the device budget with its tolerance, as
     ``Constraints.first_over``), and per block-constant segment its compute, compute suffix sums, compute total
-    and transfer seconds per request."""
+    and transfer seconds per request; ``fpar[3]`` the extra compute of a layer that reads prefetched KV."""
     n_req, n_layers = blocks_h.shape[1], hosts_f.shape[1]
     scratch = (np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
                np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers))
-    fpar = np.array([cap, host_cap, alpha], dtype=np.float64)
+    fpar = np.array([cap, host_cap, alpha, host_layer_s], dtype=np.float64)
     ipar = np.array([min_steps, horizon, int(np.isfinite(slo).any()), int(compute_grows)], dtype=np.int64)
     return (counts, hosts_f, lay_ptr, lay, np.ascontiguousarray(blocks_h), fpar, ipar, seg_starts, seg_ends, seg_comp,
             seg_tail, seg_sum, seg_xfer, slo, dep, scratch)
@@ -653,7 +663,7 @@ def _window_rule(k_of, lat0, later_lb, cap_max, feas):
             return False
     for i in range(1, n_seg):
         seg_lat[i] = seg_sum[i] + _edf(seg_comp[i], seg_tail[i], lay_ptr, lay, k_of, seg_xfer[i], 1, math.inf,
-                                       scr[0], scr[1], scr[2], scr[3], scr[4])
+                                       scr[0], scr[1], scr[2], scr[3], scr[4], fpar[3])
     return _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon), d_lo, cap_max, fpar[2])
 
 
@@ -670,7 +680,8 @@ def try_assignment(k_of, later_lb, fst, b0, comp_total, x0, feas):
         mv += b0[r] * counts[k_of[r]]
     best = fst[BEST_LAT]
     cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-    st = _edf(seg_comp[0], seg_tail[0], lay_ptr, lay, k_of, x0, 1, cut, scr[0], scr[1], scr[2], scr[3], scr[4])
+    st = _edf(seg_comp[0], seg_tail[0], lay_ptr, lay, k_of, x0, 1, cut, scr[0], scr[1], scr[2], scr[3], scr[4],
+              feas[5][3])
     if st < 0:
         return False
     lat0 = comp_total + st

@@ -21,6 +21,10 @@ Every layer's compute also carries ``request_overhead_s / L`` per request beyond
 per-request work in each layer: attention calls, KV writes), so a batch of R requests over T tokens costs
 ``compute(T) + (R - 1) * request_overhead_s`` before stalls. Both default to 0; measured values come from the
 hardware profile (``HardwareProfile.cost_model()``, the one cost model that planner and simulator share).
+A layer that reads prefetched KV (some request has it on the host) also computes ``host_layer_s`` longer: on
+the CPU the copy thread's work beside the compute (its wake-ups, GIL handoffs) slows exactly those layers. It is
+compute, so a link-bound step hides it under the link; :func:`edf_stalls` adds it to such layers, the stalls it
+returns stay the link's, and a step's latency is its compute, ``host_layer_s`` per such layer and the stalls.
 
 ``CostModel``'s parameters are immutable (it only memoises per-layer compute per token count): the runtime
 controller refreshes it (EWMA of measured compute / bandwidth) with :meth:`CostModel.with_updates`, which
@@ -156,25 +160,36 @@ def _queue_release(t: float, keys: list[int], nrel: float, head_k: list[int], q_
     return nrel, head_k, q_t, q_k, 0
 
 
+def _with_host_layers(comp: Sequence[float], hosts: Sequence[Sequence[int]], host_layer_s: float) -> Sequence[float]:
+    """``comp`` with ``host_layer_s`` added to every layer that some request reads from the host."""
+    if not host_layer_s:
+        return comp
+    out = list(comp)
+    for layer in {layer for hl in hosts for layer in hl}:
+        out[layer] += host_layer_s
+    return out
+
+
 def edf_stalls(
     comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float], abort_above: float = math.inf,
-    slots: int = 1,
+    slots: int = 1, host_layer_s: float = 0.0,
 ) -> list[float] | None:
     """Per-layer stalls of the executor's schedule (module docstring; the method is in the comment above).
     ``comp``: per-layer compute seconds; ``hosts[r]``: strictly increasing 0-based host layers of request ``r``;
-    ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``; ``slots``: prefetch depth (>= 1). Returns
-    None as soon as the step is known to take longer than ``abort_above`` seconds (a leaf that cannot win)."""
+    ``xfer[r]``: seconds (>= 0) to move one layer of request ``r``; ``slots``: prefetch depth (>= 1);
+    ``host_layer_s``: extra compute of a layer that reads prefetched KV. Returns None as soon as the step is
+    known to take longer than ``abort_above`` seconds (a leaf that cannot win)."""
     # The FIFO's state lives in locals (the pure-Python evaluator is the reference and the planner's fallback
     # without numba); only what runs once per release event is a call (_admit, _queue_release).
     n_layers, n_req = len(comp), len(hosts)
-    if isinstance(comp, np.ndarray):
-        comp = comp.tolist()
+    comp = comp.tolist() if isinstance(comp, np.ndarray) else comp
     avail, rel = _release_lists(n_layers, hosts, slots)  # avail: admitted keys, sorted
     stall = [0.0] * n_layers
     if not avail:
         return stall
     # compute of layers l.. (for abort_above)
     tail = np.cumsum(np.asarray(comp[::-1], dtype=float))[::-1].tolist() if abort_above < math.inf else None
+    comp = _with_host_layers(comp, hosts, host_layer_s)  # after the tail: the compiled twin's abort bound
     xk = (xfer.tolist() if isinstance(xfer, np.ndarray) else list(xfer)) * n_layers  # xk[key] = xfer[r]
     big = n_layers * n_req
     last = [-math.inf] * n_layers  # arrival of the last transfer of layer l moved during an earlier layer
@@ -281,12 +296,14 @@ class CostModel:
         request_overhead_s: float = 0.0,
         transfer_latency_s: float = 0.0,
         prefetch_slots: int = 1,
+        host_layer_s: float = 0.0,
     ) -> None:
         if transfer not in _TRANSFERS:
             raise ValueError(f"transfer must be one of {_TRANSFERS}, got {transfer!r}")
         if not link_blocks_per_s > 0:
             raise ValueError(f"link_blocks_per_s must be > 0, got {link_blocks_per_s}")
-        for name, value in (("request_overhead_s", request_overhead_s), ("transfer_latency_s", transfer_latency_s)):
+        for name, value in (("request_overhead_s", request_overhead_s), ("transfer_latency_s", transfer_latency_s),
+                            ("host_layer_s", host_layer_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if isinstance(prefetch_slots, bool) or not isinstance(prefetch_slots, int) or prefetch_slots < 1:
@@ -298,6 +315,7 @@ class CostModel:
         self._link = float(link_blocks_per_s)
         self._req_overhead = float(request_overhead_s)
         self._latency = float(transfer_latency_s)
+        self._host_layer = float(host_layer_s)
         self._fn: Callable[[int], Sequence[float] | np.ndarray] | None
         if callable(layer_compute_s):
             self._fn = layer_compute_s
@@ -329,6 +347,7 @@ class CostModel:
     prefetch_slots = _read_only("_slots", "Prefetch depth: buffer slots per request (layers of it in flight at once).")
     request_overhead_s = _read_only("_req_overhead", "Compute seconds per request beyond the first, per step.")
     transfer_latency_s = _read_only("_latency", "Fixed seconds per transfer on top of blocks / link rate.")
+    host_layer_s = _read_only("_host_layer", "Extra compute seconds of a layer that reads prefetched KV.")
 
     @property
     def layer_compute_scale(self) -> np.ndarray:
@@ -360,6 +379,7 @@ class CostModel:
             request_overhead_s=self._req_overhead,
             transfer_latency_s=self._latency,
             prefetch_slots=self._slots if prefetch_slots is None else prefetch_slots,
+            host_layer_s=self._host_layer,
         )
 
     def compute(self, total_tokens: int | None = None, num_requests: int = 1) -> np.ndarray:
@@ -398,12 +418,24 @@ class CostModel:
     def stalls(
         self, host_mask: np.ndarray, blocks_per_layer: Sequence[float] | np.ndarray, comp: np.ndarray
     ) -> list[float]:
-        """Per-layer stall seconds for a host mask ``[R, L]`` (True = offloaded)."""
+        """Per-layer stall seconds for a host mask ``[R, L]`` (True = offloaded), its layers that read prefetched KV
+        computing ``host_layer_s`` longer than ``comp``."""
         xfer = self.transfer_s(np.asarray(blocks_per_layer, dtype=float)).tolist()
         if self._transfer == "fair":
-            return fair_stalls(comp.tolist(), host_mask, xfer)
+            return fair_stalls((comp + self.host_layer_compute(host_mask)).tolist(), host_mask, xfer)
         hosts = [np.flatnonzero(row).tolist() for row in host_mask]
-        return edf_stalls(comp.tolist(), hosts, xfer, slots=self._slots)
+        return edf_stalls(comp.tolist(), hosts, xfer, slots=self._slots, host_layer_s=self._host_layer)
+
+    def host_layer_compute(self, host_mask: np.ndarray) -> np.ndarray:
+        """Per-layer extra compute of a host mask ``[R, L]``: ``host_layer_s`` where some request's KV is on the
+        host, else 0."""
+        return np.asarray(host_mask, dtype=bool).any(axis=0) * self._host_layer
+
+    def added_s(self, host_mask: np.ndarray, blocks_per_layer: Sequence[float] | np.ndarray, comp: np.ndarray) -> float:
+        """What a host mask adds to the step's base compute ``comp``: its stalls and its layers' extra compute."""
+        stall = float(sum(self.stalls(host_mask, blocks_per_layer, comp)))
+        n_host = int(np.asarray(host_mask, dtype=bool).any(axis=0).sum())
+        return stall + (sum([self._host_layer] * n_host) if self._host_layer else 0.0)  # in layer order, as compiled
 
     def step(
         self,
@@ -421,8 +453,9 @@ class CostModel:
             raise ValueError(
                 f"blocks_per_layer must have length {placement.num_requests}, got shape {b.shape}"
             )
-        comp = self.compute(total_tokens, placement.num_requests)
-        st = np.asarray(self.stalls(placement.host, b, comp), dtype=float)
+        base = self.compute(total_tokens, placement.num_requests)
+        st = np.asarray(self.stalls(placement.host, b, base), dtype=float)
+        comp = base + self.host_layer_compute(placement.host)
         c = float(comp.sum())
         s = float(st.sum())
         return StepEstimate(c + s, c, s, st, np.array(comp))

@@ -73,6 +73,11 @@ class HardwareProfile:
     # share of decode compute that runs after the last layer's attention (final norm, LM head, sampling), so
     # no transfer can hide behind it; the other layers share the rest evenly.
     decode_tail_fraction: float = 0.0
+    # extra compute seconds of a decode layer that reads prefetched KV, per prefetch depth (entry d-1 for depth
+    # d, the last entry for deeper ones; None: 0): on the CPU the copy thread's work beside the compute (its
+    # wake-ups and GIL handoffs) slows every layer that waits on a transfer, hidden under the link when the
+    # link is the bottleneck, like any compute.
+    host_layer_compute_s: list[float] | None = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance, carried through JSON
 
@@ -115,6 +120,13 @@ class HardwareProfile:
         tail = self.decode_tail_fraction
         need(isinstance(tail, int | float) and not isinstance(tail, bool) and math.isfinite(tail) and 0 <= tail < 1,
              "decode_tail_fraction", f"must be a number in [0, 1), got {tail!r}")
+        host = self.host_layer_compute_s
+        if host is not None:
+            ok = (isinstance(host, list | tuple) and len(host) >= 1
+                  and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                          for v in host))
+            need(ok, "host_layer_compute_s", f"must be a non-empty list of numbers >= 0 (one per prefetch depth), "
+                                             f"got {host!r}")
         if self.link_contention is not None:
             need(self.link_contention >= 1.0, "link_contention", "must be >= 1 (it divides the link rate)")
         need(isinstance(self.notes, str), "notes", "must be a string")
@@ -188,7 +200,14 @@ class HardwareProfile:
         calibrated profile calibrates all of them at once."""
         return CostModel(self.layer_compute_s, self.link_blocks_per_s, transfer, num_layers=self.num_layers,
                          request_overhead_s=self.decode_per_request_s, transfer_latency_s=self.transfer_latency_s,
-                         prefetch_slots=prefetch_slots)
+                         prefetch_slots=prefetch_slots, host_layer_s=self.host_layer_s(prefetch_slots))
+
+    def host_layer_s(self, prefetch_slots: int = 1) -> float:
+        """Extra compute seconds of a layer that reads prefetched KV at this prefetch depth."""
+        table = self.host_layer_compute_s
+        if not table:
+            return 0.0
+        return float(table[min(max(prefetch_slots, 1), len(table)) - 1])
 
     def placement_change_s(self, nbytes: int, layers_moved: int) -> float:
         """Seconds the engine spends on a placement change: its bytes over the link plus a host-side cost

@@ -124,10 +124,11 @@ class Constraints:
             if win.tails is None:
                 win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
             xfer = np.asarray(cm.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
-            stall = cc.step_stall(np.array(comp, dtype=float), win.tails[i], host, xfer, cm.prefetch_slots)
+            added = cc.step_added(np.array(comp, dtype=float), win.tails[i], host, xfer, cm.prefetch_slots,
+                                  cm.host_layer_s)
         else:
-            stall = float(sum(cm.stalls(host, win.blocks[win.seg_starts[i]], comp)))
-        return float(comp.sum()) + stall
+            added = cm.added_s(host, win.blocks[win.seg_starts[i]], comp)
+        return float(comp.sum()) + added
 
     # ---- Token-Deposit and the window -----------------------------------------------------------------
     def violations(self, win: Horizon, seg_lat: Sequence[float]) -> np.ndarray:

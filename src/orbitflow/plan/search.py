@@ -551,7 +551,7 @@ class BranchAndBound:
                 t.counts, t.hosts_f, t.lay_ptr, t.lay, win.blocks[: win.horizon], self.cap, rules.host_capacity_blocks,
                 rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp, tails,
                 np.array([float(c.sum()) for c in comp]), rules.cost_model.transfer_s(win.blocks[win.seg_starts_a]),
-                win.slo, win.deposit, win.compute_grows)
+                win.slo, win.deposit, win.compute_grows, rules.cost_model.host_layer_s)
         return self._feas_data
 
     def _compiled_state(self) -> tuple[np.ndarray, np.ndarray]:
@@ -635,10 +635,14 @@ class BranchAndBound:
         if self.edf:
             best = self.best_key[0]
             cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-            stalls = edf_stalls(self.comp0_list, [self.lists[k] for k in k_of], self.x0_list, abort_above=cut)
+            lists = [self.lists[k] for k in k_of]
+            h = self.rules.cost_model.host_layer_s
+            stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut, host_layer_s=h)
             if stalls is None:  # slower than the incumbent: stopped part-way
                 return False
-            lat0 = self.comp_total + float(sum(stalls))
+            # the host layers' extra compute summed in layer order, as the compiled evaluator does
+            added = sum([h] * len({layer for hl in lists for layer in hl})) if h else 0.0
+            lat0 = self.comp_total + (float(sum(stalls)) + added)
             self.win.seg_cache[(host.tobytes(), 0)] = lat0
         else:
             lat0 = self.rules.seg_latencies(self.win, host, upto=1)[0]

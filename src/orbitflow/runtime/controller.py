@@ -206,9 +206,12 @@ class Controller:
                                               total_tokens=total_tokens).total_s)
 
     def observe(self, predicted_s: float, measured_s: float, layer_compute_s: list[float],
-                total_tokens: int, link_blocks_per_s: float | None, num_requests: int = 1) -> None:
+                total_tokens: int, link_blocks_per_s: float | None, num_requests: int = 1,
+                host_layers: list[bool] | None = None) -> None:
         """Compare a decode step with its prediction (made by the planner with the profile's cost model, the
-        one the simulator charges); on mismatch refresh that model's compute scale and link rate by EWMA."""
+        one the simulator charges); on mismatch refresh that model's compute scale and link rate by EWMA.
+        ``host_layers``: the layers that read prefetched KV (their measured compute holds the model's
+        ``host_layer_s``, which the scale must not learn)."""
         if predicted_s <= 0 or abs(measured_s - predicted_s) <= self.mismatch_threshold * predicted_s:
             return
         self.mismatch = True
@@ -216,6 +219,8 @@ class Controller:
         base = np.asarray(cm.compute(total_tokens if cm.depends_on_tokens else None, num_requests))
         base = base / cm.layer_compute_scale
         measured = np.asarray(layer_compute_s, dtype=float)
+        if host_layers is not None and cm.host_layer_s:
+            measured = np.maximum(measured - cm.host_layer_s * np.asarray(host_layers, dtype=float), 0.0)
         observed_scale = np.clip(measured / np.maximum(base, 1e-12), 0.05, 20.0)
         scale = (1 - self.ewma) * cm.layer_compute_scale + self.ewma * observed_scale
         link = None

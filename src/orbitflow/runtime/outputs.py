@@ -61,10 +61,12 @@ class ScheduleOutput:
     resumed_ids: list = field(default_factory=list)  # paused requests brought back into the running batch
     finished_ids: list = field(default_factory=list)  # requests ended while scheduling (an error; their KV is freed)
     plan: Any = None  # the Plan in force for the running batch (None: no feasible plan installed)
-    # The cost model's latency for this decode step's batch and placement, and the batch's total tokens
-    # (None for a step with a prefill, or without a plan): what the controller compares the measurement with.
+    # The cost model's latency for this decode step's batch and placement, the batch's total tokens and which
+    # layers read prefetched KV (None for a step with a prefill, or without a plan): what the controller
+    # compares the measurement with.
     predicted_step_s: float | None = None
     total_tokens: int = 0
+    host_layers: list[bool] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -11,6 +11,9 @@ are calibrated at once:
 - ``transfer_latency_s``: decode steps of one request with every layer on the host; the latency per
   transfer that makes the cost model's `edf` stalls, over the step's own measured per-layer compute,
   equal the measured stalls (the copy thread's wake-up and dispatch, beyond bytes / link rate);
+- ``host_layer_compute_s``: the same steps, each beside a step of a request of the same context on the device:
+  the extra compute per layer that reads prefetched KV (the copy thread's work beside the compute), at prefetch
+  depths 1 and 2;
 - ``move_latency_s``: placement changes (a request's layers to the host and back), their time beyond
   bytes / link rate, per moved layer;
 - ``decode_tail_fraction``: the share of a decode step after the last layer's attention (LM head, sampling),
@@ -231,20 +234,35 @@ def _measure_moves(bench: _Bench, link: float) -> float:
     return max(0.0, float(np.median(moves)))
 
 
-def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict) -> float:
-    """Phase 5: the copy thread's latency per transfer, from decode steps of "s" with every layer on the host."""
+def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict,
+                         depths: tuple[int, ...] = (1, 2)) -> tuple[float, list[float]]:
+    """Phase 5: decode steps of "s" with every layer on the host, each beside one of "t" (the same context, on
+    the device): the copy thread's latency per transfer (at depth 1) and, per prefetch depth, the extra compute
+    of a layer that reads prefetched KV (the median per-layer compute of "s" over "t"'s, steps interleaved)."""
     layers = bench.layers
     bench.kv.apply_placement("s", [False] * layers)
-    lats, stalls = [], []
-    for i in range(steps + 1):
-        r = bench.decode(["s"])
-        if i == 0 or r.stall_s <= 0:
-            continue
-        xfer = bench.kv.blocks_for(bench.pos["s"] - 1) * bench.kv.host_pool.bytes_per_block / link
-        lats.append(_fit_transfer_latency(list(r.layer_compute_s), r.stall_s, xfer, list(range(layers))))
-        stalls.append(r.stall_s)
+    bench.prefill("t", bench.pos["s"])
+    transfer = bench.kv.transfer
+    lats, stalls, host_layer = [], [], []
+    try:
+        for depth in depths:
+            transfer.prefetch_slots = depth
+            diffs = []
+            for i in range(steps + 1):
+                r, alone = bench.decode(["s"]), bench.decode(["t"])
+                if i == 0:
+                    continue
+                diffs.append((r.compute_s - alone.compute_s) / layers)
+                if depth == 1 and r.stall_s > 0:
+                    xfer = bench.kv.blocks_for(bench.pos["s"] - 1) * bench.kv.host_pool.bytes_per_block / link
+                    lats.append(_fit_transfer_latency(list(r.layer_compute_s), r.stall_s, xfer, list(range(layers))))
+                    stalls.append(r.stall_s)
+            host_layer.append(max(0.0, float(np.median(diffs))))
+    finally:
+        transfer.prefetch_slots = 1
+        bench.free("t")
     extra.update(offloaded_stall_s=float(np.median(stalls)) if stalls else 0.0)
-    return float(np.median(lats)) if lats else 0.0
+    return (float(np.median(lats)) if lats else 0.0), host_layer
 
 
 def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 7, batch: int = 4,
@@ -256,7 +274,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
     single = per_req * batch  # the single request holding as many tokens as the batch
     # phase 1 holds one request per context at once; later phases hold the rest
     first = max(sum(contexts) + len(contexts) * spare, max(prefill_sizes) + spare)
-    device_tokens = first + batch * (per_req + spare) + (single + spare) + 2 * (chunk + spare)
+    device_tokens = first + batch * (per_req + spare) + 2 * (single + spare) + 2 * (chunk + spare)
     bench = _Bench(executor, device_tokens, single + spare)
     link = kv.transfer.link_bytes_per_s or measure_link_bytes_per_s(bench.kv)
     extra: dict = {"steps_per_point": steps}
@@ -274,7 +292,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         per_request = _measure_per_request(bench, batch, per_req, single, steps, extra)
         mixed_overhead = _measure_mixed_step(bench, chunk, steps, extra)
         move_latency = _measure_moves(bench, link)
-        transfer_latency = _measure_copy_thread(bench, link, steps, extra)
+        transfer_latency, host_layer = _measure_copy_thread(bench, link, steps, extra)
         bench.free("s")
     finally:
         bench.close()
@@ -293,6 +311,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         prefill_c=pc,
         decode_per_request_s=per_request,
         transfer_latency_s=transfer_latency,
+        host_layer_compute_s=host_layer,
         move_latency_s=move_latency,
         mixed_step_overhead_s=mixed_overhead,
         decode_tail_fraction=min(float(np.median(tails)), 0.9) if tails else 0.0,

@@ -128,7 +128,7 @@ class Scheduler:
                 req.num_cached = seq.start_pos + len(seq.token_ids)
         if out.is_decode and out.predicted_step_s is not None:
             self.controller.observe(out.predicted_step_s, result.step_s, result.layer_compute_s, out.total_tokens,
-                                    result.link_blocks_per_s, num_requests=len(out.seqs))
+                                    result.link_blocks_per_s, num_requests=len(out.seqs), host_layers=out.host_layers)
 
     def finish_step(self) -> None:
         """After the step's outputs are processed: count it, and solve the next step's plan on the planner
@@ -330,9 +330,10 @@ class Scheduler:
         if out.is_decode and self.controller.plan is not None:
             # what the cost model (the simulator's) predicts for this step's batch and placement
             out.total_tokens = sum(s.start_pos + 1 for s in out.seqs)
+            on_device = [self.kv.tables[s.req_id].on_device for s in out.seqs]
+            out.host_layers = [not all(col) for col in zip(*on_device)]
             out.predicted_step_s = self.controller.predict(
-                [self.kv.tables[s.req_id].on_device for s in out.seqs],
-                [self.kv.blocks_for(s.start_pos) for s in out.seqs], out.total_tokens)
+                on_device, [self.kv.blocks_for(s.start_pos) for s in out.seqs], out.total_tokens)
 
     def _install_plan(self, out: ScheduleOutput) -> bool:
         """Put the plan in force into the KV manager: allocate new requests in their rows, move only the

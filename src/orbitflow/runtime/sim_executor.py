@@ -134,7 +134,9 @@ class SimExecutor(Executor):
             compute = compute * self._factors(self.num_layers)
             xfer = np.asarray(model.transfer_s(np.asarray(blocks, dtype=float))) * self._factors(len(decode))
             hosts = [np.flatnonzero(~row).tolist() for row in mask]
-            stall = np.asarray(edf_stalls(compute.tolist(), hosts, xfer.tolist(), slots=model.prefetch_slots))
+            stall = np.asarray(edf_stalls(compute.tolist(), hosts, xfer.tolist(), slots=model.prefetch_slots,
+                                          host_layer_s=model.host_layer_s))
+            compute = compute + model.host_layer_compute(~mask)
         else:
             est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
             compute = np.asarray(est.compute_per_layer_s) * noise
