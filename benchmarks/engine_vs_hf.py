@@ -15,7 +15,8 @@ the ratio range is over the paired repeats:
   once per new token;
 - prefill tok/s = batch * context / time to the first token;
 - peak RSS = the process's high-water mark during the run (reset before it through /proc/self/clear_refs)
-  minus its RSS just before; both models stay loaded, so this is what the run itself needed.
+  minus its RSS just before, the heap earlier runs freed handed back to the OS first (else the second side
+  reuses the first's freed pages for free); both models stay loaded, so this is what the run itself needed.
 `--offload C:B` also compares ours with half the layers on the host (`distance:2`, link unthrottled) against
 placement none at context C, batch B, interleaved the same way.
 
@@ -26,7 +27,9 @@ Run: ``python benchmarks/engine_vs_hf.py --contexts 512,2048,8192 --batches 1,4,
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
+import gc
 import os
 import platform
 import shlex
@@ -84,8 +87,20 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def release_free_heap() -> None:
+    """Hand the heap that earlier runs freed back to the OS (glibc's ``malloc_trim``), so that a run's RSS growth
+    counts what it allocates: otherwise whichever side runs second reuses the other's freed pages for free."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: growth is then only comparable between like runs
+        pass
+
+
 def measured(fn: Callable[[], tuple[float, float]]) -> tuple[float, float, float]:
-    """Run fn with the RSS high-water mark reset first; adds the peak RSS growth (bytes) to its result."""
+    """Run fn with the freed heap returned and the RSS high-water mark reset first; adds the peak RSS growth
+    (bytes) to its result."""
+    release_free_heap()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     before = _rss_kib("VmRSS")
@@ -216,7 +231,8 @@ def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threa
         f"{args.seed}) of exactly `context` tokens, placement none, median of {args.repeats} interleaved "
         f"repeats (ours, transformers, ours, ...); ranges are over the paired repeats. Transformers is "
         f"`LlamaForCausalLM.generate` with SDPA attention in the same process. Peak RSS is the growth of the "
-        f"process's high-water mark during one run (both models stay loaded); ours includes its freshly built "
+        f"process's high-water mark during one run, the heap earlier runs freed handed back first (`malloc_trim`; "
+        f"both models stay loaded); ours includes its freshly built "
         f"block pool. The last column is the issue's memory bound: transformers' peak plus our device pool's "
         f"size, less our peak (positive: within it). Ours admits the whole batch at once "
         f"(`max_num_batched_tokens` = batch x (context + new tokens)), as transformers runs it.",
