@@ -750,9 +750,10 @@ def move(k_of, m, out, order, counts, hosts_f, bcap, cap, buf):
     """Local move ``m`` of an assignment into ``out``; False when it does not apply. Moves ``r * K + k``: request
     ``r`` to candidate ``k != k_of[r]``, and when that breaks the capacity equation (at one slot, step
     ``min_steps - 1``: ``bcap``), the other requests made denser one candidate at a time, in ``order`` (lowest
-    transfer-to-compute ratio first: their transfers hide best), each as far as needed before the next; then
-    ``R * K + r * R + q``: ``r`` one candidate denser and ``q`` (``!= r``) one sparser (trading memory between
-    two requests). ``buf`` (L) is scratch."""
+    transfer-to-compute ratio first: their transfers hide best), each as far as needed before the next; then the
+    others made as sparse as the capacity left allows (:func:`_sparser`), so that a move of ``r`` to a denser
+    candidate hands the memory it frees to the others; then ``R * K + r * R + q``: ``r`` one candidate denser and
+    ``q`` (``!= r``) one sparser (trading memory between two requests). ``buf`` (L) is scratch."""
     n_req, n_cand = k_of.size, counts.size
     out[:] = k_of
     if m < n_req * n_cand:
@@ -767,7 +768,10 @@ def move(k_of, m, out, order, counts, hosts_f, bcap, cap, buf):
                 res -= bcap[q] * (counts[out[q] + 1] - counts[out[q]])
                 buf += bcap[q] * (hosts_f[out[q] + 1] - hosts_f[out[q]])
                 out[q] += 1
-        return res + buf.max() <= cap
+        if res + buf.max() > cap:
+            return False
+        _sparser(out, r, order, counts, hosts_f, bcap, cap, res, buf)
+        return True
     p = m - n_req * n_cand
     r, q = p // n_req, p % n_req
     if q == r or k_of[r] + 1 >= n_cand or k_of[q] < 1:
@@ -775,6 +779,37 @@ def move(k_of, m, out, order, counts, hosts_f, bcap, cap, buf):
     out[r] = k_of[r] + 1
     out[q] = k_of[q] - 1
     return True
+
+
+@_jit
+def _sparser(out, skip, order, counts, hosts_f, bcap, cap, res, buf):
+    """The requests of ``out`` other than ``skip`` made sparser one candidate at a time while the capacity equation
+    (at one slot: ``res`` resident blocks and ``buf`` the buffer per layer, both kept up to date) still holds,
+    highest transfer-to-compute ratio first (``order`` read backwards: their transfers hide worst), each as far as
+    it goes. A plan that leaves capacity unused moves more blocks than it must, and here the link is most of the
+    step's latency (the optima fill the capacity to within a percent). Integer sums: a step taken back restores
+    ``res`` and ``buf`` exactly."""
+    for i in range(order.size - 1, -1, -1):
+        q = order[i]
+        while q != skip and out[q] > 0:
+            k = out[q]
+            res += bcap[q] * (counts[k] - counts[k - 1])
+            buf += bcap[q] * (hosts_f[k - 1] - hosts_f[k])
+            if res + buf.max() > cap:
+                res -= bcap[q] * (counts[k] - counts[k - 1])
+                buf -= bcap[q] * (hosts_f[k - 1] - hosts_f[k])
+                break
+            out[q] = k - 1
+
+
+@_jit
+def tighten(k_of, order, counts, hosts_f, bcap, cap, buf):
+    """Every request of ``k_of`` (in place) made as sparse as the capacity equation at one slot allows, as
+    :func:`_sparser` (nothing changes when ``k_of`` does not fit); the first incumbents (the greedy, the uniform
+    seed) overshoot, since they step whole candidates at a time. ``buf`` (L) is scratch."""
+    res = _memory_parts(k_of, counts, hosts_f, bcap, buf)
+    if res + buf.max() <= cap:
+        _sparser(k_of, -1, order, counts, hosts_f, bcap, cap, res, buf)
 
 
 @_jit

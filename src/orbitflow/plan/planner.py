@@ -132,7 +132,8 @@ class Planner:
     search ("is some other plan strictly faster at this future step?") gets ``expiry_node_limit`` nodes
     (None: unlimited); an undecided one ends the plan's validity there (re-planning early is safe).
     ``improve_evals``: exact evaluations of the local improvement of the first incumbent (moves of one request's
-    distance, or of two requests' in opposite directions; :func:`orbitflow.plan.compiled.improve`) before the
+    distance, the others refitted to the capacity, or of two requests' in opposite directions;
+    :func:`orbitflow.plan.compiled.improve`) before the
     search; 0 turns it off. It only makes budgeted plans better and exact searches prune earlier.
     ``compiled``: run the search and the step evaluator compiled (:mod:`orbitflow.plan.compiled`, numba,
     without the GIL); None: when numba is installed and ``ORBITFLOW_PLAN_COMPILED`` is not ``0``. Both give the
