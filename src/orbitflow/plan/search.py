@@ -35,13 +35,14 @@ schedule (stopped part-way once slower than the incumbent) and the window rule. 
 cheapest bound first.
 
 Incumbents: before the search, the hint (the previous plan), the greedy by transfer-to-compute ratio and the
-sparsest uniform distance that fits, the last two also tightened (every request made as sparse as capacity
-allows: the optima fill it, since the link is most of a step). Local improvement
+sparsest uniform distance that fits, the last two tightened (every request made as sparse as capacity allows:
+the optima fill it, since the link is most of a step). Local improvement
 (:meth:`BranchAndBound._improve`, compiled :func:`orbitflow.plan.compiled.improve`: one request to any candidate,
 the others made denser to keep capacity and then as sparse as it allows, or two requests one candidate each in
-opposite directions; an improving feasible move is taken at once) polishes the incumbent of a search that was cut short, in a share (``IMPROVE_SHARE``) of the time left
-kept for it, and the first incumbent of a search without a node budget over a big space. It only ever
-replaces the incumbent by a strictly better feasible plan, so no proven optimum changes.
+opposite directions; an improving feasible move is taken at once) polishes the incumbent of a search that was cut
+short, in a share (``IMPROVE_SHARE``) of the time left kept for it, and the first incumbent of a search without a
+node budget over a big space. It only ever replaces the incumbent by a strictly better feasible plan, so no proven
+optimum changes.
 
 Budgets (node count, deadline) stop the search with the incumbent; the least bound among the children left
 unexplored then certifies its gap.
@@ -307,20 +308,20 @@ class BranchAndBound:
     def _seed_incumbents(self) -> None:
         """First incumbents, so that a search cut short by its budget still returns a good plan and an exact
         one prunes from the start: the hint (the previous plan), then the greedy by transfer-to-compute ratio and
-        the sparsest uniform distance that fits, each also tightened (:meth:`_tightened`)."""
+        the sparsest uniform distance that fits, each tightened (:meth:`_tightened`)."""
         greedy = self._greedy()
         seeds = []
         if self.hint is not None:
             k_of_dist = {d: k for k, d in enumerate(self.tables.distances)}
             seeds.append([k_of_dist.get(h, greedy[r]) if h != -1 else greedy[r] for r, h in enumerate(self.hint)])
-        seeds += self._with_tightened(greedy)
+        seeds.append(self._tightened(greedy))
         # the sparsest uniform distance that fits spreads the transfers over the layers (the greedy bunches them)
         # a uniform placement takes what one request holding all the batch's blocks would: the resident layers
         # and, when it offloads any, one buffered layer (integer sums, exact)
         memory = float(self.bcap.sum()) * (self.n_layers - self.counts + (self.counts > 0))
         fits = np.flatnonzero(memory <= self.cap)
         if fits.size:
-            seeds += self._with_tightened([int(fits[0])] * self.n_req)
+            seeds.append(self._tightened([int(fits[0])] * self.n_req))
         if self.compiled:  # compiled.try_each: the same evaluations as _leaf, in one call
             self.stats.leaves += len(seeds)
             self.nodes += len(seeds)
@@ -332,15 +333,17 @@ class BranchAndBound:
         for k_of in seeds:
             self._leaf([k_of[r] for r in self.order])
 
-    def _with_tightened(self, k_of: list[int]) -> list[list[int]]:
-        """``k_of`` and, when it differs, ``k_of`` with every request made as sparse as the capacity equation at one
-        slot allows, highest transfer-to-compute ratio first (:func:`orbitflow.plan.compiled.tighten`). The greedy
-        and the uniform seed step whole candidates, so they often leave capacity unused and move more blocks than
-        they must; at (R, L) = (4, 32) that alone put a cut search's plan up to 20% above the optimum."""
+    def _tightened(self, k_of: list[int]) -> list[int]:
+        """``k_of`` with every request made as sparse as the capacity equation at one slot allows, highest
+        transfer-to-compute ratio first (:func:`orbitflow.plan.compiled.tighten`). The greedy and the uniform seed
+        step whole candidates, so they often leave capacity unused and move more blocks than they must; at
+        (R, L) = (4, 32) that alone put a cut search's plan up to 20% above the optimum. The tightened seed replaces
+        the original (it holds the same capacity through ``min_steps`` with fewer host layers), so seeding costs no
+        more evaluations than before: each one runs the window rule, which is dear at (16, 80)."""
         tight = np.asarray(k_of, dtype=np.int64)
         cc.tighten(tight, np.argsort(self.x0, kind="stable"), self.counts, self.hosts_f, self.bcap, self.cap,
                    np.empty(self.n_layers))
-        return [k_of] if tight.tolist() == k_of else [k_of, tight.tolist()]
+        return tight.tolist()
 
     def _greedy(self) -> list[int]:
         """Offload until capacity holds at step ``min_steps - 1``: requests whose transfer hides best behind
