@@ -265,7 +265,8 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
     probe.close()
     print(f"[{label}] profile: decode {1000 * profile.decode_b:.1f} ms + {1e6 * profile.decode_a:.2f} us/token, "
           f"+{1000 * profile.decode_per_request_s:.2f} ms per extra request, transfer latency "
-          f"{1e3 * profile.transfer_latency_s:.2f} ms, host-layer compute {_host_layer_text(profile.to_dict())}, "
+          f"{1e3 * profile.transfer_latency_s:.2f} ms, "
+          f"host-layer compute {_host_layer_text(profile.host_layer_compute_s)}, "
           f"move latency {1e3 * profile.move_latency_s:.2f} ms/layer, "
           f"mixed-step overhead {1e3 * profile.mixed_step_overhead_s:.1f} ms, tail {profile.decode_tail_fraction:.0%} "
           f"of a step; SLO {1000 * slo_s:.0f} ms "
@@ -340,9 +341,9 @@ def verdict_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
-def _host_layer_text(prof: dict) -> str:
-    """The profile's extra compute per layer that reads prefetched KV, per prefetch depth."""
-    table = prof.get("host_layer_compute_s") or [0.0]
+def _host_layer_text(table: list[float] | None) -> str:
+    """A profile's ``host_layer_compute_s``: the extra compute per layer that reads prefetched KV, per depth."""
+    table = table or [0.0]
     return " / ".join(f"{1000 * v:.2f}" for v in table) + " ms" + (" (depth 1 / 2)" if len(table) > 1 else "")
 
 
@@ -416,7 +417,7 @@ def write_md(path: str, payload: dict) -> None:
     lines += ["", f"Measured profile of {last['label']}: decode {1000 * prof['decode_b']:.1f} ms + "
               f"{1e6 * prof['decode_a']:.2f} us/token, {1000 * prof['decode_per_request_s']:.2f} ms per extra request, "
               f"copy-thread latency {1000 * prof['transfer_latency_s']:.2f} ms per transfer, a layer that reads "
-              f"prefetched KV computing {_host_layer_text(prof)} longer, "
+              f"prefetched KV computing {_host_layer_text(prof.get('host_layer_compute_s'))} longer, "
               f"{1000 * prof['move_latency_s']:.2f} ms per layer moved by a placement change, mixed-step overhead "
               f"{1000 * prof['mixed_step_overhead_s']:.1f} ms, {prof['decode_tail_fraction']:.0%} of a decode step "
               "after the last layer (LM head, sampling).", "",

@@ -44,7 +44,7 @@ import numpy as np
 
 from orbitflow.plan.placement import Placement
 
-__all__ = ["CostModel", "StepEstimate", "edf_stalls", "fair_stalls"]
+__all__ = ["CostModel", "StepEstimate", "edf_stalls", "fair_stalls", "host_layers_s"]
 
 ComputeSpec = Sequence[float] | np.ndarray | Callable[[int], Sequence[float] | np.ndarray]
 _TRANSFERS = ("edf", "fair")
@@ -160,14 +160,25 @@ def _queue_release(t: float, keys: list[int], nrel: float, head_k: list[int], q_
     return nrel, head_k, q_t, q_k, 0
 
 
+def _host_layers(hosts: Sequence[Sequence[int]]) -> set[int]:
+    """The layers that some request reads from the host."""
+    return {layer for hl in hosts for layer in hl}
+
+
 def _with_host_layers(comp: Sequence[float], hosts: Sequence[Sequence[int]], host_layer_s: float) -> Sequence[float]:
     """``comp`` with ``host_layer_s`` added to every layer that some request reads from the host."""
     if not host_layer_s:
         return comp
     out = list(comp)
-    for layer in {layer for hl in hosts for layer in hl}:
+    for layer in _host_layers(hosts):
         out[layer] += host_layer_s
     return out
+
+
+def host_layers_s(hosts: Sequence[Sequence[int]], host_layer_s: float) -> float:
+    """The extra compute of the layers some request reads from the host (``hosts[r]``: request ``r``'s host
+    layers), summed one layer at a time as the compiled evaluator does, so both give the same floats."""
+    return sum([host_layer_s] * len(_host_layers(hosts))) if host_layer_s else 0.0
 
 
 def edf_stalls(
@@ -434,8 +445,7 @@ class CostModel:
     def added_s(self, host_mask: np.ndarray, blocks_per_layer: Sequence[float] | np.ndarray, comp: np.ndarray) -> float:
         """What a host mask adds to the step's base compute ``comp``: its stalls and its layers' extra compute."""
         stall = float(sum(self.stalls(host_mask, blocks_per_layer, comp)))
-        n_host = int(np.asarray(host_mask, dtype=bool).any(axis=0).sum())
-        return stall + (sum([self._host_layer] * n_host) if self._host_layer else 0.0)  # in layer order, as compiled
+        return stall + host_layers_s([np.flatnonzero(row).tolist() for row in host_mask], self._host_layer)
 
     def step(
         self,

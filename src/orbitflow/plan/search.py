@@ -61,7 +61,7 @@ import numpy as np
 
 from orbitflow.plan import compiled as cc
 from orbitflow.plan.bounds import SeparableTables, count_matrix, cover_cost, cover_tables, dp_bound, separable_tables
-from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.plan.cost_model import edf_stalls, host_layers_s
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
 from orbitflow.plan.types import REL_TOL, PlanStats, better
@@ -655,9 +655,7 @@ class BranchAndBound:
             stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut, host_layer_s=h)
             if stalls is None:  # slower than the incumbent: stopped part-way
                 return False
-            # the host layers' extra compute summed in layer order, as the compiled evaluator does
-            added = sum([h] * len({layer for hl in lists for layer in hl})) if h else 0.0
-            lat0 = self.comp_total + (float(sum(stalls)) + added)
+            lat0 = self.comp_total + (float(sum(stalls)) + host_layers_s(lists, h))
             self.win.seg_cache[(host.tobytes(), 0)] = lat0
         else:
             lat0 = self.rules.seg_latencies(self.win, host, upto=1)[0]
