@@ -65,8 +65,9 @@ LINKS = (
 ABLATION_STEPS = ("batch-uniform", "+request-wise", "+pause-resume")
 FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("sim_fidelity_tight", "Simulator vs the real engine at a tighter SLO"), ("planner", "Planner speed"),
-             ("planner_engine_gpu", "The planner beside the engine (GPU)"),
-             ("planner_engine_cpu", "The planner beside the engine (CPU)"),
+             ("planner_engine_gpu", "The planner beside the engine (CUDA, 16 cores)"),
+             ("planner_engine_cpu", "The planner beside the engine (CPU, 16 cores)"),
+             ("planner_engine_cpu2", "The planner beside the engine (CPU, 2 cores)"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"),
              ("host_copy_bound", "Half on host: the copy's own cost"), ("serving", "Serving"),
              ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),

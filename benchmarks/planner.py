@@ -435,6 +435,13 @@ def _engine_table(conditions, steps, solves, busy_s, seed: int, out: list[str]) 
     print("\n".join(out[-len(conditions) - 2:]), flush=True)
 
 
+def _engine_device() -> str:
+    """Where the engine section's engine runs: CUDA where there is one, else the CPU."""
+    import torch
+
+    return "CUDA" if torch.cuda.is_available() else "CPU"
+
+
 def _machine() -> str:
     import platform
 
@@ -530,7 +537,7 @@ def main() -> None:
     if args.md:
         cmd = "python benchmarks/planner.py " + " ".join(sys.argv[1:])
         title = ("Planner speed: compiled vs pure Python / NumPy reference" if "speed" in sections
-                 else "The planner beside the engine")
+                 else f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)")
         head = (f"## {title}\n\nProduced by `{cmd}` on {started} "
                 f"({machine}), seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` "
                 f"(8-1024 blocks per layer, link 1.9-6x a layer's compute, capacity 0.3-0.6 of the KV, SLO 1.5-2.5x "

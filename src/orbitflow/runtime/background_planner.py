@@ -6,13 +6,15 @@ the engine's step is a long run of short torch calls, each of which must take th
 4 requests x 32 layers solved back to back): a planner thread slowed decode steps by +402% on the GPU and
 +178% on the CPU; a planner process solving the same batches, +2.3% and +0.1% (a thread that burns a core
 without the GIL: +3.0% and +1.5%). A round trip per solve (pickling the batch and the plan) costs the
-engine's process something too: at ~300 solves/s, +8% to +20%; the engine makes one per expiry.
+engine's process something too: at ~300 solves/s, +8% to +20%; the engine makes one per expiry. On this
+project's 2-core CPU machine (docs/results.md): thread +114-116%, process +12-16% at ~400 solves/s, a busy process
+without round trips -1.8% to +0.5%.
 The process is started (spawn: no fork of a process running torch threads) and its compiled planner loaded
 when the engine starts, not at the first solve.
 
-``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: on a 2-core
-machine a busy process takes one of the engine's two cores, and starting one per engine costs more than it
-saves in short runs and tests.
+``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
+process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
+back. An engine on 2 cores that re-plans often should say ``--background-planner process`` (the numbers above).
 """
 
 from __future__ import annotations
