@@ -236,6 +236,9 @@ class BranchAndBound:
         self.comp_min = float(comp0.min())
         self.suffix_comp = np.cumsum(comp0[::-1])[::-1]  # sum_{k>=l} comp_k
         self.x0 = self.rules.cost_model.transfer_s(self.b0)  # per transfer, with the link's fixed latency
+        # requests by transfer-to-compute ratio, lowest first (the greedy's order): what tightening and the local
+        # improvement's moves walk
+        self.ratio_order = np.argsort(self.x0, kind="stable")
         self.x0_list = self.x0.tolist()
 
     def _init_order(self) -> None:
@@ -341,7 +344,7 @@ class BranchAndBound:
         the original (it holds the same capacity through ``min_steps`` with fewer host layers), so seeding costs no
         more evaluations than before: each one runs the window rule, which is dear at (16, 80)."""
         tight = np.asarray(k_of, dtype=np.int64)
-        cc.tighten(tight, np.argsort(self.x0, kind="stable"), self.counts, self.hosts_f, self.bcap, self.cap,
+        cc.tighten(tight, self.ratio_order, self.counts, self.hosts_f, self.bcap, self.cap,
                    np.empty(self.n_layers))
         return tight.tolist()
 
@@ -681,7 +684,7 @@ class BranchAndBound:
             return
         ist = np.zeros(3, dtype=np.int64)
         k_of, cand = self.best_k.copy(), np.empty(self.n_req, dtype=np.int64)
-        order = np.argsort(self.x0, kind="stable")  # transfer-to-compute ratio, as the greedy's
+        order = self.ratio_order
         buf = np.empty(self.n_layers)
         if self.compiled:
             fst = np.array([*self.best_key], dtype=float)
