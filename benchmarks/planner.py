@@ -265,6 +265,8 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
 
 
 ENGINE_MODES = ("thread", "process")  # runtime/background_planner.py: where the engine solves ahead
+# "pool": the planner process as it was before the pipe (a one-worker ProcessPoolExecutor), for the same-run A/B
+POOL = "pool process"
 # "busy": a planner process solving on its own, with no round trip to the engine: the interference of a busy
 # planner alone (the engine submits one solve per expiry, not hundreds per second as the loop above does)
 BUSY = "busy process"
@@ -292,13 +294,14 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     engine = llm.engine
     rng = np.random.default_rng(seed)
     vocab = llm.loaded.config.vocab_size
-    conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in (*ENGINE_MODES, BUSY)]
+    conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in (*ENGINE_MODES, POOL, BUSY)]
     for i in range(4):
         engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
                            SamplingParams(max_tokens=rounds * block * len(conditions) + 24, ignore_eos=True))
     for _ in range(8):  # prefill and warm-up
         engine.step()
     planners = {mode: BackgroundPlanner(OrbitFlowPolicy(), mode) for mode in ENGINE_MODES}
+    planners[POOL] = _PoolPlanner()
     cases = {(r, l): [_engine_case(np.random.default_rng(seed + k), r, l) for k in range(16)] for r, l in sizes}
     for bp in planners.values():  # start the process and load the compiled code before timing
         bp.submit(*cases[sizes[0]][0]).result()
@@ -314,7 +317,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
             elif cond == "burner":
                 th = threading.Thread(target=_burner_loop, args=(stop, solves[cond]))
             else:
-                mode, size = cond.split(" ")
+                mode, size = cond.rsplit(" ", 1)
                 r, l = (int(v) for v in size.split("x"))
                 th = threading.Thread(target=_solve_loop, args=(stop, planners[mode], cases[(r, l)], solves[cond]))
             if th is not None:
@@ -346,13 +349,51 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                f"tokens, torch threads {torch_threads}, no offload. The engine's background planner "
                f"(runtime/background_planner.py: a planner thread, or a planner process) solves continuously "
                f"(OrbitFlow policy, compiled planner, the engine's default node limit; 16 random batches of the "
-               f"size shown, round robin), each solve a round trip from a thread of the engine's process; busy "
+               f"size shown, round robin), each solve a round trip from a thread of the engine's process; pool "
+               f"process: the same, through a one-worker ProcessPoolExecutor (the planner process before it got "
+               f"its pipe); busy "
                f"process: a planner process solving the same batches on its own, with no round trip; burner: a "
                f"thread that keeps a core busy without the GIL (CPU "
                f"contention alone; per second: SHA-256 of 1 MiB); idle: the engine alone. {rounds} rounds x "
                f"{block} steps per condition, conditions interleaved. slowdown: median step time over idle's, "
                f"with a 95% bootstrap interval.\n")
     _engine_table(conditions, steps, solves, busy_s, seed, out)
+
+
+class _PoolPlanner:
+    """The planner process before the pipe: a one-worker ProcessPoolExecutor (a queue feeder thread and a
+    manager thread in the engine's process, both woken per solve)."""
+
+    def __init__(self):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        from orbitflow.policies import OrbitFlowPolicy
+
+        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_pool_init, initargs=(OrbitFlowPolicy(),))
+
+    def submit(self, requests, ctx):
+        return self._pool.submit(_pool_solve, requests, ctx)
+
+    def close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_pool_policy = None
+
+
+def _pool_init(policy) -> None:
+    from orbitflow.plan import warm_up
+
+    global _pool_policy
+    _pool_policy = policy
+    warm_up()
+
+
+def _pool_solve(requests, ctx):
+    start = time.perf_counter()
+    return _pool_policy.plan(requests, ctx), time.perf_counter() - start
 
 
 def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):

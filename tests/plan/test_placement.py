@@ -107,3 +107,15 @@ def test_most_blocks_bounds_both_tiers_and_is_reached_fully_offloaded():
             both_tiers = p.memory_blocks(b, slots) + p.host_blocks(b)
             assert both_tiers <= most_blocks(int(b.sum()), n_layers, slots)
         assert both_tiers == most_blocks(int(b.sum()), n_layers, slots)  # everything on the host
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (1, 1), (3, 7), (4, 32), (16, 80)])
+def test_pickles_as_its_bits(shape):
+    """A plan crosses the planner process's pipe pickled: the mask comes back exact, read-only, same shape."""
+    import pickle
+
+    mask = np.random.default_rng(shape[0] * 100 + shape[1]).random(shape) < 0.5
+    back = pickle.loads(pickle.dumps(Placement(mask)))
+    assert back.mask.shape == shape and back.mask.dtype == bool and np.array_equal(back.mask, mask)
+    assert not back.mask.flags.writeable
+    assert len(pickle.dumps(Placement(mask))) < len(pickle.dumps(mask)) + 64

@@ -62,6 +62,25 @@ def test_uncollected_results_do_not_answer_later_submissions():
         planner.close()
 
 
+def test_the_context_crosses_the_pipe_only_when_it_changes(monkeypatch):
+    """The controller replaces its snapshot when an input changes; the same snapshot is not pickled again, and a
+    new one reaches the process (its plans follow the new capacity)."""
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
+    sent = []
+    real_send = planner._pool._conn.send
+    monkeypatch.setattr(planner._pool._conn, "send", lambda msg: (sent.append(msg[2]), real_send(msg))[1])
+    try:
+        roomy, tight = replace(context(), capacity_blocks=1000), replace(context(), capacity_blocks=130)
+        first, _ = planner.submit(batch(), roomy).result()
+        again, _ = planner.submit(batch(1), roomy).result()
+        changed, _ = planner.submit(batch(1), tight).result()
+        assert sent[0] is not None and sent[1] is None and sent[2] is not None
+        assert first.distances == again.distances == (None, None)  # everything fits: nothing offloaded
+        assert changed.distances == OrbitFlowPolicy().plan(batch(1), tight).distances != again.distances
+    finally:
+        planner.close()
+
+
 def test_a_failing_solve_raises_in_the_engine_and_the_process_lives_on():
     planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
     try:
@@ -81,8 +100,7 @@ def test_controller_solves_ahead_in_a_process_and_survives_its_death():
         ahead = controller.solve(batch(1), step=1, trigger="expiry")
         assert controller.records[-1].background and ahead.feasible
         assert ahead.distances == OrbitFlowPolicy().plan(batch(1), controller.ctx).distances
-        for pid in list(controller._background._pool._processes):  # the planner process dies
-            os.kill(pid, signal.SIGKILL)
+        os.kill(controller._background._pool.pid, signal.SIGKILL)  # the planner process dies
         controller.solve_ahead(batch(2), step_next=2)
         after = controller.solve(batch(2), step=2, trigger="expiry")
         assert after.feasible and not controller.records[-1].background  # solved inline instead
@@ -96,16 +114,16 @@ def test_controller_solves_ahead_in_a_process_and_survives_its_death():
 
 
 def test_a_dropped_planner_does_not_leave_its_process_behind():
-    """An engine dropped without close() must not leave a planner process behind (ProcessPoolExecutor's own
-    weak reference shuts it down; this guards against anything that would keep the pool alive)."""
+    """An engine dropped without close() must not leave a planner process behind (the planner's finalizer closes
+    the pipe and the process exits on its own; this guards against anything that would keep the planner alive)."""
     import gc
     import multiprocessing
     import time
 
     planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
     planner.submit(batch(), context()).result()
-    pids = set(planner._pool._processes)
-    assert pids
+    pids = {planner._pool.pid}
+    assert None not in pids
     del planner
     gc.collect()
     deadline = time.monotonic() + 30
@@ -115,22 +133,18 @@ def test_a_dropped_planner_does_not_leave_its_process_behind():
 
 
 def test_a_process_that_died_between_solves_costs_no_step():
-    """The pool learns of the death before the next submission: solve_ahead must not raise into the step."""
-    import time
+    """The process dies between two solves: solve_ahead must not raise into the step."""
 
     controller = Controller(OrbitFlowPolicy(), context(), background="process")
     try:
         controller.solve(batch(), step=0, trigger="batch")
         controller.solve_ahead(batch(1), step_next=1)
         controller.solve(batch(1), step=1, trigger="expiry")
-        pool = controller._background._pool
-        for pid in list(pool._processes):
-            os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while not pool._broken and time.monotonic() < deadline:  # wait until the pool knows
-            time.sleep(0.05)
-        assert pool._broken
-        controller.solve_ahead(batch(2), step_next=2)  # raised BrokenProcessPool before the fix
+        proc = controller._background._pool._proc
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=30)  # dead and reaped before the next submission
+        assert not proc.is_alive()
+        controller.solve_ahead(batch(2), step_next=2)  # the write fails: a thread takes over
         assert controller.solve(batch(2), step=2, trigger="expiry").feasible
         assert controller.records[-1].background and controller._background.mode == "thread"
     finally:

@@ -43,6 +43,11 @@ def pruned_distances(num_layers: int) -> list[int | None]:
     return [widest_distance(num_layers, c) for c in sorted(counts)]
 
 
+def _unpack_placement(bits: bytes, shape: tuple[int, int]) -> Placement:
+    n = shape[0] * shape[1]
+    return Placement(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=n).reshape(shape).astype(bool))
+
+
 class Placement:
     """Per-request, per-layer KV placement. ``mask[r, l]`` is True when the KV is on the device."""
 
@@ -75,6 +80,10 @@ class Placement:
             rows.append(distance_row(num_layers, d))
         mask = np.stack(rows) if rows else np.ones((0, num_layers), dtype=bool)
         return cls(mask)
+
+    def __reduce__(self):
+        """Pickled as the mask's bits (a plan crosses the planner process's pipe once per solve)."""
+        return _unpack_placement, (np.packbits(self._mask).tobytes(), self._mask.shape)
 
     # -- views --------------------------------------------------------------------------------------
     @property

@@ -1,20 +1,25 @@
 """Where a plan is solved one step ahead, off the engine's critical path: a planner process or a thread.
 
 A thread shares the engine's GIL. Most of a solve's set-up (window, seeds, feasibility, expiry) is Python, and
-the engine's step is a long run of short torch calls, each of which must take the GIL back. Measured on a
-16-core H100 machine (benchmarks/planner.py --sections engine, SmolLM2-135M shape, 4 requests, batches of
-4 requests x 32 layers solved back to back): a planner thread slowed decode steps by +402% on the GPU and
-+178% on the CPU; a planner process solving the same batches, +2.3% and +0.1% (a thread that burns a core
-without the GIL: +3.0% and +1.5%). A round trip per solve (pickling the batch and the plan) costs the
-engine's process something too: at ~300 solves/s, +8% to +20%; the engine makes one per expiry. On this
-project's 2-core CPU machine (docs/results.md): thread +114-116%, process +12-16% at ~400 solves/s, a busy process
-without round trips -1.8% to +0.5%.
-The process is started (spawn: no fork of a process running torch threads) and its compiled planner loaded
-when the engine starts, not at the first solve.
+the engine's step is a long run of short torch calls, each of which must take the GIL back. Measured with
+benchmarks/planner.py --sections engine (SmolLM2-135M shape, 4 requests, batches of 4 requests x 32 layers
+solved back to back, each a round trip from a thread of the engine's process): on a 16-core H100 machine a
+planner thread slowed decode steps by +402% on the GPU and +178% on the CPU, a planner process by +2.3% and
++0.1% (both with the ProcessPoolExecutor below). On this project's 2-core CPU machine (docs/results.md) a
+planner thread costs +141%, a planner process solving on its own without round trips about +1%.
+
+The planner process (:class:`PlannerProcess`) is one spawned process on a pipe (spawn: no fork of a process
+running torch threads), started with the engine and its compiled planner loaded then, not at the first solve.
+A round trip costs the engine's process one pickle and one write per solve, and the read of the reply by
+whichever thread asks for the plan: no helper thread. It replaced a one-worker ProcessPoolExecutor, whose
+queue feeder and manager threads both wake in the engine's process per solve: on 2 cores, in one interleaved
+run at ~400-450 round trips/s, +7.3% for the pipe against +14.7% for the pool. The engine itself makes at most
+one round trip per step. The planning context is sent only when it changed (the controller replaces it, never
+mutates it), and a plan crosses as its placement's bits.
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
-back. An engine on 2 cores that re-plans often should say ``--background-planner process`` (the numbers above).
+back. An engine on 2 cores that re-plans often should say ``--background-planner process``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
+import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 
 from orbitflow.config import BACKGROUND_PLANNER_CHOICES
@@ -31,8 +40,6 @@ from orbitflow.plan import Plan, PlanRequest, warm_up
 from orbitflow.policies.base import PlanContext, Policy
 
 log = logging.getLogger(__name__)
-
-_worker_policy: Policy | None = None  # the planner process's own copy of the engine's policy
 
 
 def resolve_mode(mode: str | bool) -> str:
@@ -47,20 +54,146 @@ def resolve_mode(mode: str | bool) -> str:
     return mode
 
 
-def _init_worker(policy: Policy) -> None:
-    global _worker_policy
-    _worker_policy = policy
-    warm_up()
-
-
 def _timed_plan(policy: Policy, requests: list[PlanRequest], ctx: PlanContext) -> tuple[Plan, float]:
     start = time.perf_counter()
     plan = policy.plan(requests, ctx)
     return plan, time.perf_counter() - start
 
 
-def _solve_in_worker(requests: list[PlanRequest], ctx: PlanContext) -> tuple[Plan, float]:
-    return _timed_plan(_worker_policy, requests, ctx)
+def _planner_main(conn, policy: Policy) -> None:
+    """The planner process: solve each ``(seq, requests, ctx or None)`` it reads (None: the last context sent)
+    and write back ``(seq, ok, (plan, seconds) or the exception)``; exit when the engine's end of the pipe
+    closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it closes the pipe
+    warm_up()
+    ctx = None
+    try:
+        conn.send(None)  # ready
+    except (EOFError, OSError):  # the engine closed before we were up
+        return
+    while True:
+        try:
+            seq, requests, new_ctx = conn.recv()
+        except (EOFError, OSError):
+            return
+        ctx = new_ctx if new_ctx is not None else ctx
+        try:
+            reply = (seq, True, _timed_plan(policy, requests, ctx))
+        except Exception as exc:  # the engine raises it from result(); the process lives on
+            reply = (seq, False, exc)
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return
+        except Exception as exc:  # an exception (or plan) that does not pickle
+            conn.send((seq, False, RuntimeError(f"planner process: {reply[2]!r} could not be sent back: {exc}")))
+
+
+class PlannerProcess:
+    """A planner process on a pipe (module docstring): :meth:`submit` returns a future whose ``result()`` reads
+    the reply. Replies come back in order; one that nobody asks for (a solve whose batch changed) is read and
+    dropped on the way to a later one. A dead process raises ``BrokenProcessPool`` from :meth:`submit` and from
+    ``result()``."""
+
+    def __init__(self, policy: Policy):
+        mp = multiprocessing.get_context("spawn")  # no fork of a process running torch threads
+        self._conn, child = mp.Pipe()
+        self._proc = mp.Process(target=_planner_main, args=(child, policy), name="orbitflow-planner", daemon=True)
+        self._proc.start()
+        child.close()  # the child's end lives in the child only: its death ends our reads with EOFError
+        self._lock = threading.Lock()  # one reader or writer at a time
+        self._seq = 0
+        self._waiting: dict[int, Future] = {}
+        self._ctx_sent: PlanContext | None = None  # held, so that identity means "unchanged"
+        self._ready = False
+        self._finalizer = weakref.finalize(self, _close_pipe, self._conn, self._proc)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
+        with self._lock:
+            self._seq += 1
+            send_ctx = None
+            if ctx is not self._ctx_sent:
+                # a read-only mapping does not pickle; the process's copy is its own
+                send_ctx = replace(ctx, previous=dict(ctx.previous)) if ctx.previous is not None else ctx
+            try:
+                self._conn.send((self._seq, list(requests), send_ctx))
+            except (OSError, EOFError) as exc:
+                raise BrokenProcessPool(f"the planner process is gone: {exc}") from exc
+            self._ctx_sent = ctx
+            future: Future = _PipeFuture(self, self._seq)
+            self._waiting[self._seq] = future
+            return future
+
+    def _read_until(self, seq: int, timeout: float | None) -> None:
+        """Read replies until ``seq``'s has arrived (``timeout`` seconds at most: TimeoutError)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while seq in self._waiting:
+                self._read_one(end)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the process has loaded the compiled planner (a solve submitted before waits for it)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not self._ready and self._proc.is_alive():
+                self._read_one(end)
+
+    def _read_one(self, end: float | None) -> None:
+        """Read one message (by monotonic time ``end``: TimeoutError) and hand it to its future; the process's
+        death fails every future still waiting."""
+        left = None if end is None else max(0.0, end - time.monotonic())
+        try:
+            if left is not None and not self._conn.poll(left):
+                raise TimeoutError("no reply from the planner process in time")
+            msg = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            broken = BrokenProcessPool(f"the planner process died: {exc!r}")
+            for fut in self._waiting.values():
+                fut.set_exception(broken)
+            self._waiting.clear()
+            self._ready = True
+            return
+        if msg is None:  # "ready"
+            self._ready = True
+            return
+        seq, ok, value = msg
+        fut = self._waiting.pop(seq, None)
+        if fut is not None:
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close_pipe(conn, proc) -> None:
+    """Close the engine's end (the process then exits on its own) and reap the process."""
+    conn.close()
+    proc.join(timeout=5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=5)
+
+
+class _PipeFuture(Future):
+    """A future whose ``result()`` / ``exception()`` read the pipe until its reply arrives."""
+
+    def __init__(self, owner: PlannerProcess, seq: int):
+        super().__init__()
+        self._owner, self._seq = owner, seq
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            self._owner._read_until(self._seq, timeout)
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None):
+        if not self.done():
+            self._owner._read_until(self._seq, timeout)
+        return super().exception(timeout=0)
 
 
 class BackgroundPlanner:
@@ -73,28 +206,26 @@ class BackgroundPlanner:
             raise ValueError("BackgroundPlanner: mode 'off' solves nothing in the background; build none")
         self._pool = self._start()
 
-    def _start(self):
+    def _start(self) -> ThreadPoolExecutor | PlannerProcess:
         if self.mode == "thread":
             return ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitflow-planner")
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.policy,))
-        pool.submit(time.perf_counter)  # start the process (and load the compiled planner) now
-        return pool
+        return PlannerProcess(self.policy)
 
     def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
         """A future of ``(plan, solve seconds)``; ``ctx`` is the snapshot the solve sees."""
         if self.mode == "thread":
             return self._pool.submit(_timed_plan, self.policy, requests, ctx)
-        if ctx.previous is not None:  # a read-only mapping does not pickle; the process's copy is its own
-            ctx = replace(ctx, previous=dict(ctx.previous))
-        return self._pool.submit(_solve_in_worker, requests, ctx)
+        return self._pool.submit(requests, ctx)
 
     def fall_back_to_thread(self) -> None:
         """After the planner process died: warn once and solve on a thread from now on."""
         log.warning("the planner process failed; solving ahead on a planner thread from now on")
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.close()
         self.mode = "thread"
         self._pool = self._start()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self._pool, ThreadPoolExecutor):
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        else:
+            self._pool.close()
