@@ -270,3 +270,33 @@ def test_jitted_greedy_is_the_reference():
         cm, cap, reqs = _planner_case(rng)
         got = _search_of(cm, cap, reqs, True)[2]._greedy()
         assert got == _search_of(cm, cap, reqs, False)[2]._greedy()
+
+
+def test_root_probes_are_the_reference_and_price_the_incumbent():
+    """The first request's visiting order: the compiled probes are the reference's floats, the incumbent's own
+    candidate is priced at the incumbent's step-0 latency, and a probe is finite exactly where the repaired
+    assignment fits the capacity equation (compiled.move)."""
+    rng = np.random.default_rng(9)
+    probed = 0
+    for _ in range(40):
+        cm, cap, reqs = _planner_case(rng)
+        probes = []
+        for compiled in (False, True):
+            bb = _search_of(cm, cap, reqs, compiled, node_limit=None)[2]
+            if bb._try_no_offload():
+                break
+            bb._seed_incumbents()
+            bb._probe_root()
+            probes.append(bb.root_probe.copy())
+            if bb.best_k is not None and bb.n_req > 1:
+                r, n_cand = bb.order[0], len(bb.counts)
+                assert bb.root_probe[bb.best_k[r]] == bb.best_key[0]
+                out, buf = np.empty(bb.n_req, dtype=np.int64), np.empty(bb.n_layers)
+                for k in range(n_cand):
+                    fits = k == bb.best_k[r] or cc.move(bb.best_k, r * n_cand + k, out, bb.ratio_order, bb.counts,
+                                                        bb.hosts_f, bb.bcap, bb.cap, buf)
+                    assert math.isfinite(bb.root_probe[k]) == fits
+                probed += compiled
+        if len(probes) == 2:
+            assert np.array_equal(probes[0], probes[1])
+    assert probed > 10

@@ -297,9 +297,9 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch):
-    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key``; with
-    ``use_dp`` also the propagated bound."""
+            use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch, root_probe):
+    """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key`` (at the
+    root by ``root_probe`` first: :func:`root_probes`); with ``use_dp`` also the propagated bound."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
     # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
@@ -361,16 +361,24 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
     if use_dp:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
         _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
                      comp0, counts, f_scratch, w_scratch)
-    # stable order by (key, offload count); counts increase with k
+    # stable order by (root probe at d = 0, key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
     for i in range(1, n_kids):
         k = ordk[d, i]
         j = i - 1
-        while j >= 0 and lat_key[d, ordk[d, j]] > lat_key[d, k]:
+        while j >= 0 and _after(d, ordk[d, j], k, lat_key, root_probe):
             ordk[d, j + 1] = ordk[d, j]
             j -= 1
         ordk[d, j + 1] = k
+
+
+@_jit
+def _after(d, a, b, lat_key, root_probe):
+    """Whether child ``a`` of depth ``d`` is visited after child ``b``: by root probe (depth 0), then by key."""
+    if d == 0 and root_probe[a] != root_probe[b]:
+        return root_probe[a] > root_probe[b]
+    return lat_key[d, a] > lat_key[d, b]
 
 
 @_jit
@@ -443,7 +451,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
               slo_on, dep, slo, alpha, d_lo, d_hi,
               tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
-              dp_depth, least, slack, w_scratch):
+              dp_depth, least, slack, w_scratch, root_probe):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -476,7 +484,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch)
+                    cap, use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch, root_probe)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue
@@ -739,6 +747,26 @@ def try_each(seeds, fst, b0, comp_total, x0, feas, best_k):
             best_k[:] = seeds[i]
             taken = True
     return taken
+
+
+@_jit
+def root_probes(k_of, r, comp_total, x0, feas, order, bcap, cap, cand, probe):
+    """The order in which the branch and bound visits the first request's candidates (``probe``, lowest first):
+    per candidate ``k`` of request ``r``, the step-0 latency of the incumbent ``k_of`` with ``r`` at ``k`` and the
+    others repaired by :func:`move` (inf where that cannot fit). At the root the bounds see every other request
+    unassigned and often tie across candidates; the optimum's first candidate then came late in the order
+    (8th of 11 for the worst budgeted batch at (4, 32)). ``cand`` (R) is scratch."""
+    counts, hosts_f, lay_ptr, lay, seg_comp, seg_tail, scr, fpar = feas[0], feas[1], feas[2], feas[3], feas[9], \
+        feas[10], feas[15], feas[5]
+    n_cand = counts.size
+    for k in range(n_cand):
+        if k == k_of[r]:
+            cand[:] = k_of
+        elif not move(k_of, r * n_cand + k, cand, order, counts, hosts_f, bcap, cap, scr[6]):
+            probe[k] = math.inf
+            continue
+        probe[k] = comp_total + _edf(seg_comp[0], seg_tail[0], lay_ptr, lay, cand, x0, 1, math.inf, scr[0], scr[1],
+                                     scr[2], scr[3], scr[4], fpar[3])
 
 
 # local improvement state (ist of improve)
