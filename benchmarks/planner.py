@@ -265,6 +265,8 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
 
 
 ENGINE_MODES = ("thread", "process")  # runtime/background_planner.py: where the engine solves ahead
+# "paced": the engine's own pattern: the step loop submits one solve per step and reads it when the step is done
+PACED = "paced process"
 # "pool": the planner process as it was before the pipe (a one-worker ProcessPoolExecutor), for the same-run A/B
 POOL = "pool process"
 # "busy": a planner process solving on its own, with no round trip to the engine: the interference of a busy
@@ -294,7 +296,8 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     engine = llm.engine
     rng = np.random.default_rng(seed)
     vocab = llm.loaded.config.vocab_size
-    conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in (*ENGINE_MODES, POOL, BUSY)]
+    modes = (*ENGINE_MODES, POOL, PACED, BUSY)
+    conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in modes]
     for i in range(4):
         engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
                            SamplingParams(max_tokens=rounds * block * len(conditions) + 24, ignore_eos=True))
@@ -312,7 +315,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     for rnd in tqdm(range(rounds), desc="engine rounds", leave=False):
         for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
             stop = threading.Event()
-            if cond == "idle" or cond.startswith(BUSY):
+            if cond == "idle" or cond.startswith((BUSY, PACED)):
                 th = None
             elif cond == "burner":
                 th = threading.Thread(target=_burner_loop, args=(stop, solves[cond]))
@@ -327,10 +330,16 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
             if busy_one is not None:
                 busy_one.run.set()
                 time.sleep(0.002)
+            paced = cases[tuple(int(v) for v in cond.split(" ")[-1].split("x"))] if cond.startswith(PACED) else None
             t_cond = time.perf_counter()
-            for _ in range(block):
+            for i in range(block):
                 t = time.perf_counter()
+                if paced is not None:  # as Controller.solve_ahead, then the next step's Controller.solve
+                    future = planners["process"].submit(*paced[(rnd * block + i) % len(paced)])
                 engine.step()
+                if paced is not None:
+                    future.result()
+                    solves[cond][0] += 1
                 steps[cond].append(time.perf_counter() - t)
             busy_s[cond] += time.perf_counter() - t_cond
             stop.set()
@@ -351,7 +360,9 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                f"(OrbitFlow policy, compiled planner, the engine's default node limit; 16 random batches of the "
                f"size shown, round robin), each solve a round trip from a thread of the engine's process; pool "
                f"process: the same, through a one-worker ProcessPoolExecutor (the planner process before it got "
-               f"its pipe); busy "
+               f"its pipe); paced process: the engine's own pattern, one solve per step submitted by the step loop "
+               f"before the step and read after it, inside the timed step (as the controller's solve_ahead and "
+               f"the next step's solve); busy "
                f"process: a planner process solving the same batches on its own, with no round trip; burner: a "
                f"thread that keeps a core busy without the GIL (CPU "
                f"contention alone; per second: SHA-256 of 1 MiB); idle: the engine alone. {rounds} rounds x "

@@ -12,9 +12,11 @@ The planner process (:class:`PlannerProcess`) is one spawned process on a pipe (
 running torch threads), started with the engine and its compiled planner loaded then, not at the first solve.
 A round trip costs the engine's process one pickle and one write per solve, and the read of the reply by
 whichever thread asks for the plan: no helper thread. It replaced a one-worker ProcessPoolExecutor, whose
-queue feeder and manager threads both wake in the engine's process per solve: on 2 cores, in one interleaved
-run at ~400-450 round trips/s, +7.3% for the pipe against +14.7% for the pool. The engine itself makes at most
-one round trip per step. The planning context is sent only when it changed (the controller replaces it, never
+queue feeder and manager threads both wake in the engine's process per solve: on 2 cores, in interleaved runs
+at ~380-490 round trips/s from a thread of the engine's process, +7.3% / +9.2% for the pipe against +14.7% /
++16.2% for the pool (with empty replies the pipe still cost +12%: the wake-ups, not the pickles). The engine
+itself makes at most one round trip per step: one solve per step from the step loop (4 x 32) cost +0.3%
+[-3.2%, +3.8%]. The planning context is sent only when it changed (the controller replaces it, never
 mutates it), and a plan crosses as its placement's bits.
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
