@@ -300,3 +300,29 @@ def test_root_probes_are_the_reference_and_price_the_incumbent():
         if len(probes) == 2:
             assert np.array_equal(probes[0], probes[1])
     assert probed > 10
+
+
+def test_root_probes_only_where_the_time_left_pays_for_them():
+    """Under a deadline the probes run only when their expected cost is a small share of the time left."""
+    import time
+
+    rng = np.random.default_rng(10)
+    for _ in range(40):
+        cm, cap, reqs = _planner_case(rng)
+        pl = Planner(cm, cap)
+        win = pl.constraints.horizon(reqs)
+        runs = {}
+        for name, left in (("none", None), ("tight", 1e-6), ("roomy", 60.0)):
+            deadline = None if left is None else time.perf_counter() + left
+            bb = BranchAndBound(pl.constraints, win, PlanStats(), deadline=deadline)
+            if bb._try_no_offload():
+                break
+            bb._seed_incumbents()
+            bb._probe_root()
+            runs[name] = bb.root_probe.copy()
+        if len(runs) == 3 and bb.best_k is not None and bb.n_req > 1:
+            break
+    else:
+        pytest.fail("no batch with an incumbent to probe")
+    assert np.any(runs["none"] != 0) and np.array_equal(runs["none"], runs["roomy"])
+    assert not np.any(runs["tight"])  # not probed: every candidate ties, the bounds order them

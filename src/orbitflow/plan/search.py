@@ -74,7 +74,8 @@ PAUSE_EVERY = 256  # ... and at most this many nodes / evaluations
 BIG_SPACE = 10**6  # assignments of the pruned space above which an exact search polishes its first incumbent
 DP_REST_SHARE = 0.05  # the propagated bound (dp_bound) where the unassigned requests hold at most this share
 IMPROVE_SHARE = 0.2  # of the time left when a search with a deadline starts: kept for the local improvement
-PROBE_MIN_S = 0.01  # seconds left to a deadline below which the root is not probed (BranchAndBound._probe_root)
+PROBE_SHARE = 0.1  # of the time left to a deadline: the most the root's probes may be expected to take
+PROBE_S = 6e-9  # seconds per K * R^2 * L the root's probes take (measured: 3.5-6 ns, (4, 32) to (16, 80))
 
 
 def paced_chunk(now: float, since: float, units: int, deadline: float) -> int:
@@ -345,14 +346,16 @@ class BranchAndBound:
     def _probe_root(self) -> None:
         """The first request's candidates in the order of :func:`orbitflow.plan.compiled.root_probes` (the incumbent
         with that request moved there and the others repaired; the reference computes the same floats with its own
-        schedule). Not with less than ``PROBE_MIN_S`` left to a deadline: measured on the speed table's batches, a
-        search with a node budget or none visits fewer nodes (exact at (8, 32): 709k nodes over 300 batches
-        against 851k, the same optima; the default node limit: better plans on 16 of 100 batches at (8, 32), worse
-        on 3), but a 1 ms budget at (16, 80) spends on the probes (K exact schedules) what its first dive needs
-        (worse plans on 9 of 19 batches)."""
+        schedule). Under a deadline only when they should take at most ``PROBE_SHARE`` of the time left: measured on
+        the speed table's batches, a search with a node budget or none visits fewer nodes (exact at (8, 32): 709k
+        nodes over 300 batches against 851k, the same optima; the default node limit: better plans on 16 of 100
+        batches at (8, 32), worse on 3). Under a budget they pay at (4, 32) (~35 us): at 1.3 ms the worst budgeted
+        batches' excess went from 6.6-7.4% to 0.00% (two runs each way), though at 1 ms the search still stops
+        short of the worst one's optimum; at (16, 80) they would take 1.2 ms."""
         if self.best_k is None or self.n_req < 2:
             return
-        if self.deadline is not None and self.deadline - time.perf_counter() < PROBE_MIN_S:
+        cost = PROBE_S * len(self.counts) * self.n_req ** 2 * self.n_layers  # the repairs dominate: R moves of L
+        if self.deadline is not None and cost > PROBE_SHARE * (self.deadline - time.perf_counter()):
             return
         r = self.order[0]
         cand = np.empty(self.n_req, dtype=np.int64)
