@@ -149,3 +149,26 @@ def test_a_process_that_died_between_solves_costs_no_step():
         assert controller.records[-1].background and controller._background.mode == "thread"
     finally:
         controller.close()
+
+
+def test_replies_nobody_reads_do_not_fill_the_pipe():
+    """A controller whose batch keeps changing drops every solve it submitted ahead. The unread replies must not
+    pile up until both ends of the pipe block (the engine would hang in submit)."""
+    import threading
+
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
+    small, ctx = [PlanRequest("c", 2, 30, None, 0.0, 0.02)], context()
+    done = threading.Event()
+
+    def engine():
+        for _ in range(2500):  # ~1 KB each way per solve: more than the socket buffers hold
+            planner.submit(small, ctx)
+        done.set()
+
+    try:
+        threading.Thread(target=engine, daemon=True).start()
+        assert done.wait(120), "submit blocked: the unread replies filled the pipe"
+        plan, _ = planner.submit(batch(), ctx).result(timeout=60)
+        assert plan.feasible
+    finally:
+        planner.close()

@@ -93,9 +93,9 @@ def _planner_main(conn, policy: Policy) -> None:
 
 class PlannerProcess:
     """A planner process on a pipe (module docstring): :meth:`submit` returns a future whose ``result()`` reads
-    the reply. Replies come back in order; one that nobody asks for (a solve whose batch changed) is read and
-    dropped on the way to a later one. A dead process raises ``BrokenProcessPool`` from :meth:`submit` and from
-    ``result()``."""
+    the reply. Replies come back in order; one that nobody asks for (a solve whose batch changed) is read on the
+    way to a later one, or by the next :meth:`submit`, so unread replies never fill the pipe. A dead process
+    raises ``BrokenProcessPool`` from :meth:`submit` and from ``result()``."""
 
     def __init__(self, policy: Policy):
         mp = multiprocessing.get_context("spawn")  # no fork of a process running torch threads
@@ -116,6 +116,11 @@ class PlannerProcess:
 
     def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
         with self._lock:
+            try:  # replies nobody asked for yet: off the pipe, into their futures (the process never blocks)
+                while self._waiting and self._conn.poll(0):
+                    self._read_one(None)
+            except OSError as exc:
+                raise BrokenProcessPool(f"the planner process is gone: {exc}") from exc
             self._seq += 1
             send_ctx = None
             if ctx is not self._ctx_sent:
