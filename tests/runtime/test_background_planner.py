@@ -2,14 +2,16 @@
 read-only snapshot, and a dead process costs a warning and a thread, never a plan."""
 
 import os
+import pickle
 import signal
+import time
 from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
 
 from orbitflow.plan import CostModel, PlanRequest
-from orbitflow.policies.base import PlanContext
+from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.policies.orbitflow import OrbitFlowPolicy
 from orbitflow.runtime import background_planner
 from orbitflow.runtime.background_planner import BackgroundPlanner, resolve_mode
@@ -67,8 +69,9 @@ def test_the_context_crosses_the_pipe_only_when_it_changes(monkeypatch):
     new one reaches the process (its plans follow the new capacity)."""
     planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
     sent = []
-    real_send = planner._pool._conn.send
-    monkeypatch.setattr(planner._pool._conn, "send", lambda msg: (sent.append(msg[2]), real_send(msg))[1])
+    real_send = planner._pool._conn.send_bytes
+    monkeypatch.setattr(planner._pool._conn, "send_bytes",
+                        lambda blob: (sent.append(pickle.loads(blob)[2]), real_send(blob))[1])
     try:
         roomy, tight = replace(context(), capacity_blocks=1000), replace(context(), capacity_blocks=130)
         first, _ = planner.submit(batch(), roomy).result()
@@ -172,3 +175,97 @@ def test_replies_nobody_reads_do_not_fill_the_pipe():
         assert plan.feasible
     finally:
         planner.close()
+
+
+class _Scripted(Policy):
+    """A policy for the planner process's failure paths: sleeps, then raises ``_TwoArgError`` if told to, or
+    plans."""
+
+    def __init__(self, sleep_s: float = 0.0, unreadable_error: bool = False, only_for: str | None = None):
+        self.sleep_s, self.unreadable_error, self.only_for = sleep_s, unreadable_error, only_for
+
+    def plan(self, requests, ctx):
+        if self.only_for is None or any(q.request_id == self.only_for for q in requests):
+            time.sleep(self.sleep_s)
+        if self.unreadable_error:
+            raise _TwoArgError(1, 2)
+        return OrbitFlowPolicy().plan(requests, ctx)
+
+
+class _TwoArgError(Exception):
+    """Pickles in the planner process, but does not unpickle (its one pickled arg is not two)."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def test_a_timeout_is_not_a_death():
+    planner = BackgroundPlanner(_Scripted(sleep_s=1.5), "process")
+    try:
+        slow = planner.submit(batch(), context())
+        with pytest.raises(TimeoutError):
+            slow.result(timeout=0.2)
+        plan, _ = slow.result(timeout=60)  # the same solve, still coming
+        assert plan.feasible and planner.mode == "process"
+        assert planner.submit(batch(), context()).result(timeout=60)[0].feasible
+    finally:
+        planner.close()
+
+
+def test_a_reply_that_does_not_unpickle_fails_its_own_solve_only():
+    planner = BackgroundPlanner(_Scripted(unreadable_error=True), "process")
+    try:
+        with pytest.raises(RuntimeError, match="could not be read"):
+            planner.submit(batch(), context()).result(timeout=60)
+        planner.submit(batch(), context())  # dropped: its reply is read by the next submission
+        time.sleep(0.5)
+        nxt = planner.submit(batch(), context())  # raised the unpickling error before the fix
+        with pytest.raises(RuntimeError, match="could not be read"):
+            nxt.result(timeout=60)
+    finally:
+        planner.close()
+
+
+def test_inputs_that_do_not_pickle_fail_their_own_solve_only():
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
+    try:
+        bad = [PlanRequest(lambda: 0, 2, 30, None, 0.0, 0.02)]  # an id that does not pickle
+        failed = planner.submit(bad, context())  # raised from submit before the fix
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            failed.result(timeout=60)
+        assert planner.submit(batch(), context()).result(timeout=60)[0].feasible
+    finally:
+        planner.close()
+
+
+def test_cancel_and_a_second_thread_leave_the_pipe_in_step():
+    """A submitted solve runs: cancel() says no. A thread waiting on a slow solve does not hold back another
+    thread's submission, and each gets its own plan."""
+    import threading
+
+    planner = BackgroundPlanner(_Scripted(sleep_s=1.0), "process")
+    try:
+        first = planner.submit(batch(), context())
+        assert not first.cancel()
+        waiter = threading.Thread(target=first.result, kwargs={"timeout": 60})
+        waiter.start()
+        time.sleep(0.2)  # the waiter is reading now
+        start = time.monotonic()
+        second = planner.submit([PlanRequest("c", 2, 30, None, 0.0, 0.02)], context())
+        assert time.monotonic() - start < 0.5  # not behind the solve in flight
+        waiter.join(60)
+        assert tuple(first.result(timeout=0)[0].request_ids) == ("a", "b")
+        assert tuple(second.result(timeout=60)[0].request_ids) == ("c",)
+    finally:
+        planner.close()
+
+
+def test_close_does_not_wait_for_a_solve_in_flight():
+    planner = BackgroundPlanner(_Scripted(sleep_s=30, only_for="slow"), "process")
+    pool = planner._pool
+    assert planner.submit(batch(), context()).result(timeout=60)[0].feasible  # the process is up
+    planner.submit([PlanRequest("slow", 2, 30, None, 0.0, 0.02)], context())
+    time.sleep(0.5)  # solving it now
+    start = time.monotonic()
+    planner.close()
+    assert time.monotonic() - start < 3 and not pool._proc.is_alive()

@@ -16,8 +16,8 @@ queue feeder and manager threads both wake in the engine's process per solve: on
 at ~380-490 round trips/s from a thread of the engine's process, +7.3% / +9.2% for the pipe against +14.7% /
 +16.2% for the pool (with empty replies the pipe still cost +12%: the wake-ups, not the pickles). The engine
 itself makes at most one round trip per step: one solve per step from the step loop (4 x 32) cost +0.3%
-[-3.2%, +3.8%]. The planning context is sent only when it changed (the controller replaces it, never
-mutates it), and a plan crosses as its placement's bits.
+[-3.2%, +3.8%]. The planning context is sent again only when the controller has replaced it (it never mutates
+it), and a plan crosses as its placement's bits.
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -64,38 +65,36 @@ def _timed_plan(policy: Policy, requests: list[PlanRequest], ctx: PlanContext) -
 
 def _planner_main(conn, policy: Policy) -> None:
     """The planner process: solve each ``(seq, requests, ctx or None)`` it reads (None: the last context sent)
-    and write back ``(seq, ok, (plan, seconds) or the exception)``; exit when the engine's end of the pipe
-    closes."""
+    and write back ``(seq, ok, pickled (plan, seconds) or exception)``; exit when the engine's end of the pipe
+    closes. The reply's value is pickled here, so a value that will not pickle becomes an error the engine can
+    read, and one that will not unpickle fails only its own future there."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it closes the pipe
     warm_up()
     ctx = None
     try:
-        conn.send(None)  # ready
-    except (EOFError, OSError):  # the engine closed before we were up
+        conn.send_bytes(b"")  # ready
+        while True:
+            seq, requests, new_ctx = pickle.loads(conn.recv_bytes())
+            ctx = new_ctx if new_ctx is not None else ctx
+            try:
+                ok, value = True, _timed_plan(policy, requests, ctx)
+            except Exception as exc:  # the engine raises it from result(); the process lives on
+                ok, value = False, exc
+            try:
+                payload = pickle.dumps(value)
+            except Exception as exc:
+                ok, payload = False, pickle.dumps(RuntimeError(f"planner process: {value!r} does not pickle: {exc}"))
+            conn.send_bytes(pickle.dumps((seq, ok, payload)))
+    except (EOFError, OSError):  # the engine closed its end
         return
-    while True:
-        try:
-            seq, requests, new_ctx = conn.recv()
-        except (EOFError, OSError):
-            return
-        ctx = new_ctx if new_ctx is not None else ctx
-        try:
-            reply = (seq, True, _timed_plan(policy, requests, ctx))
-        except Exception as exc:  # the engine raises it from result(); the process lives on
-            reply = (seq, False, exc)
-        try:
-            conn.send(reply)
-        except (EOFError, OSError):
-            return
-        except Exception as exc:  # an exception (or plan) that does not pickle
-            conn.send((seq, False, RuntimeError(f"planner process: {reply[2]!r} could not be sent back: {exc}")))
 
 
 class PlannerProcess:
     """A planner process on a pipe (module docstring): :meth:`submit` returns a future whose ``result()`` reads
     the reply. Replies come back in order; one that nobody asks for (a solve whose batch changed) is read on the
-    way to a later one, or by the next :meth:`submit`, so unread replies never fill the pipe. A dead process
-    raises ``BrokenProcessPool`` from :meth:`submit` and from ``result()``."""
+    way to a later one, or by the next :meth:`submit`, so unread replies never fill the pipe. One thread writes
+    and one reads at a time (two locks: a submit never waits for a solve). A dead process raises
+    ``BrokenProcessPool`` from :meth:`submit` and from ``result()``."""
 
     def __init__(self, policy: Policy):
         mp = multiprocessing.get_context("spawn")  # no fork of a process running torch threads
@@ -103,11 +102,11 @@ class PlannerProcess:
         self._proc = mp.Process(target=_planner_main, args=(child, policy), name="orbitflow-planner", daemon=True)
         self._proc.start()
         child.close()  # the child's end lives in the child only: its death ends our reads with EOFError
-        self._lock = threading.Lock()  # one reader or writer at a time
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.RLock()  # reentrant: a done-callback may ask for another plan
         self._seq = 0
         self._waiting: dict[int, Future] = {}
         self._ctx_sent: PlanContext | None = None  # held, so that identity means "unchanged"
-        self._ready = False
         self._finalizer = weakref.finalize(self, _close_pipe, self._conn, self._proc)
 
     @property
@@ -115,59 +114,75 @@ class PlannerProcess:
         return self._proc.pid
 
     def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
-        with self._lock:
-            try:  # replies nobody asked for yet: off the pipe, into their futures (the process never blocks)
-                while self._waiting and self._conn.poll(0):
-                    self._read_one(None)
-            except OSError as exc:
-                raise BrokenProcessPool(f"the planner process is gone: {exc}") from exc
+        self._drain()
+        with self._send_lock:
             self._seq += 1
+            future = _PipeFuture(self, self._seq)
+            future.set_running_or_notify_cancel()  # running: cancel() says False, as for an executor's running task
             send_ctx = None
-            if ctx is not self._ctx_sent:
+            if ctx is not self._ctx_sent:  # the controller replaces its context (after every adopted plan)
                 # a read-only mapping does not pickle; the process's copy is its own
                 send_ctx = replace(ctx, previous=dict(ctx.previous)) if ctx.previous is not None else ctx
             try:
-                self._conn.send((self._seq, list(requests), send_ctx))
+                blob = pickle.dumps((self._seq, list(requests), send_ctx))
+            except Exception as exc:  # inputs that do not pickle fail this solve only
+                future.set_exception(exc)
+                return future
+            self._waiting[self._seq] = future  # before the write: a reader may get the reply at once
+            try:
+                self._conn.send_bytes(blob)
             except (OSError, EOFError) as exc:
+                self._waiting.pop(self._seq, None)
                 raise BrokenProcessPool(f"the planner process is gone: {exc}") from exc
             self._ctx_sent = ctx
-            future: Future = _PipeFuture(self, self._seq)
-            self._waiting[self._seq] = future
             return future
+
+    def _drain(self) -> None:
+        """Replies nobody asked for yet, off the pipe and into their futures (unless a thread is reading), so that
+        the process never blocks writing them."""
+        if not self._recv_lock.acquire(blocking=False):
+            return
+        try:
+            while self._waiting and self._conn.poll(0):
+                self._read_one(None)
+        except OSError as exc:
+            raise BrokenProcessPool(f"the planner process is gone: {exc}") from exc
+        finally:
+            self._recv_lock.release()
 
     def _read_until(self, seq: int, timeout: float | None) -> None:
         """Read replies until ``seq``'s has arrived (``timeout`` seconds at most: TimeoutError)."""
         end = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        if not self._recv_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise TimeoutError(f"no plan from the planner process within {timeout} s")
+        try:
             while seq in self._waiting:
                 self._read_one(end)
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the process has loaded the compiled planner (a solve submitted before waits for it)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while not self._ready and self._proc.is_alive():
-                self._read_one(end)
+        finally:
+            self._recv_lock.release()
 
     def _read_one(self, end: float | None) -> None:
-        """Read one message (by monotonic time ``end``: TimeoutError) and hand it to its future; the process's
-        death fails every future still waiting."""
+        """Read one message (by monotonic time ``end``, else TimeoutError) and hand it to its future; the
+        process's death fails every future still waiting."""
         left = None if end is None else max(0.0, end - time.monotonic())
+        blob = None
         try:
-            if left is not None and not self._conn.poll(left):
-                raise TimeoutError("no reply from the planner process in time")
-            msg = self._conn.recv()
+            if left is None or self._conn.poll(left):
+                blob = self._conn.recv_bytes()
         except (EOFError, OSError) as exc:
             broken = BrokenProcessPool(f"the planner process died: {exc!r}")
-            for fut in self._waiting.values():
-                fut.set_exception(broken)
-            self._waiting.clear()
-            self._ready = True
+            while self._waiting:
+                self._waiting.popitem()[1].set_exception(broken)
             return
-        if msg is None:  # "ready"
-            self._ready = True
+        if blob is None:  # outside the try: TimeoutError is an OSError
+            raise TimeoutError("no plan from the planner process in time")
+        if not blob:  # "ready"
             return
-        seq, ok, value = msg
+        seq, ok, payload = pickle.loads(blob)
+        try:
+            value = pickle.loads(payload)
+        except Exception as exc:  # this reply only: the pipe is still in step
+            ok, value = False, RuntimeError(f"the planner process's reply could not be read: {exc!r}")
         fut = self._waiting.pop(seq, None)
         if fut is not None:
             (fut.set_result if ok else fut.set_exception)(value)
@@ -177,16 +192,18 @@ class PlannerProcess:
 
 
 def _close_pipe(conn, proc) -> None:
-    """Close the engine's end (the process then exits on its own) and reap the process."""
+    """Close the engine's end (an idle process then exits on its own; one in a solve is killed: it has nothing
+    to save) and reap the process."""
     conn.close()
-    proc.join(timeout=5)
+    proc.join(timeout=0.2)
     if proc.is_alive():
         proc.kill()
         proc.join(timeout=5)
 
 
 class _PipeFuture(Future):
-    """A future whose ``result()`` / ``exception()`` read the pipe until its reply arrives."""
+    """A future whose ``result()`` / ``exception()`` read the pipe until its reply arrives (no thread resolves
+    it otherwise: ``concurrent.futures.wait`` does not see it finish)."""
 
     def __init__(self, owner: PlannerProcess, seq: int):
         super().__init__()
