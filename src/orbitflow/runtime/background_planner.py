@@ -6,18 +6,18 @@ benchmarks/planner.py --sections engine (SmolLM2-135M shape, 4 requests, batches
 solved back to back, each a round trip from a thread of the engine's process): on a 16-core H100 machine a
 planner thread slowed decode steps by +402% on the GPU and +178% on the CPU, a planner process by +2.3% and
 +0.1% (both with the ProcessPoolExecutor below). On this project's 2-core CPU machine (docs/results.md) a
-planner thread costs +141%, a planner process solving on its own without round trips about +1%.
+planner thread costs +108% to +141%, a planner process solving on its own without round trips within 2%.
 
 The planner process (:class:`PlannerProcess`) is one spawned process on a pipe (spawn: no fork of a process
 running torch threads), started with the engine and its compiled planner loaded then, not at the first solve.
 A round trip costs the engine's process one pickle and one write per solve, and the read of the reply by
 whichever thread asks for the plan: no helper thread. It replaced a one-worker ProcessPoolExecutor, whose
-queue feeder and manager threads both wake in the engine's process per solve: on 2 cores, in interleaved runs
-at ~380-490 round trips/s from a thread of the engine's process, +7.3% / +9.2% for the pipe against +14.7% /
-+16.2% for the pool (with empty replies the pipe still cost +12%: the wake-ups, not the pickles). The engine
-itself makes at most one round trip per step: one solve per step from the step loop (4 x 32) cost +0.3%
-[-3.2%, +3.8%]. The planning context is sent again only when the controller has replaced it (it never mutates
-it), and a plan crosses as its placement's bits.
+queue feeder and manager threads both wake in the engine's process per solve: on 2 cores, in three interleaved
+runs at ~380-500 round trips/s from a thread of the engine's process, +6.6% to +9.2% for the pipe against
++14.2% to +16.2% for the pool (with empty replies the pipe still cost +12%: the wake-ups, not the pickles). The
+engine itself makes at most one round trip per step: one solve per step from the step loop (4 x 32) cost +0.3%
+and +0.6% (95% intervals within +-4.4%). The planning context is sent again only when the controller has
+replaced it (it never mutates it), and a plan crosses as its placement's bits.
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
