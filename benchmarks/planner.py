@@ -403,8 +403,9 @@ def _pool_init(policy) -> None:
 
 
 def _pool_solve(requests, ctx):
-    start = time.perf_counter()
-    return _pool_policy.plan(requests, ctx), time.perf_counter() - start
+    from orbitflow.runtime.background_planner import _timed_plan
+
+    return _timed_plan(_pool_policy, requests, ctx)
 
 
 def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):

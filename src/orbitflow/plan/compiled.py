@@ -679,7 +679,7 @@ def _window_rule(k_of, lat0, later_lb, cap_max, feas):
 def try_assignment(k_of, later_lb, fst, b0, comp_total, x0, feas):
     """``BranchAndBound._try``: whether ``k_of`` beats the incumbent ``fst[BEST_*]`` and is feasible (then it is
     the incumbent). Capacity first (cheap), then the exact schedule, stopped once slower than the incumbent."""
-    counts, lay_ptr, lay, seg_comp, seg_tail, scr = feas[0], feas[2], feas[3], feas[9], feas[10], feas[15]
+    counts = feas[0]
     cap_max = steps_that_fit(k_of, feas)
     if cap_max < feas[6][0]:
         return False
@@ -687,9 +687,7 @@ def try_assignment(k_of, later_lb, fst, b0, comp_total, x0, feas):
     for r in range(k_of.size):
         mv += b0[r] * counts[k_of[r]]
     best = fst[BEST_LAT]
-    cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-    st = _edf(seg_comp[0], seg_tail[0], lay_ptr, lay, k_of, x0, 1, cut, scr[0], scr[1], scr[2], scr[3], scr[4],
-              feas[5][3])
+    st = step0_added(k_of, best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf, x0, feas)
     if st < 0:
         return False
     lat0 = comp_total + st
@@ -756,17 +754,24 @@ def root_probes(k_of, r, comp_total, x0, feas, order, bcap, cap, cand, probe):
     others repaired by :func:`move` (inf where that cannot fit). At the root the bounds see every other request
     unassigned and often tie across candidates; the optimum's first candidate then came late in the order
     (8th of 11 for the worst budgeted batch at (4, 32)). ``cand`` (R) is scratch."""
-    counts, hosts_f, lay_ptr, lay, seg_comp, seg_tail, scr, fpar = feas[0], feas[1], feas[2], feas[3], feas[9], \
-        feas[10], feas[15], feas[5]
+    counts, hosts_f = feas[0], feas[1]
     n_cand = counts.size
     for k in range(n_cand):
         if k == k_of[r]:
             cand[:] = k_of
-        elif not move(k_of, r * n_cand + k, cand, order, counts, hosts_f, bcap, cap, scr[6]):
+        elif not move(k_of, r * n_cand + k, cand, order, counts, hosts_f, bcap, cap, feas[15][6]):
             probe[k] = math.inf
             continue
-        probe[k] = comp_total + _edf(seg_comp[0], seg_tail[0], lay_ptr, lay, cand, x0, 1, math.inf, scr[0], scr[1],
-                                     scr[2], scr[3], scr[4], fpar[3])
+        probe[k] = comp_total + step0_added(cand, math.inf, x0, feas)
+
+
+@_jit
+def step0_added(k_of, abort_above, x0, feas):
+    """What the assignment ``k_of`` adds to step 0's compute (:func:`_edf` over the window's first segment), or -1.0
+    once the step is known to take longer than ``abort_above``."""
+    scr = feas[15]
+    return _edf(feas[9][0], feas[10][0], feas[2], feas[3], k_of, x0, 1, abort_above, scr[0], scr[1], scr[2], scr[3],
+                scr[4], feas[5][3])
 
 
 # local improvement state (ist of improve)

@@ -363,7 +363,7 @@ class BranchAndBound:
             cc.root_probes(self.best_k, r, self.comp_total, self.x0, self._feas(), self.ratio_order, self.bcap,
                            self.cap, cand, self.root_probe)
             return
-        n_cand, h, buf = len(self.counts), self.rules.cost_model.host_layer_s, np.empty(self.n_layers)
+        n_cand, buf = len(self.counts), np.empty(self.n_layers)
         for k in range(n_cand):
             if k == self.best_k[r]:
                 cand[:] = self.best_k
@@ -371,9 +371,7 @@ class BranchAndBound:
                              self.bcap, self.cap, buf):
                 self.root_probe[k] = math.inf
                 continue
-            lists = [self.lists[c] for c in cand]
-            stalls = edf_stalls(self.comp0_list, lists, self.x0_list, host_layer_s=h)
-            self.root_probe[k] = self.comp_total + (float(sum(stalls)) + host_layers_s(lists, h))
+            self.root_probe[k] = self._lat0(cand)
 
     def _tightened(self, k_of: list[int]) -> list[int]:
         """``k_of`` with every request made as sparse as the capacity equation at one slot allows, highest
@@ -691,13 +689,9 @@ class BranchAndBound:
             host = self.hosts[k_of]
         if self.edf:
             best = self.best_key[0]
-            cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-            lists = [self.lists[k] for k in k_of]
-            h = self.rules.cost_model.host_layer_s
-            stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=cut, host_layer_s=h)
-            if stalls is None:  # slower than the incumbent: stopped part-way
+            lat0 = self._lat0(k_of, best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf)
+            if lat0 is None:  # slower than the incumbent: stopped part-way
                 return False
-            lat0 = self.comp_total + (float(sum(stalls)) + host_layers_s(lists, h))
             self.win.seg_cache[(host.tobytes(), 0)] = lat0
         else:
             lat0 = self.rules.seg_latencies(self.win, host, upto=1)[0]
@@ -708,6 +702,16 @@ class BranchAndBound:
             return False
         self._set_best(np.asarray(k_of, dtype=np.int64), key)
         return True
+
+    def _lat0(self, k_of, abort_above: float = math.inf) -> float | None:
+        """Step-0 latency of the assignment ``k_of`` (candidate per request) by the reference schedule, the
+        compiled one's floats (:func:`orbitflow.plan.compiled.step0_added`); None once above ``abort_above``."""
+        lists = [self.lists[k] for k in k_of]
+        h = self.rules.cost_model.host_layer_s
+        stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=abort_above, host_layer_s=h)
+        if stalls is None:
+            return None
+        return self.comp_total + (float(sum(stalls)) + host_layers_s(lists, h))
 
     def _set_best(self, k_of: np.ndarray, key: tuple[float, float]) -> None:
         self.best_k, self.best_host, self.best_key = k_of.copy(), self.hosts[k_of], key
