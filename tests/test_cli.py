@@ -78,7 +78,7 @@ def test_simulate_defaults_are_the_papers_setup():
     from orbitflow.sim.sweep import DEFAULT_DEVICE_KV_FRACTION
 
     assert args.device_kv_fraction is None and DEFAULT_DEVICE_KV_FRACTION == 0.5  # None: 0.5 or a trace's own
-    assert args.noise_cv > 0 and args.solver_time == "measured"
+    assert args.noise_cv is None and args.solver_time == "measured"  # None: the profile's jitter, else 0.07
     assert args.seeds >= 5 and args.num_requests >= 64 and args.prefetch_slots == "policy"
     assert args.policies == "all"
 
@@ -125,3 +125,23 @@ def test_simulate_runs_on_a_measured_profile_file_and_charges_its_overheads(tmp_
         capsys.readouterr()
         results[p.name] = json.loads(out.read_text())["runs"][0]
     assert results["measured"]["p95_tbt_s"] > results[ideal.name]["p95_tbt_s"]
+
+
+def test_simulate_uses_a_measured_profiles_step_jitter_unless_told(tmp_path, capsys):
+    """`orbitflow profile` measures the engine's step jitter; `simulate --profile FILE` adds it as noise by default
+    (a preset, which measured none, gets the default); --noise-cv overrides both."""
+    from orbitflow.cli import noise_cv_for
+    from orbitflow.plan.hardware import load_preset
+    from orbitflow.sim.sweep import DEFAULT_NOISE_CV
+
+    preset = load_preset("a5000-llama3-8b")
+    measured = preset.with_overrides(name="measured", step_noise_cv=0.031)
+    assert noise_cv_for(None, preset) == DEFAULT_NOISE_CV
+    assert noise_cv_for(None, measured) == 0.031 and noise_cv_for(0.0, measured) == 0.0
+    path = measured.save(tmp_path / "measured.json")
+    out = tmp_path / "runs.json"
+    argv = ["simulate", "--profile", str(path), "--policies", "deepspeed", "--slo-scales", "1.5", "--rate-scales",
+            "2", "--num-requests", "1", "--seeds", "1", "--workers", "1", "--json", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["config"]["noise_cv"] == 0.031

@@ -87,6 +87,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 # ---- simulate ------------------------------------------------------------------------------------------
+def noise_cv_for(flag: float | None, profile) -> float:
+    """--noise-cv as given, else the profile's measured step jitter, else the default."""
+    from orbitflow.sim.sweep import DEFAULT_NOISE_CV
+
+    if flag is not None:
+        return flag
+    return profile.step_noise_cv if profile.step_noise_cv is not None else DEFAULT_NOISE_CV
+
+
 def _floats(text: str, flag: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -170,7 +179,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         setup = SimSetup(
             device_kv_blocks=args.device_kv_blocks,
-            noise_cv=args.noise_cv, solver_time=args.solver_time, seeds=args.seeds, first_seed=args.seed,
+            noise_cv=noise_cv_for(args.noise_cv, profile), solver_time=args.solver_time, seeds=args.seeds,
+            first_seed=args.seed,
             num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, trace_path=args.trace, step_s=args.step_s,
         )
@@ -343,9 +353,10 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--prefetch-slots", default="policy", metavar="policy|D[,D...]",
                    help="prefetch depth (KV buffer slots per request): 'policy' = each policy's real one "
                         "(DeepSpeed 2, others 1), or a comma list of depths for every policy")
-    p.add_argument("--noise-cv", type=float, default=DEFAULT_NOISE_CV,
-                   help="CV of the seeded lognormal noise on every layer's compute and every transfer, unseen by "
-                        "the planner (0: the planner's model exactly)")
+    p.add_argument("--noise-cv", type=float, default=None,
+                   help="CV of the seeded lognormal noise on each step's compute and on every transfer, unseen by "
+                        "the planner (0: the planner's model exactly). Default: the profile's measured step jitter "
+                        f"(step_noise_cv, written by `orbitflow profile`), else {DEFAULT_NOISE_CV}")
     p.add_argument("--solver-time", default="measured", help=SOLVER_TIME_HELP)
     p.add_argument("--no-deposit-runs", action="store_true",
                    help="also run every point without Token-Deposit (paper Fig. 13b)")

@@ -18,7 +18,8 @@ def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
     finally:
         llm.close()
     for name in ("decode_a", "decode_b", "prefill_a", "prefill_b", "prefill_c", "decode_per_request_s",
-                 "transfer_latency_s", "move_latency_s", "mixed_step_overhead_s", "decode_tail_fraction"):
+                 "transfer_latency_s", "move_latency_s", "mixed_step_overhead_s", "decode_tail_fraction",
+                 "step_noise_cv"):
         value = getattr(p, name)
         assert math.isfinite(value) and value >= 0, name
     assert p.link_bytes_per_s == 0.05e9  # the configured throttle
@@ -67,7 +68,7 @@ def test_context_phase_interleaves_so_a_drifting_machine_does_not_tilt_the_per_t
 
     bench = SimpleNamespace(prefill=prefill, decode=lambda ids: step(ids[0]), free=lambda rid: None)
     prefills: list = []
-    a, b, tails = _measure_context(bench, (16, 256, 768), 7, prefills)
+    a, b, tails, _ = _measure_context(bench, (16, 256, 768), 7, prefills)
     assert [ctx for ctx, _ in prefills] == [16, 256, 768]
     drift_per_token = 1e-4 * 15 / (768 - 16)  # what one-context-after-another would fit: ~2 us/token
     assert abs(a) < 0.1 * drift_per_token
@@ -97,7 +98,39 @@ def test_host_layer_compute_is_the_all_host_step_over_its_device_twin_per_depth(
                          host_pool=SimpleNamespace(bytes_per_block=1000))
     bench = SimpleNamespace(layers=layers, kv=kv, pos={"s": 64}, decode=decode, free=freed.append,
                             prefill=lambda rid, ctx: None)
-    latency, host_layer = _measure_copy_thread(bench, link=1e6, steps=5, extra={})
+    deviations: list = []
+    latency, host_layer = _measure_copy_thread(bench, link=1e6, steps=5, extra={}, deviations=deviations)
     assert host_layer == [pytest.approx(0.0003, abs=1e-4), pytest.approx(0.0007, abs=1e-4)]
+    # the jitter sample: every all-host step, 5 per depth plus 15 more back to back at depth 1
+    assert len(deviations) == 25 and max(abs(d) for d in deviations) < 0.2
     assert transfer.prefetch_slots == 1 and freed == ["t"]  # the engine's depth back, the twin gone
     assert latency >= 0
+
+
+def test_step_jitter_is_the_spread_of_repeated_steps_and_ignores_one_pause():
+    """The measured jitter is the CV of normal step-to-step noise (what the simulator's noise_cv means), and
+    one slow outlier (a GC pause) does not set it."""
+    import numpy as np
+
+    from orbitflow.runtime.profiler import step_jitter
+
+    rng = np.random.default_rng(0)
+    deviations = (rng.normal(0.0, 0.05, 2000)).tolist()
+    assert step_jitter(deviations) == pytest.approx(0.05, rel=0.1)
+    assert step_jitter(deviations[:40] + [3.0]) < 0.1
+    assert step_jitter([0.0] * 10) == 0.0 and step_jitter([]) == 0.0
+
+
+def test_context_phase_reports_the_jitter_of_its_repeated_steps():
+    from types import SimpleNamespace
+
+    from orbitflow.runtime.profiler import _measure_context
+
+    times = iter([0.05] * 3 + [0.05 * (1.1 if i % 2 else 0.9) for i in range(100)])  # +-10% around the median
+
+    def step():
+        return SimpleNamespace(step_s=next(times), layer_compute_s=[0.01, 0.01, 0.01])
+
+    bench = SimpleNamespace(prefill=lambda rid, ctx: step(), decode=lambda ids: step(), free=lambda rid: None)
+    *_, jitter = _measure_context(bench, (16, 256, 768), 7, [])
+    assert 0.05 < jitter <= 0.1483  # 1.4826 x |10%| at most (the median itself may be one of the two values)

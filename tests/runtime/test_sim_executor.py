@@ -178,3 +178,25 @@ def test_on_the_simulator_the_mismatch_check_never_fires():
         assert result.metrics.num_finished == 4
         records = result.engine.controller.records
         assert records and not any(r.trigger == "mismatch" for r in records), policy
+
+
+@pytest.mark.parametrize("cv", [0.05, 0.12])
+@pytest.mark.parametrize("on_host", [0, 16, 32])
+def test_noise_cv_is_the_cv_of_the_whole_step(cv, on_host):
+    """`noise_cv` is calibrated as the real engine's whole-step jitter (`step_noise_cv`), so the simulated step
+    must vary with that CV, stalls included: independent per-layer factors would average out to
+    cv / sqrt(layers), and noise on the compute alone would be absorbed by the stalls it hides."""
+    profile = calibrated(decode_per_request_s=0.0, num_layers=32)
+    kv = accounting_kv(profile, device_blocks=10_000)
+    ex = SimExecutor(profile, kv, VirtualClock(), noise_cv=cv, seed=3)
+    kv.allocate(0, 63, [i >= on_host for i in range(32)])
+    steps, stalls = [], []
+    for i in range(600):
+        result = execute(ex, [SeqInput(0, [0], 63 + i)])
+        steps.append(result.step_s)
+        stalls.append(result.stall_s)
+    assert (sum(stalls) > 0) == (on_host > 0)
+    steps = np.asarray(steps)
+    trend = np.polyval(np.polyfit(np.arange(len(steps)), steps, 1), np.arange(len(steps)))
+    measured = float(np.std(steps / trend))
+    assert measured == pytest.approx(cv, rel=0.2)

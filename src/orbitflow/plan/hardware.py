@@ -78,6 +78,10 @@ class HardwareProfile:
     # wake-ups and GIL handoffs) slows every layer that waits on a transfer, hidden under the link when the
     # link is the bottleneck, like any compute.
     host_layer_compute_s: list[float] | None = None
+    # coefficient of variation of a decode step's time around its median when the very same step repeats: the
+    # machine's step-to-step jitter, which no cost model predicts. The simulator's default noise for this
+    # profile (`orbitflow simulate --noise-cv`); None: not measured (presets).
+    step_noise_cv: float | None = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance, carried through JSON
 
@@ -127,6 +131,10 @@ class HardwareProfile:
                           for v in host))
             need(ok, "host_layer_compute_s", f"must be a non-empty list of numbers >= 0 (one per prefetch depth), "
                                              f"got {host!r}")
+        cv = self.step_noise_cv
+        if cv is not None:
+            need(isinstance(cv, int | float) and not isinstance(cv, bool) and math.isfinite(cv) and 0 <= cv < 1,
+                 "step_noise_cv", f"must be a number in [0, 1) or null, got {cv!r}")
         if self.link_contention is not None:
             need(self.link_contention >= 1.0, "link_contention", "must be >= 1 (it divides the link rate)")
         need(isinstance(self.notes, str), "notes", "must be a string")

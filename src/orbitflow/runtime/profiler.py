@@ -21,7 +21,12 @@ are calibrated at once:
 - ``mixed_step_overhead_s``: a prefill chunk beside a decode against the two run apart (interleaved);
 - prefill: ``prefill_a * tokens + prefill_b + prefill_c * pairs`` (``pairs``: the (query, key) pairs its causal
   attention scores), fitted (non-negative, relative least squares) to prompts of several lengths;
-- the link rate: the configured throttle, or the measured host-to-device block copy rate.
+- the link rate: the configured throttle, or the measured host-to-device block copy rate;
+- ``step_noise_cv``: the spread of the repeated all-host decode steps (the copy-thread phase) around their
+  median (a robust CV: 1.4826 x the median absolute relative deviation): the step-to-step jitter the simulator
+  adds as noise. Steps that wait on the copy thread are the jittery ones on a CPU (the copy thread, the compute
+  and torch's threads share the cores and the GIL); the all-device steps of phase 1 are steadier (their CV is
+  kept in ``extra['step_jitter_device']``).
 
 Each figure is a median over interleaved repeats; the profile's ``extra`` keeps the raw medians.
 """
@@ -125,7 +130,7 @@ class _Bench:
 
 
 def _measure_context(bench: _Bench, contexts, steps: int,
-                     prefill: list[tuple[int, float]]) -> tuple[float, float, list[float]]:
+                     prefill: list[tuple[int, float]]) -> tuple[float, float, list[float], float]:
     """Phase 1: decode compute of one request against its context (a + b*ctx) and the last layer's share
     beyond a middle one (LM head and sampling) per step; each context's prefill goes to `prefill`.
 
@@ -142,19 +147,29 @@ def _measure_context(bench: _Bench, contexts, steps: int,
             r = bench.decode([rid])
             if round_:  # the first round warms each request up
                 results[rid].append(r)
-    xs, ys, tails = [], [], []
+    xs, ys, tails, deviations = [], [], [], []
     for rid, ctx in zip(ids, contexts):
+        median = float(np.median([r.step_s for r in results[rid]]))
+        deviations += [r.step_s / median - 1.0 for r in results[rid]]
         for r in results[rid]:
             comp = r.layer_compute_s
             if len(comp) > 2:
                 tails.append(max(0.0, comp[-1] - float(np.median(comp[1:-1]))) / max(sum(comp), 1e-12))
         xs.append(ctx)
-        ys.append(float(np.median([r.step_s for r in results[rid]])))
+        ys.append(median)
         bench.free(rid)
     a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     if a < 0:  # noise on a busy machine: no measurable growth with context
         a, b = 0.0, float(np.median(ys))
-    return float(a), float(b), tails
+    return float(a), float(b), tails, step_jitter(deviations)
+
+
+def step_jitter(deviations: list[float]) -> float:
+    """Robust CV of repeated steps from their relative deviations from their median: 1.4826 x the median
+    absolute deviation (the standard deviation for normal jitter; one GC pause does not set it)."""
+    if not deviations:
+        return 0.0
+    return min(float(1.4826 * np.median(np.abs(deviations))), 0.99)
 
 
 def _measure_prefill(bench: _Bench, sizes, repeats: int, prefill: list[tuple[int, float]]) -> None:
@@ -234,11 +249,12 @@ def _measure_moves(bench: _Bench, link: float) -> float:
     return max(0.0, float(np.median(moves)))
 
 
-def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict,
+def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict, deviations: list[float],
                          depths: tuple[int, ...] = (1, 2)) -> tuple[float, list[float]]:
     """Phase 5: decode steps of "s" with every layer on the host, each beside one of "t" (the same context, on
     the device): the copy thread's latency per transfer (at depth 1) and, per prefetch depth, the extra compute
-    of a layer that reads prefetched KV (the median per-layer compute of "s" over "t"'s, steps interleaved)."""
+    of a layer that reads prefetched KV (the median per-layer compute of "s" over "t"'s, steps interleaved).
+    The relative deviations of the "s" steps from their median per depth go to `deviations` (step jitter)."""
     layers = bench.layers
     bench.kv.apply_placement("s", [False] * layers)
     bench.prefill("t", bench.pos["s"])
@@ -247,17 +263,21 @@ def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict,
     try:
         for depth in depths:
             transfer.prefetch_slots = depth
-            diffs = []
+            diffs, host_steps = [], []
             for i in range(steps + 1):
                 r, alone = bench.decode(["s"]), bench.decode(["t"])
                 if i == 0:
                     continue
+                host_steps.append(r.step_s)
                 diffs.append((r.compute_s - alone.compute_s) / layers)
                 if depth == 1 and r.stall_s > 0:
                     xfer = bench.kv.blocks_for(bench.pos["s"] - 1) * bench.kv.host_pool.bytes_per_block / link
                     lats.append(_fit_transfer_latency(list(r.layer_compute_s), r.stall_s, xfer, list(range(layers))))
                     stalls.append(r.stall_s)
             host_layer.append(max(0.0, float(np.median(diffs))))
+            if depth == 1:  # more steps that wait on the copy thread, back to back as the engine runs them
+                host_steps += [bench.decode(["s"]).step_s for _ in range(3 * steps)]
+            deviations += [t / float(np.median(host_steps)) - 1.0 for t in host_steps]
     finally:
         transfer.prefetch_slots = 1
         bench.free("t")
@@ -269,7 +289,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
                      chunk: int = 64, prefill_sizes=(16, 64, 128, 256, 512)) -> HardwareProfile:
     """Fit every cost of a ModelExecutor that the cost model charges (see the module docstring)."""
     kv = executor.kv
-    spare = 4 * steps + 8
+    spare = 7 * steps + 8  # decode steps a request may take beyond its prompt (the copy-thread phase: 5 * steps + 2)
     per_req = max(contexts[1] // batch, 16)
     single = per_req * batch  # the single request holding as many tokens as the batch
     # phase 1 holds one request per context at once; later phases hold the rest
@@ -285,14 +305,17 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
             bench.decode(["w"])
         bench.free("w")
         prefill: list[tuple[int, float]] = []
-        a, b, tails = _measure_context(bench, contexts, steps, prefill)
+        a, b, tails, jitter = _measure_context(bench, contexts, steps, prefill)
         _measure_prefill(bench, prefill_sizes, 2, prefill)
         pa, pb, pc = _fit_prefill(prefill)
         extra["prefill_points"] = [[int(t), round(s, 6)] for t, s in sorted(prefill)]
         per_request = _measure_per_request(bench, batch, per_req, single, steps, extra)
         mixed_overhead = _measure_mixed_step(bench, chunk, steps, extra)
         move_latency = _measure_moves(bench, link)
-        transfer_latency, host_layer = _measure_copy_thread(bench, link, steps, extra)
+        host_deviations: list[float] = []
+        transfer_latency, host_layer = _measure_copy_thread(bench, link, steps, extra, host_deviations)
+        extra["step_jitter_device"] = round(jitter, 4)
+        jitter = step_jitter(host_deviations)
         bench.free("s")
     finally:
         bench.close()
@@ -315,6 +338,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         move_latency_s=move_latency,
         mixed_step_overhead_s=mixed_overhead,
         decode_tail_fraction=min(float(np.median(tails)), 0.9) if tails else 0.0,
+        step_noise_cv=round(jitter, 4),
         notes="measured by orbitflow profile on this machine",
         extra={k: (round(v, 7) if isinstance(v, float) else v) for k, v in extra.items()},
     )

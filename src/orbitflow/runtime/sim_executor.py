@@ -3,9 +3,9 @@
 A step costs what the planner's own step-latency model (`edf`, over a hardware profile) predicts
 for the placement the KV manager holds, at the run's prefetch depth (``prefetch_slots``), optionally perturbed
 by link-contention episodes and by seeded multiplicative noise the planner does not see: with ``noise_cv``
-every layer's compute, every request's transfers of the step and every prefill take a lognormal factor
-of mean 1 and that coefficient of variation (the older ``noise`` is one log-normal factor, sigma ``noise``,
-on the step's compute).
+each decode step (its compute and its transfers alike) and each prefill takes a lognormal factor of mean 1 and
+that coefficient of variation, the step-to-step jitter `orbitflow profile` measures (``step_noise_cv``) (the
+older ``noise`` is one log-normal factor, sigma ``noise``, on the step's compute).
 The cost model is the profile's own (`HardwareProfile.cost_model()`), the one the engine's planner uses.
 Placement changes between steps cost their bytes over the link plus the profile's host-side cost per moved
 layer; a prefill chunk beside decodes adds the measured interference. KV is only counted, never stored.
@@ -17,7 +17,6 @@ import numpy as np
 
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Placement
-from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.hardware import HardwareProfile, attention_pairs
 from orbitflow.runtime.executor import Executor
 from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
@@ -127,19 +126,12 @@ class SimExecutor(Executor):
         model = self.cost_model
         if slowdown != 1.0:
             model = model.with_updates(link_blocks_per_s=model.link_blocks_per_s / slowdown)
-        if self.noise_cv:
-            # the same schedule as the planner's model, on perturbed compute and transfer times
-            compute = np.asarray(model.compute(total_tokens if model.depends_on_tokens else None, len(decode)))
-            compute = compute * noise
-            compute = compute * self._factors(self.num_layers)
-            xfer = np.asarray(model.transfer_s(np.asarray(blocks, dtype=float))) * self._factors(len(decode))
-            hosts = [np.flatnonzero(~row).tolist() for row in mask]
-            stall = np.asarray(edf_stalls(compute.tolist(), hosts, xfer.tolist(), slots=model.prefetch_slots,
-                                          host_layer_s=model.host_layer_s))
-            compute = compute + model.host_layer_compute(~mask)
-        else:
-            est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
-            compute = np.asarray(est.compute_per_layer_s) * noise
-            stall = np.asarray(est.stall_per_layer_s)
+        est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
+        # noise_cv: one factor for the whole step, its compute and its transfers alike (the EDF schedule scales
+        # with them), so the step's time has the CV measured on the real engine (`step_noise_cv`: the machine is
+        # slow for a whole step; independent per-layer factors would average out to noise_cv / sqrt(layers))
+        factor = float(self._factors(1)[0]) if self.noise_cv else 1.0
+        compute = np.asarray(est.compute_per_layer_s) * (noise * factor)
+        stall = np.asarray(est.stall_per_layer_s) * factor
         h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)
         return compute, stall, h2d

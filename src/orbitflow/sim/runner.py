@@ -75,9 +75,9 @@ def simulate_trace(
     noise_cv: float = 0.0,
     solver_time: str = "off",
 ) -> SimResult:
-    """Replay ``trace``. ``noise_cv``: seeded (``config.model.seed``) lognormal noise on compute and transfers that
-    the planner does not see; ``solver_time``: see :func:`solver_time_model`. The prefetch depth is the
-    config's, or the policy's own."""
+    """Replay ``trace``. ``noise_cv``: seeded (``config.model.seed``) lognormal noise, one factor per step on its
+    compute and transfers, that the planner does not see; ``solver_time``: see :func:`solver_time_model`. The
+    prefetch depth is the config's, or the policy's own."""
     engine = build_sim_engine(profile, config, noise=noise, contention=contention, noise_cv=noise_cv,
                               solver_time=solver_time)
     rejected = replay(engine, engine.clock, trace, max_steps)

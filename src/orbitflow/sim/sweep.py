@@ -23,9 +23,10 @@ import numpy as np
 from orbitflow.bench.workload import Trace, generate_trace, paper_default_rate_per_s
 from orbitflow.plan.hardware import HardwareProfile
 
-# Lognormal CV of the simulator's compute and transfer noise: the real engine's decode-step jitter around its
-# trend at a fixed batch, measured by `python benchmarks/step_jitter.py` on a quiet 2-core machine (SmolLM2-135M,
-# batch 4, 200 steps, 3 repeats: CV 0.071 / 0.065 / 0.069, median 0.069; 2026-11-23). `--noise-cv` sets it.
+# Lognormal CV of the simulator's per-step noise (one factor per step on its compute and transfers): the real
+# engine's decode-step jitter around its trend at a fixed batch, measured by `python benchmarks/step_jitter.py` on a
+# quiet 2-core machine (SmolLM2-135M, batch 4, 200 steps, 3 repeats: CV 0.071 / 0.065 / 0.069, median 0.069;
+# 2026-11-23). `--noise-cv` sets it; a measured profile's own `step_noise_cv` replaces it in `orbitflow simulate`.
 DEFAULT_NOISE_CV = 0.07
 DEFAULT_SEEDS = 5
 DEFAULT_NUM_REQUESTS = 64
