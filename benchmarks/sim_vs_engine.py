@@ -6,15 +6,22 @@ One comparison ("run"):
    (`orbitflow profile`: decode/prefill compute, per-request overhead, copy-thread latency, the extra compute
    of a layer that reads prefetched KV, placement-change cost, prefill/decode interference).
 2. Replay a small trace on the real engine (wall clock, requests fed at their arrival times) under each
-   policy, and on the simulator (`simulate_trace`, virtual clock) with that profile.
+   policy, `--engine-replays` times (default 3, interleaved: every other round in reverse order), and on the
+   simulator (`simulate_trace`, virtual clock) with that profile, its measured step jitter as noise
+   (`step_noise_cv`) and each solve charged its measured time (both as `orbitflow simulate` does by default).
+   Each side's metrics are means: over the engine's replays, over the simulator's `--sim-seeds` noise seeds.
 3. Per decode step of the engine: the latency the simulator charges for that step's placement and batch
    (`profile.cost_model()`, the model the planner also plans with) against the measured one.
-4. Rank the policies on each side by TBT attainment (ties broken by lower P95 TBT) and compare the
-   rankings (Kendall tau).
+4. Rank the policies on each side by TBT attainment, a tie in attainment broken by the lower P95 TBT, and
+   compare the rankings (Kendall tau-b). Two measured attainments tie when they differ by no more than
+   1.96 x the standard error of their difference (over the replays, or the seeds); the strict tau, which
+   counts only exactly equal attainments as ties, is reported beside it.
 
 TBT attainment is a threshold metric: a policy whose decode steps sit within a few percent of the SLO flips
 between ~95% and ~10% attainment with a few percent of step-time error (or jitter), so its rank is uncertain
 on either side. The table's "step/SLO" column (median measured decode step over the SLO) flags such policies.
+One replay of such a policy moves by 10-30 points of attainment from replay to replay (measured: SLO-aware
+0.08-0.26 over three replays of one run), hence the replays, and the standard errors in the ranking.
 
 `--repeat N` reruns the whole comparison N times (a fresh profile each time) and reports the spread. The
 criteria of issue 12, checked in every run: per-step decode latency error median <= 10% and p95 <= 20%,
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -160,40 +168,51 @@ def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfi
 
 
 # ---- agreement measures -------------------------------------------------------------------------------
-def rank_key(row: dict) -> tuple[float, float]:
-    """Smaller is better: higher TBT attainment, ties broken by lower P95 TBT (rounded to 1e-6: equal values are
-    a tie, not an order)."""
-    return -round(row["tbt_attainment"], 6), round(row["p95_tbt_s"], 6)
+def attainment_order(x: dict, y: dict, strict: bool = False) -> int:
+    """-1 if row ``x`` has the higher TBT attainment, +1 if ``y`` has, 0 if they tie. Attainment is a measured
+    mean (over the engine's replays, over the simulator's noise seeds), so two tie when they differ by no more
+    than their measurement resolves: 1.96 x the standard error of the difference (``tbt_attainment_se``; 0 for
+    a single replay, leaving only exact equality). ``strict``: ignore the standard errors. Rounded to 1e-6."""
+    diff = round(x["tbt_attainment"] - y["tbt_attainment"], 6)
+    tol = 0.0 if strict else 1.96 * math.hypot(x.get("tbt_attainment_se", 0.0), y.get("tbt_attainment_se", 0.0))
+    return 0 if abs(diff) <= tol else (-1 if diff > 0 else 1)
+
+
+def compare(x: dict, y: dict, strict: bool = False) -> int:
+    """-1 if policy row ``x`` ranks above ``y``, +1 if below, 0 if tied: higher TBT attainment first
+    (`attainment_order`), a tie in attainment broken by the lower P95 TBT (rounded to 1e-6: equal is a tie)."""
+    order = attainment_order(x, y, strict)
+    if order:
+        return order
+    px, py = round(x["p95_tbt_s"], 6), round(y["p95_tbt_s"], 6)
+    return (px > py) - (px < py)
 
 
 def ranking(rows: dict[str, dict]) -> list[str]:
-    """Best first by `rank_key` (then by name, only to print a tie in a fixed order)."""
-    return sorted(rows, key=lambda p: (rank_key(rows[p]), p))
+    """Best first by `compare` (then by name, only to print a tie in a fixed order)."""
+    return sorted(rows, key=functools.cmp_to_key(lambda p, q: compare(rows[p], rows[q]) or (p > q) - (p < q)))
 
 
 def ranking_text(rows: dict[str, dict]) -> str:
-    """The ranking with '>' between policies in order and '=' between tied ones."""
+    """The ranking with '>' between policies ordered by attainment, '>~' where the attainments tie (within their
+    standard errors) and the P95 TBT orders them, and '=' between tied ones."""
     order = ranking(rows)
     out = order[:1]
     for prev, p in zip(order, order[1:]):
-        out += ["=" if rank_key(rows[prev]) == rank_key(rows[p]) else ">", p]
+        x, y = rows[prev], rows[p]
+        out += ["=" if compare(x, y) == 0 else ">" if attainment_order(x, y) else ">~", p]
     return " ".join(out)
 
 
-def kendall_tau(keys_a: dict[str, tuple], keys_b: dict[str, tuple]) -> float:
-    """Kendall's tau-b between two rankings given as comparable keys per item (smaller is better): 1 identical,
-    -1 reversed. A pair tied on one side counts neither for nor against (tau-b); with no ties it is the plain
-    tau. A tie means equal attainment and equal P95 TBT: no order was predicted (the simulator is deterministic,
-    so policies that meet the SLO on the same steps tie exactly), and an order made up by name would count as
-    a disagreement the simulator never made."""
-    pairs = list(itertools.combinations(sorted(keys_a), 2))
+def kendall_tau(rows_a: dict[str, dict], rows_b: dict[str, dict], strict: bool = False) -> float:
+    """Kendall's tau-b between two rankings of the same policies, each pair ordered by `compare` on each side:
+    1 identical, -1 reversed. A pair tied on one side counts neither for nor against (tau-b); with no ties it is
+    the plain tau. A tie means equal attainment and equal P95 TBT: no order was measured or predicted, and an
+    order made up by name would count as a disagreement nobody made."""
+    pairs = list(itertools.combinations(sorted(rows_a), 2))
     if not pairs:
         return math.nan
-
-    def sign(keys: dict, x: str, y: str) -> int:
-        return (keys[x] > keys[y]) - (keys[x] < keys[y])
-
-    signs = [(sign(keys_a, x, y), sign(keys_b, x, y)) for x, y in pairs]
+    signs = [(compare(rows_a[x], rows_a[y], strict), compare(rows_b[x], rows_b[y], strict)) for x, y in pairs]
     untied_a = sum(1 for a, _ in signs if a)
     untied_b = sum(1 for _, b in signs if b)
     if not untied_a or not untied_b:
@@ -237,7 +256,15 @@ def _relative(model: float, measured: float) -> float:
 def rerun_taus(runs: list[dict]) -> list[float]:
     """Kendall tau between the engine's rankings of consecutive runs: how well the engine agrees with itself,
     which bounds how well any simulator can agree with it."""
-    return [kendall_tau(a["keys_engine"], b["keys_engine"]) for a, b in zip(runs, runs[1:])]
+    return [kendall_tau(engine_rows(a), engine_rows(b)) for a, b in zip(runs, runs[1:])]
+
+
+def engine_rows(run: dict) -> dict[str, dict]:
+    return {p: v["engine"] for p, v in run["policies"].items()}
+
+
+def simulator_rows(run: dict) -> dict[str, dict]:
+    return {p: v["simulator"] for p, v in run["policies"].items()}
 
 
 def checks(run: dict) -> dict[str, bool]:
@@ -256,8 +283,38 @@ def loadavg() -> list[float] | None:
 
 
 # ---- one comparison -----------------------------------------------------------------------------------
+ROW_KEYS = ("tbt_attainment", "tpot_attainment", "p95_tbt_s", "tokens_per_s", "throughput_rpm", "num_pauses",
+            "num_finished", "num_requests")
+
+
+def metrics_row(m: RunMetrics) -> dict:
+    d = m.to_dict()
+    return {k: d[k] for k in ROW_KEYS}
+
+
+def simulate_mean(profile: HardwareProfile, trace: Trace, cfg: EngineConfig, noise_cv: float, seeds: int) -> dict:
+    """The simulator's metrics row: the mean over ``seeds`` noise seeds (the noise is seeded by the config's seed;
+    one replay without noise). Each solve is charged its measured time, as `orbitflow simulate` does by default:
+    the engine pays for a solve it cannot run ahead (a new batch's) on its wall clock."""
+    if noise_cv == 0:
+        seeds = 1
+    rows = [metrics_row(simulate_trace(profile, trace, cfg.replace(seed=cfg.model.seed + k), noise_cv=noise_cv,
+                                       solver_time="measured").metrics)
+            for k in range(seeds)]
+    return mean_row(rows)
+
+
+def mean_row(rows: list[dict]) -> dict:
+    """The mean of metric rows, with the standard error of the mean TBT attainment (0 for one row)."""
+    row = {k: float(np.mean([r[k] for r in rows])) for k in ROW_KEYS}
+    att = [r["tbt_attainment"] for r in rows]
+    row["tbt_attainment_se"] = float(np.std(att, ddof=1) / math.sqrt(len(att))) if len(att) > 1 else 0.0
+    return row
+
+
 def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, policies: list[str], quick: bool,
-                 label: str) -> dict:
+                 label: str, sim_noise_cv: float | None = None, sim_seeds: int = 8, engine_replays: int = 1) -> dict:
+    """Profile, then every policy on the simulator and (``engine_replays`` times, interleaved) on the engine."""
     t0 = time.perf_counter()
     probe = LLM(config, profile="measure", loaded=loaded)
     profile = probe.profile
@@ -269,35 +326,43 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
           f"host-layer compute {_host_layer_text(profile.host_layer_compute_s)}, "
           f"move latency {1e3 * profile.move_latency_s:.2f} ms/layer, "
           f"mixed-step overhead {1e3 * profile.mixed_step_overhead_s:.1f} ms, tail {profile.decode_tail_fraction:.0%} "
-          f"of a step; SLO {1000 * slo_s:.0f} ms "
+          f"of a step, step jitter (CV) {profile.step_noise_cv:.3f}; SLO {1000 * slo_s:.0f} ms "
           f"(measured in {time.perf_counter() - t0:.1f} s)", flush=True)
-    real: dict[str, EngineRun] = {}
-    sim: dict[str, RunMetrics] = {}
-    for name in policies:
-        cfg = config.replace(policy=name)
-        t1 = time.perf_counter()
-        real[name] = run_engine(cfg, loaded, profile, trace, deadline_s=trace.duration_s + (60 if quick else 120))
-        sim[name] = simulate_trace(profile, trace, cfg).metrics
-        m = real[name].metrics
-        print(f"[{label}]   {name:10s} engine {time.perf_counter() - t1:5.1f} s wall, {m.num_finished}/"
-              f"{m.num_requests} done, TBT att {m.tbt_attainment:6.1%} (sim {sim[name].tbt_attainment:6.1%}), "
-              f"P95 TBT {1000 * m.p95_tbt_s:6.1f} ms (sim {1000 * sim[name].p95_tbt_s:6.1f})", flush=True)
+    noise_cv = (profile.step_noise_cv or 0.0) if sim_noise_cv is None else sim_noise_cv
+    sim = {name: simulate_mean(profile, trace, config.replace(policy=name), noise_cv, sim_seeds) for name in policies}
+    real: dict[str, list[EngineRun]] = {name: [] for name in policies}
+    for replay in range(engine_replays):
+        # ABBA: every other round in reverse, so a machine that drifts during the run slows every policy alike
+        for name in policies if replay % 2 == 0 else policies[::-1]:
+            t1 = time.perf_counter()
+            run = run_engine(config.replace(policy=name), loaded, profile, trace,
+                             deadline_s=trace.duration_s + (60 if quick else 120))
+            real[name].append(run)
+            m = run.metrics
+            print(f"[{label}]   {name:10s} replay {replay + 1}/{engine_replays}: engine "
+                  f"{time.perf_counter() - t1:5.1f} s wall, {m.num_finished}/{m.num_requests} done, TBT att "
+                  f"{m.tbt_attainment:6.1%} (sim "
+                  f"{sim[name]['tbt_attainment']:6.1%}), P95 TBT {1000 * m.p95_tbt_s:6.1f} ms (sim "
+                  f"{1000 * sim[name]['p95_tbt_s']:6.1f})", flush=True)
 
-    def row(m: RunMetrics) -> dict:
-        d = m.to_dict()
-        return {k: d[k] for k in ("tbt_attainment", "tpot_attainment", "p95_tbt_s", "tokens_per_s", "throughput_rpm",
-                                  "num_pauses", "num_finished", "num_requests")}
+    def engine_row(runs: list[EngineRun]) -> dict:
+        row = mean_row([metrics_row(r.metrics) for r in runs])
+        row["tbt_attainment_replays"] = [r.metrics.tbt_attainment for r in runs]
+        return row
 
-    per_policy = {p: {"engine": row(real[p].metrics), "simulator": row(sim[p]), "errors": step_errors(real[p].steps),
-                      "engine_overhead_s_per_step": real[p].overhead_s} for p in policies}
+    per_policy = {p: {"engine": engine_row(real[p]), "simulator": sim[p],
+                      "errors": step_errors([s for r in real[p] for s in r.steps]),
+                      "engine_overhead_s_per_step": float(np.mean([r.overhead_s for r in real[p]]))}
+                  for p in policies}
     eng_rows = {p: v["engine"] for p, v in per_policy.items()}
     sim_rows = {p: v["simulator"] for p, v in per_policy.items()}
-    eng_keys = {p: rank_key(r) for p, r in eng_rows.items()}
-    sim_keys = {p: rank_key(r) for p, r in sim_rows.items()}
     run = {"label": label, "profile": profile.to_dict(), "slo_s": slo_s, "policies": per_policy,
-           "errors": step_errors([s for p in policies for s in real[p].steps]),
+           "sim_noise_cv": noise_cv, "sim_seeds": sim_seeds if noise_cv else 1,
+           "engine_replays": engine_replays,
+           "errors": step_errors([s for p in policies for r in real[p] for s in r.steps]),
            "ranking_engine": ranking_text(eng_rows), "ranking_simulator": ranking_text(sim_rows),
-           "keys_engine": eng_keys, "keys_simulator": sim_keys, "kendall_tau": kendall_tau(eng_keys, sim_keys)}
+           "kendall_tau": kendall_tau(eng_rows, sim_rows),
+           "kendall_tau_strict": kendall_tau(eng_rows, sim_rows, strict=True)}
     run["checks"] = checks(run)
     return run
 
@@ -320,7 +385,8 @@ def print_run(run: dict) -> None:
     print(format_table(rows, cols, title=f"{run['label']}: engine vs simulator (SLO {1000 * run['slo_s']:.0f} ms)"))
     print(f"  ranking engine    {run['ranking_engine']}\n"
           f"  ranking simulator {run['ranking_simulator']}\n"
-          f"  Kendall tau {run['kendall_tau']:+.2f}; median signed step error {100 * e['signed_median']:+.1f}% "
+          f"  Kendall tau {run['kendall_tau']:+.2f} (strict, ties only when exactly equal: "
+          f"{run.get('kendall_tau_strict', math.nan):+.2f}); median signed step error {100 * e['signed_median']:+.1f}% "
           f"(+: simulator slower); stall measured {e['stall_measured_s']:.2f} s, model {e['stall_model_s']:.2f} s")
 
 
@@ -332,7 +398,8 @@ def verdict_lines(runs: list[dict]) -> list[str]:
     names = {"step_err_median": ("per-step error, median", "<= 10%", pct("step_err_median")),
              "step_err_p95": ("per-step error, p95", "<= 20%", pct("step_err_p95")),
              "stall_err": ("total stall error", "<= 15%", pct("stall_err")),
-             "kendall_tau": ("Kendall tau", ">= 0.9", lambda r: f"{r['kendall_tau']:+.2f}")}
+             "kendall_tau": ("Kendall tau", ">= 0.9", lambda r: f"{r['kendall_tau']:+.2f}"
+                             + (f" (strict {r['kendall_tau_strict']:+.2f})" if "kendall_tau_strict" in r else ""))}
     lines = []
     for key, (title, target, fmt) in names.items():
         ok = all(r["checks"][key] for r in runs)
@@ -375,16 +442,25 @@ def write_md(path: str, payload: dict) -> None:
                   "measured and while each policy ran, so these errors measure the contention, not the simulator. "
                   "Re-run the command on a quiet machine.", ""]
     lines += [
-        "| run | decode steps | per-step error median | p95 | stall error | Kendall tau | engine ranking "
-        "| simulator ranking |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | decode steps | per-step error median | p95 | stall error | Kendall tau | Kendall tau, strict "
+        "| engine ranking | simulator ranking |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         e = r["errors"]
         lines.append(f"| {r['label']} | {e['steps']} | {pct('step_err_median')(r)} | {pct('step_err_p95')(r)} "
-                     f"| {pct('stall_err')(r)} | {r['kendall_tau']:+.2f} | {r['ranking_engine']} "
+                     f"| {pct('stall_err')(r)} | {r['kendall_tau']:+.2f} | {r['kendall_tau_strict']:+.2f} "
+                     f"| {r['ranking_engine']} "
                      f"| {r['ranking_simulator']} |")
-    lines += ["", "Criteria of issue 12 (every run):", ""] + [f"- {line}" for line in payload["verdict"]] + [""]
+    replays = runs[-1].get("engine_replays", 1)
+    lines += ["How the rankings are made: each policy's engine metrics are the mean over its "
+              f"{replays} replay(s) per run (interleaved, every other round in reverse order), the simulator's "
+              "the mean over its noise seeds. Higher TBT attainment ranks first; a tie in attainment is broken by the "
+              "lower P95 TBT (issue 12's rule), and two measured attainments tie when they differ by no more than "
+              "1.96 x the standard error of their difference (from the replays, or the seeds). 'Strict' counts "
+              "only exactly equal attainments as ties. In the rankings, '>~' marks a pair whose attainments tie "
+              "and whose P95 TBT orders them.", "",
+              "Criteria of issue 12 (every run):", ""] + [f"- {line}" for line in payload["verdict"]] + [""]
     if payload.get("previous"):
         lines += ["Earlier invocations of the same command, just before this one (the criteria over their runs):", "",
                   "| invocation | per-step error median | p95 | stall error | Kendall tau | all criteria |",
@@ -402,8 +478,10 @@ def write_md(path: str, payload: dict) -> None:
                   f"{', '.join(f'{t:+.2f}' for t in payload['engine_rerun_taus'])}. No simulator can agree with the "
                   "engine more reliably than the engine agrees with itself.", ""]
     last = runs[-1]
-    lines += [f"Per policy, {last['label']} (TBT attainment and P95 TBT, engine / simulator; 'stall error, measured "
-              "compute': signed, the transfer model alone, fed each step's measured per-layer compute):", "",
+    noise = (f"the simulator's: the mean over {last.get('sim_seeds', 1)} noise seeds at the measured step jitter, CV "
+             f"{last['sim_noise_cv']:.3f}" if last.get("sim_noise_cv") else "the simulator's: one noise-free replay")
+    lines += [f"Per policy, {last['label']} (TBT attainment and P95 TBT, engine / simulator ({noise}); 'stall error, "
+              "measured compute': signed, the transfer model alone, fed each step's measured per-layer compute):", "",
               "| policy | TBT att | P95 TBT ms | per-step error median | p95 | stall error | stall error, measured "
               "compute | median step / SLO |",
               "|---|---|---|---|---|---|---|---|"]
@@ -446,6 +524,15 @@ def main() -> None:
                              "decode steps of three baselines sit within a few percent of the SLO, so a few percent of "
                              "model error reorders them (docs/results.md, 'How far to trust the simulator')")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma list of policies")
+    parser.add_argument("--sim-noise-cv", type=float, default=None, metavar="CV",
+                        help="the simulator's noise (default: the run's measured step jitter, the profile's "
+                             "step_noise_cv; 0: the deterministic model)")
+    parser.add_argument("--engine-replays", type=int, default=3,
+                        help="replays of each policy on the engine per run, interleaved (forward, then reverse); the "
+                             "engine's metrics are their mean (default 3: one replay's attainment of a policy whose "
+                             "steps sit near the SLO moves by 10-30 points from replay to replay)")
+    parser.add_argument("--sim-seeds", type=int, default=8,
+                        help="noise seeds the simulator's metrics are averaged over (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (the same trace in every run)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every run's numbers here")
     parser.add_argument("--save", default=None, metavar="DIR",
@@ -459,6 +546,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.engine_replays < 1:
+        parser.error(f"--engine-replays must be >= 1, got {args.engine_replays}")
+    if args.sim_seeds < 1:
+        parser.error(f"--sim-seeds must be >= 1, got {args.sim_seeds}")
+    if args.sim_noise_cv is not None and not 0 <= args.sim_noise_cv < 1:
+        parser.error(f"--sim-noise-cv must be in [0, 1), got {args.sim_noise_cv}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if len(policies) < 2:
         parser.error("--policies needs at least two policies to rank")
@@ -488,7 +581,9 @@ def main() -> None:
 
     runs = []
     for i in range(args.repeat):
-        run = compare_once(config, loaded, trace, policies, args.quick, label=f"run {i + 1}/{args.repeat}")
+        run = compare_once(config, loaded, trace, policies, args.quick, label=f"run {i + 1}/{args.repeat}",
+                           sim_noise_cv=args.sim_noise_cv, sim_seeds=args.sim_seeds,
+                           engine_replays=args.engine_replays)
         print_run(run)
         runs.append(run)
 
