@@ -453,7 +453,7 @@ def write_md(path: str, payload: dict) -> None:
                      f"| {r['ranking_engine']} "
                      f"| {r['ranking_simulator']} |")
     replays = runs[-1].get("engine_replays", 1)
-    lines += ["How the rankings are made: each policy's engine metrics are the mean over its "
+    lines += ["", "How the rankings are made: each policy's engine metrics are the mean over its "
               f"{replays} replay(s) per run (interleaved, every other round in reverse order), the simulator's "
               "the mean over its noise seeds. Higher TBT attainment ranks first; a tie in attainment is broken by the "
               "lower P95 TBT (issue 12's rule), and two measured attainments tie when they differ by no more than "
@@ -480,14 +480,17 @@ def write_md(path: str, payload: dict) -> None:
     last = runs[-1]
     noise = (f"the simulator's: the mean over {last.get('sim_seeds', 1)} noise seeds at the measured step jitter, CV "
              f"{last['sim_noise_cv']:.3f}" if last.get("sim_noise_cv") else "the simulator's: one noise-free replay")
-    lines += [f"Per policy, {last['label']} (TBT attainment and P95 TBT, engine / simulator ({noise}); 'stall error, "
-              "measured compute': signed, the transfer model alone, fed each step's measured per-layer compute):", "",
+    lines += [f"Per policy, {last['label']} (TBT attainment ± its standard error and P95 TBT, engine / simulator "
+              f"({noise}); 'stall error, measured compute': signed, the transfer model alone, fed each step's "
+              "measured per-layer compute):", "",
               "| policy | TBT att | P95 TBT ms | per-step error median | p95 | stall error | stall error, measured "
               "compute | median step / SLO |",
               "|---|---|---|---|---|---|---|---|"]
     for p, v in last["policies"].items():
         e, s = v["engine"], v["simulator"]
-        lines.append(f"| {p} | {e['tbt_attainment']:.3f} / {s['tbt_attainment']:.3f} | {1000 * e['p95_tbt_s']:.0f} / "
+        lines.append(f"| {p} | {e['tbt_attainment']:.3f} ± {e.get('tbt_attainment_se', 0.0):.3f} / "
+                     f"{s['tbt_attainment']:.3f} ± {s.get('tbt_attainment_se', 0.0):.3f} "
+                     f"| {1000 * e['p95_tbt_s']:.0f} / "
                      f"{1000 * s['p95_tbt_s']:.0f} | {pct('step_err_median')(v)} | {pct('step_err_p95')(v)} "
                      f"| {pct('stall_err')(v)} | {100 * v['errors']['stall_err_transfer']:+.1f}% "
                      f"| {v['errors']['measured_median_s'] / last['slo_s']:.2f} |")
