@@ -14,7 +14,8 @@ One comparison ("run"):
    (`profile.cost_model()`, the model the planner also plans with) against the measured one.
 4. Rank the policies on each side by TBT attainment, a tie in attainment broken by the lower P95 TBT, and
    compare the rankings (Kendall tau-b). Two measured attainments tie when they differ by no more than
-   1.96 x the standard error of their difference (over the replays, or the seeds); the strict tau, which
+   1.96 x the standard error of their paired difference (replay k of every policy runs in round k; seed k is
+   the same noise seed), and a chain of ties is one group, ordered within by P95 TBT; the strict tau, which
    counts only exactly equal attainments as ties, is reported beside it.
 
 TBT attainment is a threshold metric: a policy whose decode steps sit within a few percent of the SLO flips
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import itertools
 import json
 import math
@@ -62,6 +62,7 @@ from orbitflow.plan import CostModel, Placement  # noqa: E402
 from orbitflow.plan.hardware import HardwareProfile  # noqa: E402
 from orbitflow.runtime.sampling import SamplingParams  # noqa: E402
 from orbitflow.sim.runner import simulate_trace  # noqa: E402
+from orbitflow.sim.sweep import noise_cv_for  # noqa: E402
 
 MODEL = "smollm2-135m"
 POLICIES = ["orbitflow", "flexgen+", "slo-aware", "dynamic", "deepspeed"]
@@ -168,51 +169,67 @@ def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfi
 
 
 # ---- agreement measures -------------------------------------------------------------------------------
-def attainment_order(x: dict, y: dict, strict: bool = False) -> int:
-    """-1 if row ``x`` has the higher TBT attainment, +1 if ``y`` has, 0 if they tie. Attainment is a measured
-    mean (over the engine's replays, over the simulator's noise seeds), so two tie when they differ by no more
-    than their measurement resolves: 1.96 x the standard error of the difference (``tbt_attainment_se``; 0 for
-    a single replay, leaving only exact equality). ``strict``: ignore the standard errors. Rounded to 1e-6."""
-    diff = round(x["tbt_attainment"] - y["tbt_attainment"], 6)
-    tol = 0.0 if strict else 1.96 * math.hypot(x.get("tbt_attainment_se", 0.0), y.get("tbt_attainment_se", 0.0))
-    return 0 if abs(diff) <= tol else (-1 if diff > 0 else 1)
+def attainment_tolerance(x: dict, y: dict) -> float:
+    """How far apart two measured mean attainments may be and still tie: 1.96 x the standard error of their
+    difference. With per-replay (engine) or per-seed (simulator) samples on both rows, paired (replay k of every
+    policy ran in the same round, seed k is the same noise seed), the standard error of the paired differences;
+    else the two standard errors combined as if independent; 0 for single replays. A threshold, not a formal
+    95% test: three replays give a rough standard error."""
+    xs, ys = x.get("tbt_attainment_samples"), y.get("tbt_attainment_samples")
+    if xs and ys and len(xs) == len(ys) and len(xs) > 1:
+        diffs = np.subtract(xs, ys)
+        return 1.96 * float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs))
+    return 1.96 * math.hypot(x.get("tbt_attainment_se", 0.0), y.get("tbt_attainment_se", 0.0))
 
 
-def compare(x: dict, y: dict, strict: bool = False) -> int:
-    """-1 if policy row ``x`` ranks above ``y``, +1 if below, 0 if tied: higher TBT attainment first
-    (`attainment_order`), a tie in attainment broken by the lower P95 TBT (rounded to 1e-6: equal is a tie)."""
-    order = attainment_order(x, y, strict)
-    if order:
-        return order
-    px, py = round(x["p95_tbt_s"], 6), round(y["p95_tbt_s"], 6)
-    return (px > py) - (px < py)
+def rank_keys(rows: dict[str, dict], strict: bool = False) -> dict[str, tuple[int, float]]:
+    """Each policy's place, smaller is better: (tie group in attainment, P95 TBT rounded to 1e-6). Policies are
+    taken by mean attainment, best first; one joins the group of the policy above it when their attainments
+    tie (`attainment_tolerance`; ``strict``: only when exactly equal), so a chain of ties is one group and the
+    order is transitive. Within a group, the lower P95 TBT ranks first (issue 12: a tie in attainment is
+    broken by P95 TBT); equal keys are a tie."""
+    order = sorted(rows, key=lambda p: (-rows[p]["tbt_attainment"], p))
+    keys: dict[str, tuple[int, float]] = {}
+    group = 0
+    for prev, p in zip([None, *order], order):
+        if prev is not None:
+            diff = round(rows[prev]["tbt_attainment"] - rows[p]["tbt_attainment"], 6)
+            if diff > (0.0 if strict else attainment_tolerance(rows[prev], rows[p])):
+                group += 1
+        keys[p] = (group, round(rows[p]["p95_tbt_s"], 6))
+    return keys
 
 
 def ranking(rows: dict[str, dict]) -> list[str]:
-    """Best first by `compare` (then by name, only to print a tie in a fixed order)."""
-    return sorted(rows, key=functools.cmp_to_key(lambda p, q: compare(rows[p], rows[q]) or (p > q) - (p < q)))
+    """Best first by `rank_keys` (then by name, only to print a tie in a fixed order)."""
+    keys = rank_keys(rows)
+    return sorted(rows, key=lambda p: (keys[p], p))
 
 
 def ranking_text(rows: dict[str, dict]) -> str:
-    """The ranking with '>' between policies ordered by attainment, '>~' where the attainments tie (within their
-    standard errors) and the P95 TBT orders them, and '=' between tied ones."""
+    """The ranking with '>' between attainment groups, '>~' where the attainments tie and the P95 TBT orders
+    them, and '=' between tied policies."""
+    keys = rank_keys(rows)
     order = ranking(rows)
     out = order[:1]
     for prev, p in zip(order, order[1:]):
-        x, y = rows[prev], rows[p]
-        out += ["=" if compare(x, y) == 0 else ">" if attainment_order(x, y) else ">~", p]
+        out += ["=" if keys[prev] == keys[p] else ">~" if keys[prev][0] == keys[p][0] else ">", p]
     return " ".join(out)
 
 
-def kendall_tau(rows_a: dict[str, dict], rows_b: dict[str, dict], strict: bool = False) -> float:
-    """Kendall's tau-b between two rankings of the same policies, each pair ordered by `compare` on each side:
+def kendall_tau(keys_a: dict[str, tuple], keys_b: dict[str, tuple]) -> float:
+    """Kendall's tau-b between two rankings given as comparable keys per item (smaller is better, `rank_keys`):
     1 identical, -1 reversed. A pair tied on one side counts neither for nor against (tau-b); with no ties it is
-    the plain tau. A tie means equal attainment and equal P95 TBT: no order was measured or predicted, and an
-    order made up by name would count as a disagreement nobody made."""
-    pairs = list(itertools.combinations(sorted(rows_a), 2))
+    the plain tau. A tie means the same attainment group and the same P95 TBT: no order was measured or
+    predicted, and an order made up by name would count as a disagreement nobody made."""
+    pairs = list(itertools.combinations(sorted(keys_a), 2))
     if not pairs:
         return math.nan
-    signs = [(compare(rows_a[x], rows_a[y], strict), compare(rows_b[x], rows_b[y], strict)) for x, y in pairs]
+
+    def sign(keys: dict, x: str, y: str) -> int:
+        return (keys[x] > keys[y]) - (keys[x] < keys[y])
+
+    signs = [(sign(keys_a, x, y), sign(keys_b, x, y)) for x, y in pairs]
     untied_a = sum(1 for a, _ in signs if a)
     untied_b = sum(1 for _, b in signs if b)
     if not untied_a or not untied_b:
@@ -256,7 +273,7 @@ def _relative(model: float, measured: float) -> float:
 def rerun_taus(runs: list[dict]) -> list[float]:
     """Kendall tau between the engine's rankings of consecutive runs: how well the engine agrees with itself,
     which bounds how well any simulator can agree with it."""
-    return [kendall_tau(engine_rows(a), engine_rows(b)) for a, b in zip(runs, runs[1:])]
+    return [kendall_tau(rank_keys(engine_rows(a)), rank_keys(engine_rows(b))) for a, b in zip(runs, runs[1:])]
 
 
 def engine_rows(run: dict) -> dict[str, dict]:
@@ -305,10 +322,12 @@ def simulate_mean(profile: HardwareProfile, trace: Trace, cfg: EngineConfig, noi
 
 
 def mean_row(rows: list[dict]) -> dict:
-    """The mean of metric rows, with the standard error of the mean TBT attainment (0 for one row)."""
+    """The mean of metric rows, with the standard error of the mean TBT attainment (0 for one row) and the
+    attainments themselves, in order (replay k, or seed k), for paired comparisons."""
     row = {k: float(np.mean([r[k] for r in rows])) for k in ROW_KEYS}
     att = [r["tbt_attainment"] for r in rows]
     row["tbt_attainment_se"] = float(np.std(att, ddof=1) / math.sqrt(len(att))) if len(att) > 1 else 0.0
+    row["tbt_attainment_samples"] = att
     return row
 
 
@@ -326,9 +345,9 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
           f"host-layer compute {_host_layer_text(profile.host_layer_compute_s)}, "
           f"move latency {1e3 * profile.move_latency_s:.2f} ms/layer, "
           f"mixed-step overhead {1e3 * profile.mixed_step_overhead_s:.1f} ms, tail {profile.decode_tail_fraction:.0%} "
-          f"of a step, step jitter (CV) {profile.step_noise_cv:.3f}; SLO {1000 * slo_s:.0f} ms "
+          f"of a step, step jitter (CV) {profile.step_noise_cv or 0.0:.3f}; SLO {1000 * slo_s:.0f} ms "
           f"(measured in {time.perf_counter() - t0:.1f} s)", flush=True)
-    noise_cv = (profile.step_noise_cv or 0.0) if sim_noise_cv is None else sim_noise_cv
+    noise_cv = noise_cv_for(sim_noise_cv, profile)
     sim = {name: simulate_mean(profile, trace, config.replace(policy=name), noise_cv, sim_seeds) for name in policies}
     real: dict[str, list[EngineRun]] = {name: [] for name in policies}
     for replay in range(engine_replays):
@@ -345,24 +364,23 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
                   f"{sim[name]['tbt_attainment']:6.1%}), P95 TBT {1000 * m.p95_tbt_s:6.1f} ms (sim "
                   f"{1000 * sim[name]['p95_tbt_s']:6.1f})", flush=True)
 
-    def engine_row(runs: list[EngineRun]) -> dict:
-        row = mean_row([metrics_row(r.metrics) for r in runs])
-        row["tbt_attainment_replays"] = [r.metrics.tbt_attainment for r in runs]
-        return row
-
-    per_policy = {p: {"engine": engine_row(real[p]), "simulator": sim[p],
+    per_policy = {p: {"engine": mean_row([metrics_row(r.metrics) for r in real[p]]), "simulator": sim[p],
                       "errors": step_errors([s for r in real[p] for s in r.steps]),
                       "engine_overhead_s_per_step": float(np.mean([r.overhead_s for r in real[p]]))}
                   for p in policies}
-    eng_rows = {p: v["engine"] for p, v in per_policy.items()}
-    sim_rows = {p: v["simulator"] for p, v in per_policy.items()}
     run = {"label": label, "profile": profile.to_dict(), "slo_s": slo_s, "policies": per_policy,
-           "sim_noise_cv": noise_cv, "sim_seeds": sim_seeds if noise_cv else 1,
-           "engine_replays": engine_replays,
-           "errors": step_errors([s for p in policies for r in real[p] for s in r.steps]),
-           "ranking_engine": ranking_text(eng_rows), "ranking_simulator": ranking_text(sim_rows),
-           "kendall_tau": kendall_tau(eng_rows, sim_rows),
-           "kendall_tau_strict": kendall_tau(eng_rows, sim_rows, strict=True)}
+           "sim_noise_cv": noise_cv, "sim_seeds": sim_seeds if noise_cv else 1, "engine_replays": engine_replays,
+           "errors": step_errors([s for p in policies for r in real[p] for s in r.steps])}
+    return score(run)
+
+
+def score(run: dict) -> dict:
+    """The run's rankings, Kendall taus and criteria, from its per-policy rows."""
+    eng, sim = engine_rows(run), simulator_rows(run)
+    run.update(ranking_engine=ranking_text(eng), ranking_simulator=ranking_text(sim),
+               keys_engine=rank_keys(eng), keys_simulator=rank_keys(sim),
+               kendall_tau=kendall_tau(rank_keys(eng), rank_keys(sim)),
+               kendall_tau_strict=kendall_tau(rank_keys(eng, strict=True), rank_keys(sim, strict=True)))
     run["checks"] = checks(run)
     return run
 
@@ -457,9 +475,10 @@ def write_md(path: str, payload: dict) -> None:
               f"{replays} replay(s) per run (interleaved, every other round in reverse order), the simulator's "
               "the mean over its noise seeds. Higher TBT attainment ranks first; a tie in attainment is broken by the "
               "lower P95 TBT (issue 12's rule), and two measured attainments tie when they differ by no more than "
-              "1.96 x the standard error of their difference (from the replays, or the seeds). 'Strict' counts "
-              "only exactly equal attainments as ties. In the rankings, '>~' marks a pair whose attainments tie "
-              "and whose P95 TBT orders them.", "",
+              "1.96 x the standard error of their paired difference (replay k of every policy ran in the same "
+              "round; seed k is the same noise seed): a threshold, not a formal test with three replays. A chain "
+              "of ties is one group, ordered within by P95 TBT. 'Strict' counts only exactly equal attainments as "
+              "ties. In the rankings, '>~' marks a pair in one attainment group that the P95 TBT orders.", "",
               "Criteria of issue 12 (every run):", ""] + [f"- {line}" for line in payload["verdict"]] + [""]
     if payload.get("previous"):
         lines += ["Earlier invocations of the same command, just before this one (the criteria over their runs):", "",

@@ -130,9 +130,8 @@ def test_simulate_runs_on_a_measured_profile_file_and_charges_its_overheads(tmp_
 def test_simulate_uses_a_measured_profiles_step_jitter_unless_told(tmp_path, capsys):
     """`orbitflow profile` measures the engine's step jitter; `simulate --profile FILE` adds it as noise by default
     (a preset, which measured none, gets the default); --noise-cv overrides both."""
-    from orbitflow.cli import noise_cv_for
     from orbitflow.plan.hardware import load_preset
-    from orbitflow.sim.sweep import DEFAULT_NOISE_CV
+    from orbitflow.sim.sweep import DEFAULT_NOISE_CV, noise_cv_for
 
     preset = load_preset("a5000-llama3-8b")
     measured = preset.with_overrides(name="measured", step_noise_cv=0.031)

@@ -87,15 +87,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 # ---- simulate ------------------------------------------------------------------------------------------
-def noise_cv_for(flag: float | None, profile) -> float:
-    """--noise-cv as given, else the profile's measured step jitter, else the default."""
-    from orbitflow.sim.sweep import DEFAULT_NOISE_CV
-
-    if flag is not None:
-        return flag
-    return profile.step_noise_cv if profile.step_noise_cv is not None else DEFAULT_NOISE_CV
-
-
 def _floats(text: str, flag: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -164,7 +155,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from orbitflow.bench.workload import TraceError, load_trace_file
     from orbitflow.plan.hardware import ProfileError, resolve_profile
-    from orbitflow.sim.sweep import SimSetup, config_record, run_points, summarize, with_no_deposit
+    from orbitflow.sim.sweep import SimSetup, config_record, noise_cv_for, run_points, summarize, with_no_deposit
 
     try:
         profile = resolve_profile(args.profile or args.preset)
@@ -354,7 +345,7 @@ def _add_simulate_parser(sub) -> None:
                    help="prefetch depth (KV buffer slots per request): 'policy' = each policy's real one "
                         "(DeepSpeed 2, others 1), or a comma list of depths for every policy")
     p.add_argument("--noise-cv", type=float, default=None,
-                   help="CV of the seeded lognormal noise on each step's compute and on every transfer, unseen by "
+                   help="CV of the seeded lognormal noise, one factor per step on its compute and transfers, unseen by "
                         "the planner (0: the planner's model exactly). Default: the profile's measured step jitter "
                         f"(step_noise_cv, written by `orbitflow profile`), else {DEFAULT_NOISE_CV}")
     p.add_argument("--solver-time", default="measured", help=SOLVER_TIME_HELP)

@@ -25,57 +25,83 @@ def test_step_errors_split_the_stall_error(sve):
     assert math.isnan(sve.step_errors([])["stall_err_transfer"])
 
 
-def rows(*order, se=0.0):
-    """Policy rows ranked in ``order`` by attainment (0.9, 0.8, ...), all with the same P95 TBT."""
-    return {p: {"tbt_attainment": 0.9 - 0.1 * i, "tbt_attainment_se": se, "p95_tbt_s": 0.1}
-            for i, p in enumerate(order)}
+def keys(*order):
+    return {p: (i, 0.0) for i, p in enumerate(order)}
 
 
 def test_kendall_tau_allows_no_swap_at_0_9(sve):
     order = ["a", "b", "c", "d", "e"]
-    assert sve.kendall_tau(rows(*order), rows(*order)) == pytest.approx(1.0)
-    assert sve.kendall_tau(rows(*order), rows("b", "a", "c", "d", "e")) == pytest.approx(0.8)  # one swap: below 0.9
-    assert sve.kendall_tau(rows(*order), rows(*reversed(order))) == pytest.approx(-1.0)
+    assert sve.kendall_tau(keys(*order), keys(*order)) == pytest.approx(1.0)
+    assert sve.kendall_tau(keys(*order), keys("b", "a", "c", "d", "e")) == pytest.approx(0.8)  # one swap: below 0.9
+    assert sve.kendall_tau(keys(*order), keys(*reversed(order))) == pytest.approx(-1.0)
 
 
 def test_a_tie_is_neither_agreement_nor_disagreement(sve):
     """tau-b: the simulator predicting a and b equal (same attainment, same P95 TBT) costs less than predicting
     them in the wrong order, and more than predicting them in the right one."""
-    engine = rows("a", "b", "c", "d", "e")
-    tied = rows("a", "b", "c", "d", "e")
-    tied["b"] = dict(tied["a"])  # a and b tied
+    engine = keys("a", "b", "c", "d", "e")
+    tied = {**keys("a", "b", "c", "d", "e"), "b": (0, 0.0)}  # a and b tied
     tau = sve.kendall_tau(engine, tied)
     assert tau == pytest.approx(9 / math.sqrt(10 * 9))  # 0.949
-    assert sve.kendall_tau(engine, rows("b", "a", "c", "d", "e")) < tau < 1.0
-    table = {"a": {"tbt_attainment": 0.98, "p95_tbt_s": 0.1}, "b": {"tbt_attainment": 0.98, "p95_tbt_s": 0.1},
-             "c": {"tbt_attainment": 0.5, "p95_tbt_s": 0.2}}
-    assert sve.ranking_text(table) == "a = b > c"
+    assert sve.kendall_tau(engine, keys("b", "a", "c", "d", "e")) < tau < 1.0
+    rows = {"a": {"tbt_attainment": 0.98, "p95_tbt_s": 0.1}, "b": {"tbt_attainment": 0.98, "p95_tbt_s": 0.1},
+            "c": {"tbt_attainment": 0.5, "p95_tbt_s": 0.2}}
+    assert sve.ranking_text(rows) == "a = b > c"
+
+
+def row(att, p95, se=0.0, samples=None):
+    out = {"tbt_attainment": att, "tbt_attainment_se": se, "p95_tbt_s": p95}
+    if samples is not None:
+        out["tbt_attainment_samples"] = samples
+    return out
 
 
 def test_attainments_within_their_standard_errors_tie_and_p95_orders_them(sve):
     """The issue's rule: a tie in attainment is broken by P95 TBT. Measured means tie when their difference is
     within 1.96 standard errors; outside that, attainment orders them whatever the P95."""
-    near_slo = {"tbt_attainment": 0.25, "tbt_attainment_se": 0.02, "p95_tbt_s": 0.60}
-    steady = {"tbt_attainment": 0.24, "tbt_attainment_se": 0.005, "p95_tbt_s": 0.24}
-    assert sve.compare(steady, near_slo) == -1  # tied attainment (0.01 < 1.96 * 0.021): the lower P95 wins
-    assert sve.compare(steady, near_slo, strict=True) == 1  # strict: 0.25 > 0.24
-    clear = dict(near_slo, tbt_attainment=0.40)
-    assert sve.compare(steady, clear) == 1  # 0.16 apart: attainment decides, the P95 does not matter
-    exact = {"tbt_attainment": 0.25, "p95_tbt_s": 0.60}  # no standard error: only equal attainments tie
-    assert sve.compare(dict(exact, tbt_attainment=0.24, p95_tbt_s=0.1), exact) == 1
-    assert sve.ranking_text({"near": near_slo, "steady": steady, "clear": clear}) == "clear > steady >~ near"
-    # the engine's replays of one policy are noisy: the same pair measured again with a swapped mean still agrees
-    swapped = {"near": dict(near_slo, tbt_attainment=0.23), "steady": steady}
-    assert sve.kendall_tau({"near": near_slo, "steady": steady}, swapped) == pytest.approx(1.0)
-    assert sve.kendall_tau({"near": near_slo, "steady": steady}, swapped, strict=True) == pytest.approx(-1.0)
+    rows = {"near": row(0.25, 0.60, se=0.02), "steady": row(0.24, 0.24, se=0.005), "clear": row(0.40, 0.60, se=0.02)}
+    k = sve.rank_keys(rows)
+    assert k["clear"] < k["steady"] < k["near"]  # near/steady tie in attainment (0.01 < 1.96 * 0.021): P95
+    strict = sve.rank_keys(rows, strict=True)
+    assert strict["clear"] < strict["near"] < strict["steady"]
+    assert sve.ranking_text(rows) == "clear > steady >~ near"
+    # without standard errors (one replay) only equal attainments tie
+    assert sve.rank_keys({"x": row(0.25, 0.6), "y": row(0.24, 0.1)}) == {"x": (0, 0.6), "y": (1, 0.1)}
+    # the engine's replays of one policy are noisy: the same pair measured again with a swapped mean agrees
+    swapped = {"near": row(0.23, 0.60, se=0.02), "steady": rows["steady"]}
+    pair = {p: rows[p] for p in ("near", "steady")}
+    assert sve.kendall_tau(sve.rank_keys(pair), sve.rank_keys(swapped)) == pytest.approx(1.0)
+    assert sve.kendall_tau(sve.rank_keys(pair, strict=True), sve.rank_keys(swapped, strict=True)) == -1.0
 
 
-def test_mean_row_carries_the_standard_error_of_the_attainment(sve):
-    keys = {k: 0.0 for k in sve.ROW_KEYS}
-    row = sve.mean_row([dict(keys, tbt_attainment=a) for a in (0.2, 0.3, 0.4)])
-    assert row["tbt_attainment"] == pytest.approx(0.3)
-    assert row["tbt_attainment_se"] == pytest.approx(0.1 / math.sqrt(3))
-    assert sve.mean_row([dict(keys, tbt_attainment=0.5)])["tbt_attainment_se"] == 0.0
+def test_a_chain_of_ties_is_one_group_so_the_ranking_is_transitive(sve):
+    """a ties b and b ties c, a clearly beats c: pairwise that is a cycle; as one tie group the P95 TBT orders
+    all three, the same way whatever order the rows come in."""
+    rows = {"a": row(0.30, 0.30, se=0.02), "b": row(0.25, 0.20, se=0.02), "c": row(0.20, 0.10, se=0.02)}
+    for order in (["a", "b", "c"], ["c", "b", "a"], ["b", "c", "a"]):
+        shuffled = {p: rows[p] for p in order}
+        assert sve.ranking(shuffled) == ["c", "b", "a"]
+        assert sve.ranking_text(shuffled) == "c >~ b >~ a"
+
+
+def test_paired_samples_resolve_what_independent_errors_would_call_a_tie(sve):
+    """Replay k of every policy runs in the same round (seed k is the same noise seed): a policy that beats
+    another in every replay by 0.02 while both swing by 0.1 together is ahead, not tied."""
+    x = row(0.32, 0.5, se=0.058, samples=[0.22, 0.32, 0.42])
+    y = row(0.30, 0.1, se=0.058, samples=[0.20, 0.30, 0.40])
+    assert sve.attainment_tolerance(x, y) == pytest.approx(0.0)
+    assert sve.rank_keys({"x": x, "y": y})["x"][0] == 0 and sve.rank_keys({"x": x, "y": y})["y"][0] == 1
+    unpaired = {"x": row(0.32, 0.5, se=0.058), "y": row(0.30, 0.1, se=0.058)}
+    assert sve.rank_keys(unpaired)["y"] < sve.rank_keys(unpaired)["x"]  # independent errors: a tie, P95 decides
+
+
+def test_mean_row_carries_the_standard_error_and_the_samples(sve):
+    base = {k: 0.0 for k in sve.ROW_KEYS}
+    mean = sve.mean_row([dict(base, tbt_attainment=a) for a in (0.2, 0.3, 0.4)])
+    assert mean["tbt_attainment"] == pytest.approx(0.3)
+    assert mean["tbt_attainment_se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert mean["tbt_attainment_samples"] == [0.2, 0.3, 0.4]
+    assert sve.mean_row([dict(base, tbt_attainment=0.5)])["tbt_attainment_se"] == 0.0
 
 
 @pytest.mark.parametrize("policy", ["deepspeed", "orbitflow"])
@@ -99,7 +125,7 @@ def test_engine_steps_are_charged_with_the_planners_model_at_its_depth(sve, tiny
 
 def test_rerun_taus_compare_consecutive_engine_rankings(sve):
     def run(*order):
-        return {"policies": {p: {"engine": row} for p, row in rows(*order).items()}}
+        return {"policies": {p: {"engine": row(0.9 - 0.1 * i, 0.1)} for i, p in enumerate(order)}}
 
     runs = [run("a", "b", "c"), run("a", "b", "c"), run("c", "b", "a")]
     assert sve.rerun_taus(runs) == [pytest.approx(1.0), pytest.approx(-1.0)]

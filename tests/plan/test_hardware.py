@@ -215,3 +215,12 @@ def test_decode_tail_goes_to_the_last_layer_and_keeps_the_total():
     assert np.allclose(comp[:-1], flat.sum() * 0.8 / 4)
     with pytest.raises(ProfileError, match="decode_tail_fraction"):
         small(decode_tail_fraction=1.0)
+
+
+def test_step_noise_cv_is_optional_a_fraction_and_round_trips():
+    assert small().step_noise_cv is None  # presets and older profiles: not measured
+    p = small(step_noise_cv=0.03)
+    assert HardwareProfile.from_json(p.to_json()) == p
+    for bad in (1.0, -0.1, math.nan, True, "0.1"):
+        with pytest.raises(ProfileError, match="step_noise_cv"):
+            small(step_noise_cv=bad)

@@ -31,6 +31,18 @@ def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
     assert llm.kv.usage() == (0, 0)  # measured on a scratch cache
 
 
+def test_the_scratch_cache_holds_every_phase_at_one_token_per_block(tiny_llama):
+    """Block size 1 leaves no rounding slack: the scratch cache must hold every decode step the phases take
+    (request "s" decodes 8 * steps + 5 times, 5 * steps + 2 of them all on the host)."""
+    llm = make_llm(tiny_llama, device_kv_blocks=8, host_kv_blocks=256, link_gbps=0.05, block_size=1)
+    try:
+        p = profile_executor(llm.executor, "tiny@here", contexts=(16, 48, 96), steps=5, batch=3, chunk=16,
+                             prefill_sizes=(16, 32))
+    finally:
+        llm.close()
+    assert p.block_size == 1 and 0 <= p.step_noise_cv < 1
+
+
 def test_transfer_latency_fit_recovers_a_known_latency():
     comp, xfer, hosts = [0.002] * 8, 0.003, list(range(8))
     for latency in (0.0, 0.0004, 0.002):

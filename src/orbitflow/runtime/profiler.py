@@ -275,9 +275,11 @@ def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict, de
                     lats.append(_fit_transfer_latency(list(r.layer_compute_s), r.stall_s, xfer, list(range(layers))))
                     stalls.append(r.stall_s)
             host_layer.append(max(0.0, float(np.median(diffs))))
+            groups = [host_steps]
             if depth == 1:  # more steps that wait on the copy thread, back to back as the engine runs them
-                host_steps += [bench.decode(["s"]).step_s for _ in range(3 * steps)]
-            deviations += [t / float(np.median(host_steps)) - 1.0 for t in host_steps]
+                groups.append([bench.decode(["s"]).step_s for _ in range(3 * steps)])
+            for group in groups:  # each around its own median: the two ways of running may differ in level
+                deviations += [t / float(np.median(group)) - 1.0 for t in group]
     finally:
         transfer.prefetch_slots = 1
         bench.free("t")
@@ -289,7 +291,9 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
                      chunk: int = 64, prefill_sizes=(16, 64, 128, 256, 512)) -> HardwareProfile:
     """Fit every cost of a ModelExecutor that the cost model charges (see the module docstring)."""
     kv = executor.kv
-    spare = 7 * steps + 8  # decode steps a request may take beyond its prompt (the copy-thread phase: 5 * steps + 2)
+    # decode steps a request may take beyond its prompt: "s" takes steps + 1 (phase 2), 2 * (steps + 1) (phase 3)
+    # and 2 * (steps + 1) + 3 * steps (phase 5, all on the host), 8 * steps + 5 in all
+    spare = 8 * steps + 8
     per_req = max(contexts[1] // batch, 16)
     single = per_req * batch  # the single request holding as many tokens as the batch
     # phase 1 holds one request per context at once; later phases hold the rest

@@ -3,8 +3,8 @@
 A step costs what the planner's own step-latency model (`edf`, over a hardware profile) predicts
 for the placement the KV manager holds, at the run's prefetch depth (``prefetch_slots``), optionally perturbed
 by link-contention episodes and by seeded multiplicative noise the planner does not see: with ``noise_cv``
-each decode step (its compute and its transfers alike) and each prefill takes a lognormal factor of mean 1 and
-that coefficient of variation, the step-to-step jitter `orbitflow profile` measures (``step_noise_cv``) (the
+each step (its prefill, decode compute, transfers and interference alike) takes one lognormal factor of mean 1
+and that coefficient of variation, the step-to-step jitter `orbitflow profile` measures (``step_noise_cv``) (the
 older ``noise`` is one log-normal factor, sigma ``noise``, on the step's compute).
 The cost model is the profile's own (`HardwareProfile.cost_model()`), the one the engine's planner uses.
 Placement changes between steps cost their bytes over the link plus the profile's host-side cost per moved
@@ -91,15 +91,15 @@ class SimExecutor(Executor):
         prefill = [s for s in seqs if not s.is_decode]
         decode = [s for s in seqs if s.is_decode]
         noise = float(np.exp(self.rng.normal(0.0, self.noise))) if self.noise > 0 else 1.0
+        # noise_cv: one factor for the whole step, prefill, decode compute, transfers and interference alike
+        factor = float(self._factors(1)[0]) if self.noise_cv else 1.0
         prefill_tokens = sum(len(s.token_ids) for s in prefill)
         pairs = sum(attention_pairs(s.start_pos, len(s.token_ids)) for s in prefill)
-        prefill_s = self.profile.prefill_s(prefill_tokens, pairs) * noise
-        if prefill_tokens and self.noise_cv:
-            prefill_s *= float(self._factors(1)[0])
-        compute, stall, h2d = self._decode_cost(decode, slowdown, noise)
+        prefill_s = self.profile.prefill_s(prefill_tokens, pairs) * noise * factor
+        compute, stall, h2d = self._decode_cost(decode, slowdown, noise, factor)
         compute[0] += prefill_s  # a prefill in the batch delays the whole step
         if prefill and decode:  # a prefill chunk beside decodes: the measured interference
-            compute[0] += self.profile.mixed_step_overhead_s * noise
+            compute[0] += self.profile.mixed_step_overhead_s * noise * factor
         device_used, host_used = kv.usage()
         return StepResult(
             tokens=[0 if s.sample else None for s in seqs],
@@ -114,8 +114,10 @@ class SimExecutor(Executor):
             replacement_s=move_s,
         )
 
-    def _decode_cost(self, decode: list[SeqInput], slowdown: float, noise: float) -> tuple[np.ndarray, np.ndarray, int]:
-        """Per-layer compute and stall seconds of the decode rows under the placement in force, and the bytes
+    def _decode_cost(self, decode: list[SeqInput], slowdown: float, noise: float,
+                     factor: float = 1.0) -> tuple[np.ndarray, np.ndarray, int]:
+        """Per-layer compute and stall seconds of the decode rows under the placement in force (``factor``: the
+        step's noise, on its compute and transfers alike; the EDF schedule scales with them), and the bytes
         their host-resident layers bring over the link."""
         kv = self.kv
         if not decode:
@@ -127,10 +129,8 @@ class SimExecutor(Executor):
         if slowdown != 1.0:
             model = model.with_updates(link_blocks_per_s=model.link_blocks_per_s / slowdown)
         est = model.step(Placement.from_mask(mask), blocks, total_tokens=total_tokens)
-        # noise_cv: one factor for the whole step, its compute and its transfers alike (the EDF schedule scales
-        # with them), so the step's time has the CV measured on the real engine (`step_noise_cv`: the machine is
-        # slow for a whole step; independent per-layer factors would average out to noise_cv / sqrt(layers))
-        factor = float(self._factors(1)[0]) if self.noise_cv else 1.0
+        # one factor for the whole step, so its time has the CV measured on the real engine (`step_noise_cv`: the
+        # machine is slow for a whole step; per-layer factors would average out to noise_cv / sqrt(layers))
         compute = np.asarray(est.compute_per_layer_s) * (noise * factor)
         stall = np.asarray(est.stall_per_layer_s) * factor
         h2d = int(sum(b * int((~row).sum()) for b, row in zip(blocks, mask)) * kv.host_pool.bytes_per_block)

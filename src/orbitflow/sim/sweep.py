@@ -29,6 +29,14 @@ from orbitflow.plan.hardware import HardwareProfile
 # 2026-11-23). `--noise-cv` sets it; a measured profile's own `step_noise_cv` replaces it in `orbitflow simulate`.
 DEFAULT_NOISE_CV = 0.07
 DEFAULT_SEEDS = 5
+
+
+def noise_cv_for(flag: float | None, profile: HardwareProfile) -> float:
+    """The noise CV to simulate with: ``flag`` as given, else the profile's measured step jitter
+    (`step_noise_cv`), else the default."""
+    if flag is not None:
+        return flag
+    return profile.step_noise_cv if profile.step_noise_cv is not None else DEFAULT_NOISE_CV
 DEFAULT_NUM_REQUESTS = 64
 DEFAULT_DEVICE_KV_FRACTION = 0.5
 
@@ -360,4 +368,4 @@ def summary_rows(runs: list[dict]) -> list[dict]:
 
 
 __all__ = ["DEFAULT_NOISE_CV", "PAPER_SETUP", "Point", "SimSetup", "better", "config_record", "grid", "mean_ci95",
-           "run_points", "run_sweep", "summarize"]
+           "noise_cv_for", "run_points", "run_sweep", "summarize"]
