@@ -309,7 +309,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
             bench.decode(["w"])
         bench.free("w")
         prefill: list[tuple[int, float]] = []
-        a, b, tails, jitter = _measure_context(bench, contexts, steps, prefill)
+        a, b, tails, device_jitter = _measure_context(bench, contexts, steps, prefill)
         _measure_prefill(bench, prefill_sizes, 2, prefill)
         pa, pb, pc = _fit_prefill(prefill)
         extra["prefill_points"] = [[int(t), round(s, 6)] for t, s in sorted(prefill)]
@@ -318,8 +318,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         move_latency = _measure_moves(bench, link)
         host_deviations: list[float] = []
         transfer_latency, host_layer = _measure_copy_thread(bench, link, steps, extra, host_deviations)
-        extra["step_jitter_device"] = round(jitter, 4)
-        jitter = step_jitter(host_deviations)
+        extra["step_jitter_device"] = round(device_jitter, 4)
         bench.free("s")
     finally:
         bench.close()
@@ -342,7 +341,7 @@ def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 
         move_latency_s=move_latency,
         mixed_step_overhead_s=mixed_overhead,
         decode_tail_fraction=min(float(np.median(tails)), 0.9) if tails else 0.0,
-        step_noise_cv=round(jitter, 4),
+        step_noise_cv=round(step_jitter(host_deviations), 4),
         notes="measured by orbitflow profile on this machine",
         extra={k: (round(v, 7) if isinstance(v, float) else v) for k, v in extra.items()},
     )
