@@ -200,17 +200,15 @@ def rank_keys(rows: dict[str, dict], strict: bool = False) -> dict[str, tuple[in
     return keys
 
 
-def ranking(rows: dict[str, dict]) -> list[str]:
-    """Best first by `rank_keys` (then by name, only to print a tie in a fixed order)."""
-    keys = rank_keys(rows)
-    return sorted(rows, key=lambda p: (keys[p], p))
+def ranking(keys: dict[str, tuple[int, float]]) -> list[str]:
+    """Best first by their `rank_keys` (then by name, only to print a tie in a fixed order)."""
+    return sorted(keys, key=lambda p: (keys[p], p))
 
 
-def ranking_text(rows: dict[str, dict]) -> str:
-    """The ranking with '>' between attainment groups, '>~' where the attainments tie and the P95 TBT orders
-    them, and '=' between tied policies."""
-    keys = rank_keys(rows)
-    order = ranking(rows)
+def ranking_text(keys: dict[str, tuple[int, float]]) -> str:
+    """The ranking (`rank_keys`) with '>' between attainment groups, '>~' where the attainments tie and the P95
+    TBT orders them, and '=' between tied policies."""
+    order = ranking(keys)
     out = order[:1]
     for prev, p in zip(order, order[1:]):
         out += ["=" if keys[prev] == keys[p] else ">~" if keys[prev][0] == keys[p][0] else ">", p]
@@ -310,11 +308,9 @@ def metrics_row(m: RunMetrics) -> dict:
 
 
 def simulate_mean(profile: HardwareProfile, trace: Trace, cfg: EngineConfig, noise_cv: float, seeds: int) -> dict:
-    """The simulator's metrics row: the mean over ``seeds`` noise seeds (the noise is seeded by the config's seed;
-    one replay without noise). Each solve is charged its measured time, as `orbitflow simulate` does by default:
-    the engine pays for a solve it cannot run ahead (a new batch's) on its wall clock."""
-    if noise_cv == 0:
-        seeds = 1
+    """The simulator's metrics row: the mean over ``seeds`` noise seeds (the noise is seeded by the config's
+    seed). Each solve is charged its measured time, as `orbitflow simulate` does by default: the engine pays for
+    a solve it cannot run ahead (a new batch's) on its wall clock."""
     rows = [metrics_row(simulate_trace(profile, trace, cfg.replace(seed=cfg.model.seed + k), noise_cv=noise_cv,
                                        solver_time="measured").metrics)
             for k in range(seeds)]
@@ -348,6 +344,7 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
           f"of a step, step jitter (CV) {profile.step_noise_cv or 0.0:.3f}; SLO {1000 * slo_s:.0f} ms "
           f"(measured in {time.perf_counter() - t0:.1f} s)", flush=True)
     noise_cv = noise_cv_for(sim_noise_cv, profile)
+    sim_seeds = sim_seeds if noise_cv else 1  # without noise every seed replays the same
     sim = {name: simulate_mean(profile, trace, config.replace(policy=name), noise_cv, sim_seeds) for name in policies}
     real: dict[str, list[EngineRun]] = {name: [] for name in policies}
     for replay in range(engine_replays):
@@ -369,7 +366,7 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
                       "engine_overhead_s_per_step": float(np.mean([r.overhead_s for r in real[p]]))}
                   for p in policies}
     run = {"label": label, "profile": profile.to_dict(), "slo_s": slo_s, "policies": per_policy,
-           "sim_noise_cv": noise_cv, "sim_seeds": sim_seeds if noise_cv else 1, "engine_replays": engine_replays,
+           "sim_noise_cv": noise_cv, "sim_seeds": sim_seeds, "engine_replays": engine_replays,
            "errors": step_errors([s for p in policies for r in real[p] for s in r.steps])}
     return score(run)
 
@@ -377,9 +374,9 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
 def score(run: dict) -> dict:
     """The run's rankings, Kendall taus and criteria, from its per-policy rows."""
     eng, sim = engine_rows(run), simulator_rows(run)
-    run.update(ranking_engine=ranking_text(eng), ranking_simulator=ranking_text(sim),
-               keys_engine=rank_keys(eng), keys_simulator=rank_keys(sim),
-               kendall_tau=kendall_tau(rank_keys(eng), rank_keys(sim)),
+    keys_eng, keys_sim = rank_keys(eng), rank_keys(sim)
+    run.update(ranking_engine=ranking_text(keys_eng), ranking_simulator=ranking_text(keys_sim),
+               keys_engine=keys_eng, keys_simulator=keys_sim, kendall_tau=kendall_tau(keys_eng, keys_sim),
                kendall_tau_strict=kendall_tau(rank_keys(eng, strict=True), rank_keys(sim, strict=True)))
     run["checks"] = checks(run)
     return run
@@ -404,7 +401,7 @@ def print_run(run: dict) -> None:
     print(f"  ranking engine    {run['ranking_engine']}\n"
           f"  ranking simulator {run['ranking_simulator']}\n"
           f"  Kendall tau {run['kendall_tau']:+.2f} (strict, ties only when exactly equal: "
-          f"{run.get('kendall_tau_strict', math.nan):+.2f}); median signed step error {100 * e['signed_median']:+.1f}% "
+          f"{run['kendall_tau_strict']:+.2f}); median signed step error {100 * e['signed_median']:+.1f}% "
           f"(+: simulator slower); stall measured {e['stall_measured_s']:.2f} s, model {e['stall_model_s']:.2f} s")
 
 
@@ -416,8 +413,8 @@ def verdict_lines(runs: list[dict]) -> list[str]:
     names = {"step_err_median": ("per-step error, median", "<= 10%", pct("step_err_median")),
              "step_err_p95": ("per-step error, p95", "<= 20%", pct("step_err_p95")),
              "stall_err": ("total stall error", "<= 15%", pct("stall_err")),
-             "kendall_tau": ("Kendall tau", ">= 0.9", lambda r: f"{r['kendall_tau']:+.2f}"
-                             + (f" (strict {r['kendall_tau_strict']:+.2f})" if "kendall_tau_strict" in r else ""))}
+             "kendall_tau": ("Kendall tau", ">= 0.9",
+                             lambda r: f"{r['kendall_tau']:+.2f} (strict {r['kendall_tau_strict']:+.2f})")}
     lines = []
     for key, (title, target, fmt) in names.items():
         ok = all(r["checks"][key] for r in runs)
@@ -470,7 +467,7 @@ def write_md(path: str, payload: dict) -> None:
                      f"| {pct('stall_err')(r)} | {r['kendall_tau']:+.2f} | {r['kendall_tau_strict']:+.2f} "
                      f"| {r['ranking_engine']} "
                      f"| {r['ranking_simulator']} |")
-    replays = runs[-1].get("engine_replays", 1)
+    replays = runs[-1]["engine_replays"]
     lines += ["", "How the rankings are made: each policy's engine metrics are the mean over its "
               f"{replays} replay(s) per run (interleaved, every other round in reverse order), the simulator's "
               "the mean over its noise seeds. Higher TBT attainment ranks first; a tie in attainment is broken by the "
@@ -497,8 +494,8 @@ def write_md(path: str, payload: dict) -> None:
                   f"{', '.join(f'{t:+.2f}' for t in payload['engine_rerun_taus'])}. No simulator can agree with the "
                   "engine more reliably than the engine agrees with itself.", ""]
     last = runs[-1]
-    noise = (f"the simulator's: the mean over {last.get('sim_seeds', 1)} noise seeds at the measured step jitter, CV "
-             f"{last['sim_noise_cv']:.3f}" if last.get("sim_noise_cv") else "the simulator's: one noise-free replay")
+    noise = (f"the simulator's: the mean over {last['sim_seeds']} noise seeds at the measured step jitter, CV "
+             f"{last['sim_noise_cv']:.3f}" if last["sim_noise_cv"] else "the simulator's: one noise-free replay")
     lines += [f"Per policy, {last['label']} (TBT attainment ± its standard error and P95 TBT, engine / simulator "
               f"({noise}); 'stall error, measured compute': signed, the transfer model alone, fed each step's "
               "measured per-layer compute):", "",
@@ -507,8 +504,8 @@ def write_md(path: str, payload: dict) -> None:
               "|---|---|---|---|---|---|---|---|"]
     for p, v in last["policies"].items():
         e, s = v["engine"], v["simulator"]
-        lines.append(f"| {p} | {e['tbt_attainment']:.3f} ± {e.get('tbt_attainment_se', 0.0):.3f} / "
-                     f"{s['tbt_attainment']:.3f} ± {s.get('tbt_attainment_se', 0.0):.3f} "
+        lines.append(f"| {p} | {e['tbt_attainment']:.3f} ± {e['tbt_attainment_se']:.3f} / "
+                     f"{s['tbt_attainment']:.3f} ± {s['tbt_attainment_se']:.3f} "
                      f"| {1000 * e['p95_tbt_s']:.0f} / "
                      f"{1000 * s['p95_tbt_s']:.0f} | {pct('step_err_median')(v)} | {pct('step_err_p95')(v)} "
                      f"| {pct('stall_err')(v)} | {100 * v['errors']['stall_err_transfer']:+.1f}% "

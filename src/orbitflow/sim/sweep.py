@@ -29,14 +29,6 @@ from orbitflow.plan.hardware import HardwareProfile
 # 2026-11-23). `--noise-cv` sets it; a measured profile's own `step_noise_cv` replaces it in `orbitflow simulate`.
 DEFAULT_NOISE_CV = 0.07
 DEFAULT_SEEDS = 5
-
-
-def noise_cv_for(flag: float | None, profile: HardwareProfile) -> float:
-    """The noise CV to simulate with: ``flag`` as given, else the profile's measured step jitter
-    (`step_noise_cv`), else the default."""
-    if flag is not None:
-        return flag
-    return profile.step_noise_cv if profile.step_noise_cv is not None else DEFAULT_NOISE_CV
 DEFAULT_NUM_REQUESTS = 64
 DEFAULT_DEVICE_KV_FRACTION = 0.5
 
@@ -93,6 +85,14 @@ class SimSetup:
 
 SOLVER_TIME_HELP = ("planner solve time on the virtual clock: 'measured' (each solve's wall time), 'off', or a "
                     "fixed cost per call in ms, e.g. '5ms'")
+
+
+def noise_cv_for(flag: float | None, profile: HardwareProfile) -> float:
+    """The noise CV to simulate with: ``flag`` as given, else the profile's measured step jitter
+    (`step_noise_cv`), else the default."""
+    if flag is not None:
+        return flag
+    return profile.step_noise_cv if profile.step_noise_cv is not None else DEFAULT_NOISE_CV
 
 
 def solver_time_model(spec: str) -> Callable[[float], float] | None:
