@@ -1,6 +1,7 @@
 import math
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -163,7 +164,13 @@ def test_compiled_and_reference_planners_give_identical_plans(dp_everywhere, mon
 
 
 @needs_numba
-def test_compiled_search_honours_a_deadline():
+@pytest.mark.parametrize("kernel_clock", [True, False])
+def test_compiled_search_honours_a_deadline(kernel_clock, monkeypatch):
+    """The kernels read the clock themselves (or, without one, are paused by the caller to check it): either way a
+    search past its deadline stops right after its first dive."""
+    if kernel_clock and not cc.HAVE_CLOCK:
+        pytest.skip("no clock_gettime for the kernels on this platform")
+    monkeypatch.setattr(cc, "HAVE_CLOCK", kernel_clock)
     rng = np.random.default_rng(2)
     hurried = 0
     for _ in range(10):
@@ -172,6 +179,19 @@ def test_compiled_search_honours_a_deadline():
         hurried += not p.stats.exact
         assert p.stats.nodes <= len(reqs) + 2 + 1  # the first dive, then the first deadline check
     assert hurried > 0
+
+
+@pytest.mark.skipif(not cc.HAVE_CLOCK or sys.platform != "linux", reason="the kernels' clock is perf_counter's on Linux")
+def test_the_kernels_clock_is_perf_counters():
+    clock = cc.clock_scratch()
+    cc._now(clock)  # load it
+    for _ in range(100):
+        before = time.perf_counter()
+        now = cc._now(clock)
+        assert before <= now <= time.perf_counter()
+    deadline = time.perf_counter() + 5.0
+    assert abs(cc.kernel_deadline(deadline, clock) - deadline) < 1e-3
+    assert cc.kernel_deadline(None, clock) == math.inf
 
 
 def test_planner_without_numba_uses_the_reference():

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,7 +41,53 @@ except ImportError:  # pragma: no cover - exercised by installs without numba
         return fn
 
 
-__all__ = ["HAVE_NUMBA", "enabled", "edf_stalls"]
+__all__ = ["HAVE_CLOCK", "HAVE_NUMBA", "enabled", "edf_stalls", "kernel_deadline"]
+
+# The kernels read the monotonic clock themselves (libc's clock_gettime, a vDSO call of ~30 ns, declared by name so
+# that numba's on-disk cache still works), so a search under a deadline runs in one call instead of returning to
+# Python every ~100 us to look at the time; each return and re-entry cost ~10-20 us of a 1 ms budget. Where that
+# clock is missing (Windows, 32-bit) the callers keep pausing (``PAUSED``) and checking the time themselves.
+HAVE_CLOCK = HAVE_NUMBA and hasattr(time, "CLOCK_MONOTONIC") and sys.platform != "win32" and sys.maxsize > 2**32
+
+if HAVE_CLOCK:
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _clock_gettime(typingctx, clock_id, timespec):
+        """``clock_gettime(clock_id, &timespec)`` with ``timespec`` an int64 array (seconds, nanoseconds)."""
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[1])(context, builder, args[1]).data
+            byte_ptr = ir.IntType(8).as_pointer()
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), byte_ptr])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "clock_gettime")
+            return builder.call(fn, [args[0], builder.bitcast(data, byte_ptr)])
+
+        return numba.types.int32(numba.types.int32, timespec), codegen
+
+    @_jit
+    def _now(clock):
+        """Seconds on the monotonic clock whose id is ``clock[2]`` (``clock``: int64 scratch of 3)."""
+        _clock_gettime(np.int32(clock[2]), clock)
+        return clock[0] + clock[1] * 1e-9
+else:
+    @_jit
+    def _now(clock):
+        return -math.inf  # no clock: the kernels never see a deadline pass; the caller pauses them instead
+
+
+def clock_scratch() -> np.ndarray:
+    """The ``clock`` argument of the kernels that read the time."""
+    return np.array([0, 0, time.CLOCK_MONOTONIC if HAVE_CLOCK else 0], dtype=np.int64)
+
+
+def kernel_deadline(deadline: float | None, clock: np.ndarray) -> float:
+    """A ``time.perf_counter()`` deadline on the kernels' clock (inf: none, or no clock). The two clocks are the
+    same one on Linux; the offset is measured anyway, so another platform's perf_counter cannot skew it."""
+    if deadline is None or not HAVE_CLOCK:
+        return math.inf
+    return _now(clock) + (deadline - time.perf_counter())
 
 ENV = "ORBITFLOW_PLAN_COMPILED"
 
@@ -195,9 +243,9 @@ def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.nd
 # integer state (ist)
 DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT = range(11)
 N_IST = 11
-# float state (fst)
-BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, GAP = range(6)
-N_FST = 6
+# float state (fst); DEADLINE on the kernels' clock (kernel_deadline), inf: none
+BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, GAP, DEADLINE = range(7)
+N_FST = 7
 # phases and return codes
 ENTER, LOOP = 0, 1
 FINISHED, PAUSED = 0, 2
@@ -226,6 +274,18 @@ def _prunable(lb, moved_lb, best_lat, best_moved, gap):
     if lb >= best_lat - tol:
         return moved_lb >= best_moved - 1e-9
     return False
+
+
+@_jit
+def _beyond(lb, best_lat, gap):
+    """Whether a child whose latency bound is ``lb`` is pruned whatever else is known of it: above the incumbent by
+    more than the tie tolerance (``gap > 0``: within the gap of it), so that its moved blocks do not matter and
+    an incumbent that only improves keeps it pruned."""
+    if not math.isfinite(best_lat):
+        return False
+    if gap > 0:
+        return lb >= best_lat * (1 - gap)
+    return lb > best_lat + REL_TOL * max(abs(best_lat), 1.0)
 
 
 @_jit
@@ -283,9 +343,11 @@ def _unwind(depth, pos, nk, ordk, alive, lat_lb, fst):
 
 
 @_jit
-def _budget_spent(ist, n_req):
-    """``BranchAndBound._out_of_budget``: never during the first dive."""
+def _budget_spent(ist, fst, clock, n_req):
+    """``BranchAndBound._out_of_budget``: never during the first dive; the deadline read from the clock."""
     if ist[FIRST_ONLY] or ist[NODES] - ist[DIVE_START] > n_req + 1:
+        if fst[DEADLINE] < math.inf and _now(clock) > fst[DEADLINE]:
+            ist[TIMED_OUT] = 1
         if (ist[NODE_LIMIT] >= 0 and ist[NODES] > ist[NODE_LIMIT]) or ist[TIMED_OUT]:
             ist[HIT] = 1
             ist[DONE] = 1
@@ -341,6 +403,13 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
         key = max(lat, forced + comp_min if forced > 0 else 0.0)
         forced = vol_last + _cover_cost(ymin, cover, d + 1)
         lat = max(lat, forced + comp_min if forced > 0 else 0.0)
+        kid_chain = max(comp_total + chain[r, k], chain_lb[d])
+        kid_moved[d, k] = moved[d] + b0[r] * counts[k]
+        cheap = max(lat, kid_chain)
+        if not alive[d, k] or _beyond(cheap, fst[BEST_LAT], fst[GAP]):
+            lat_lb[d, k] = cheap  # never visited: the separable bound would only raise it
+            lat_key[d, k] = max(key, kid_chain)
+            continue
         sep_lb = -math.inf
         u = min(ymin * rs / rb0, n_layers) if rb0 > 0 else 0.0
         for j in range(n_tiles):
@@ -354,10 +423,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 val = val + (rb0 / link) * phi
             if val > sep_lb:
                 sep_lb = val
-        kid_chain = max(comp_total + chain[r, k], chain_lb[d])
-        lat_lb[d, k] = max(max(lat, kid_chain), sep_lb)
+        lat_lb[d, k] = max(cheap, sep_lb)
         lat_key[d, k] = max(max(key, kid_chain), sep_lb)
-        kid_moved[d, k] = moved[d] + b0[r] * counts[k]
     if use_dp:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
         _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
                      comp0, counts, f_scratch, w_scratch)
@@ -451,15 +518,15 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
               slo_on, dep, slo, alpha, d_lo, d_hi,
               tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
-              dp_depth, least, slack, w_scratch, root_probe):
+              dp_depth, least, slack, w_scratch, root_probe, clock):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
     A leaf that beats the incumbent at step 0 and passes the window rule (:func:`leaf_feasible`, the data in
     ``feas``: :func:`feasibility_data`) becomes the incumbent (``fst[BEST_*]``, its candidates in ``best_k``).
-    Returns ``PAUSED`` when ``ist[NODES]`` reaches
-    ``ist[CHUNK_STOP]`` (the caller checks its deadline, sets ``ist[TIMED_OUT]`` and resumes), or
-    ``FINISHED``. One function, kept whole: its state is the stack.
+    Stops at ``fst[DEADLINE]`` (read from the clock at every node) like at the node limit; returns ``PAUSED`` when
+    ``ist[NODES]`` reaches ``ist[CHUNK_STOP]`` (without a clock: the caller checks its deadline, sets
+    ``ist[TIMED_OUT]`` and resumes), or ``FINISHED``. One function, kept whole: its state is the stack.
     """
     # NOTE: kept whole: a depth-first loop over an explicit stack (ist/fst and the per-depth arrays) that
     # returns to Python at a leaf or a deadline check and resumes where it stopped; calls cannot do that.
@@ -473,7 +540,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
             if ist[NODES] >= ist[CHUNK_STOP]:
                 return PAUSED
             ist[NODES] += 1
-            if _budget_spent(ist, n_req):
+            if _budget_spent(ist, fst, clock, n_req):
                 _unwind(d - 1, pos, nk, ordk, alive, lat_lb, fst)
                 return FINISHED
             n_kids = choice[d - 1] + 1 if same_as_prev[d] else n_cand
@@ -522,7 +589,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                         best_k[:] = k_of
                         if ist[FIRST_ONLY]:
                             ist[DONE] = 1
-                if _budget_spent(ist, n_req):
+                if _budget_spent(ist, fst, clock, n_req):
                     _unwind(d, pos, nk, ordk, alive, lat_lb, fst)
                     return FINISHED
                 i += 1
@@ -860,17 +927,18 @@ def _memory_parts(k_of, counts, hosts_f, bcap, buf):
 
 
 @_jit
-def improve(k_of, ist, fst, max_evals, stop_evals, b0, comp_total, x0, feas, cand, order, bcap, cap):
+def improve(k_of, ist, fst, max_evals, stop_evals, b0, comp_total, x0, feas, cand, order, bcap, cap, clock,
+            deadline):
     """First-improvement local search from the incumbent ``k_of`` (feasible, its key in ``fst[BEST_*]``) over the
     moves of :func:`move`, scanned round robin from ``ist[CURSOR]``: an improving feasible move is taken at
     once. Stops when a whole round finds none (True) or at ``max_evals`` evaluations (True), or pauses at
-    ``stop_evals`` (False) so the caller can check its deadline."""
+    ``stop_evals`` or once the clock passes ``deadline`` (False) so the caller can check its own."""
     n_cand = feas[0].size
     n_moves = k_of.size * n_cand + k_of.size * k_of.size
     while ist[SINCE] < n_moves:
         if ist[EVALS] >= max_evals:
             return True
-        if ist[EVALS] >= stop_evals:
+        if ist[EVALS] >= stop_evals or (deadline < math.inf and _now(clock) > deadline):
             return False
         m = ist[CURSOR]
         ist[CURSOR] = (m + 1) % n_moves

@@ -380,6 +380,8 @@ def warm_up() -> None:
     requests = [PlanRequest("a", 8, 120, 40, 0.0, 2e-2), PlanRequest("b", 4, 60, 40, 0.0, 2e-2),
                 PlanRequest("c", 6, 90, 40, 0.0, 2e-2)]
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1).plan(requests)
+    # ... and by its deadline: the kernels' clock
+    Planner(model, capacity_blocks=100, window=(1, 4), node_limit=None, time_limit_s=1e-9).plan(requests)
     # a fixed placement's evaluation (the baselines), at one and at two prefetch slots (DeepSpeed's depth)
     for slots in (1, 2):
         planner = Planner(model.with_updates(prefetch_slots=slots), capacity_blocks=100, window=(1, 4))
