@@ -181,7 +181,8 @@ def test_compiled_search_honours_a_deadline(kernel_clock, monkeypatch):
     assert hurried > 0
 
 
-@pytest.mark.skipif(not cc.HAVE_CLOCK or sys.platform != "linux", reason="the kernels' clock is perf_counter's on Linux")
+@pytest.mark.skipif(not cc.HAVE_CLOCK or sys.platform != "linux",
+                    reason="the kernels' clock is perf_counter's on Linux only")
 def test_the_kernels_clock_is_perf_counters():
     clock = cc.clock_scratch()
     cc._now(clock)  # load it
