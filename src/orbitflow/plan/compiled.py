@@ -460,30 +460,36 @@ def _least_candidate(bc, slack_k, counts, n_layers):
 
 
 @_jit
-def _least_into(w, d, k, x, v, mats, order, bcap, x0, slack_k, counts, least):
+def _least_into(w, d, k, x, v, mats, order, bcap, x0, slack_k, counts, least, coef):
     """Child ``k``'s transfer-count matrix plus the least host layers of each request not assigned at depth ``d``
     (``BranchAndBound._least_offload``: those common to every candidate it can still fit with, ``slack_k`` the
     child's spare capacity with the unassigned requests fully offloaded) into ``w``, the entries the propagated
-    bound reads only. Returns False, ``w`` untouched, when none must offload. Matrices are transposed
-    (``[layer, row]`` of :func:`orbitflow.plan.bounds.count_matrix`, row ``<= layer`` only): the bound's inner
-    loop runs along a row of them."""
+    bound reads only; requests with the same least candidate are summed first (``coef``: scratch of K), so the
+    matrices are added once per candidate, not once per request. Returns False, ``w`` untouched, when none must
+    offload. Matrices are transposed (``[layer, row]`` of :func:`orbitflow.plan.bounds.count_matrix`, row
+    ``<= layer`` only): the bound's inner loop runs along a row of them."""
     n_layers = w.shape[0]
+    coef[:] = 0.0
     forced = False
     for e in range(d + 1, order.size):
         q = order[e]
         kmin = _least_candidate(bcap[q], slack_k, counts, n_layers)
-        if kmin == 0:
-            continue
-        if not forced:
+        if kmin > 0:
+            coef[kmin] += x0[q]
             forced = True
-            for layer in range(n_layers):
-                for i in range(layer + 1):
-                    w[layer, i] = v[d, layer, i] + x * mats[k, layer, i]
-        xq = x0[q]
+    if not forced:
+        return False
+    for layer in range(n_layers):
+        for i in range(layer + 1):
+            w[layer, i] = v[d, layer, i] + x * mats[k, layer, i]
+    for kmin in range(1, counts.size):
+        c = coef[kmin]
+        if c == 0.0:
+            continue
         for layer in range(n_layers):
             for i in range(layer + 1):
-                w[layer, i] = w[layer, i] + xq * least[kmin, layer, i]
-    return forced
+                w[layer, i] = w[layer, i] + c * least[kmin, layer, i]
+    return True
 
 
 @_jit
@@ -492,10 +498,11 @@ def _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, la
     """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
     unassigned requests at their least host layers (:func:`_least_into`); raises ``lat_lb`` and ``lat_key``."""
     n_layers = comp0.size
+    coef = np.empty(counts.size)
     for k in range(n_kids):
         if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
             continue
-        use_w = _least_into(w, d, k, x, v, mats, order, bcap, x0, slack[k], counts, least)
+        use_w = _least_into(w, d, k, x, v, mats, order, bcap, x0, slack[k], counts, least, coef)
         f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
         for layer in range(1, n_layers):
             s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])

@@ -533,10 +533,15 @@ class BranchAndBound:
         candidates that can still fit. Candidate ``k`` of request ``r`` cannot fit when ``bcap_r (L - count_k)``
         exceeds the child's spare capacity with the other unassigned requests fully offloaded (the least they
         take: one block per layer each). The propagated bound only grows with host layers, so it still bounds
-        every completion."""
+        every completion. Requests with the same least candidate are summed first: one matrix per candidate."""
         slack = self.cap - new_res - bmax - float(self.rest_b[depth + 1])
+        rows = np.arange(w.shape[0])
+        coef = np.zeros((w.shape[0], len(self.counts)))  # per child: the requests' transfer seconds per least candidate
         for r, kmin in zip(self.order[depth + 1:], self._least_candidates(depth, slack)):
-            w = w + self.x0[r] * self.tables.least_mats[kmin]
+            coef[rows, kmin] += self.x0[r]
+        for k in range(1, len(self.counts)):  # candidate 0 offloads nothing
+            if coef[:, k].any():
+                w = w + coef[:, k, None, None] * self.tables.least_mats[k]
         return w
 
     def _least_candidates(self, depth: int, slack: np.ndarray) -> list[np.ndarray]:
