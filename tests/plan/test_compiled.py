@@ -347,3 +347,26 @@ def test_root_probes_only_where_the_time_left_pays_for_them():
         pytest.fail("no batch with an incumbent to probe")
     assert np.any(runs["none"] != 0) and np.array_equal(runs["none"], runs["roomy"])
     assert not np.any(runs["tight"])  # not probed: every candidate ties, the bounds order them
+
+
+@needs_numba
+def test_compiled_suffix_tables_are_the_references():
+    """compiled.suffix_tables against BranchAndBound's NumPy set-up (compiled=False) and bounds.cover_tables, bit for
+    bit, with ties in cost per block and requests without blocks."""
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        n_req, n_layers = int(rng.integers(1, 17)), int(rng.choice([4, 32, 80]))
+        bcap = rng.integers(0, 60, n_req).astype(float)
+        if rng.random() < 0.5:
+            bcap = np.round(bcap / 10) * 10  # equal sizes: ties
+        b0 = np.minimum(bcap, rng.integers(0, 60, n_req)).astype(float)
+        x0 = b0 / 1000 + np.where(b0 > 0, 1e-5, 0.0) * (rng.random() < 0.5)
+        order = rng.permutation(n_req)
+        ref = BranchAndBound.__new__(BranchAndBound)
+        ref.order, ref.bcap, ref.b0, ref.x0, ref.n_layers = list(order), bcap, b0, x0, n_layers
+        ref.rules = type("Rules", (), {"compiled": False})()
+        ref.tables, ref.comp0, ref.comp_total = search.candidate_tables(n_layers), np.ones(n_layers), float(n_layers)
+        ref._init_bound_tables()
+        got = cc.suffix_tables(order.astype(np.int64), bcap, b0, x0, n_layers, search.DP_REST_SHARE)
+        for a, b in zip(got, (ref.rest_b, ref.rest_b0, ref.ratio_suffix, ref.dp_depth, *ref.cover)):
+            assert a.dtype == b.dtype and np.array_equal(a, b)

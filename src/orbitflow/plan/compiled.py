@@ -239,6 +239,52 @@ def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.nd
                       np.empty(lay.size + 1), np.empty(n_layers), float(host_layer_s)))
 
 
+# ==== the search's set-up ===================================================================================
+@_jit
+def suffix_tables(order, bcap, b0, x0, n_layers, share):
+    """The branch and bound's per-depth tables of the requests not assigned yet (``BranchAndBound._init_bound_tables``
+    in NumPy, and :func:`orbitflow.plan.bounds.cover_tables`), in one call: ``rest_b``, ``rest_b0`` (their blocks at
+    the capacity step and now), ``ratio_suffix`` (their least ``b0 / bcap``), ``dp_depth`` (where they hold at most
+    ``share`` of the batch's blocks) and the cover tables ``(cap, cost, rate, size)``. The same floats as the
+    reference (block counts are integers; the cover's sums run in the same order); tests/plan/test_compiled.py
+    checks it."""
+    n_req = order.size
+    rest_b = np.zeros(n_req + 1)
+    rest_b0 = np.zeros(n_req + 1)
+    ratio_suffix = np.ones(n_req + 1)
+    for i in range(n_req - 1, -1, -1):
+        r = order[i]
+        rest_b[i] = rest_b[i + 1] + bcap[r] if i < n_req - 1 else bcap[r]
+        rest_b0[i] = rest_b0[i + 1] + b0[r] if i < n_req - 1 else b0[r]
+        ratio = b0[r] / max(bcap[r], 1e-300) if bcap[r] > 0 else 1.0
+        ratio_suffix[i] = min(ratio_suffix[i + 1], ratio) if i < n_req - 1 else ratio
+    dp_depth = np.empty(n_req, np.bool_)
+    for i in range(n_req):
+        dp_depth[i] = rest_b0[i + 1] <= share * rest_b0[0]
+    # the cover: requests by cost per block (stable, so ties stay in search order); each suffix keeps that order
+    rate_of = np.empty(n_req)
+    for i in range(n_req):
+        r = order[i]
+        rate_of[i] = x0[r] / bcap[r] if bcap[r] > 0 else math.inf
+    by_rate = np.argsort(rate_of, kind="mergesort")
+    cap = np.zeros((n_req + 1, n_req + 1))
+    cost = np.zeros((n_req + 1, n_req + 1))
+    rate = np.zeros((n_req + 1, max(n_req, 1)))
+    size = np.zeros(n_req + 1, np.int64)
+    for e in range(n_req + 1):
+        j = 0
+        for i in by_rate:
+            r = order[i]
+            if i < e or not bcap[r] > 0:
+                continue
+            rate[e, j] = x0[r] / bcap[r]
+            cap[e, j + 1] = cap[e, j] + bcap[r] * n_layers
+            cost[e, j + 1] = cost[e, j] + x0[r] * n_layers
+            j += 1
+        size[e] = j
+    return rest_b, rest_b0, ratio_suffix, dp_depth, cap, cost, rate, size
+
+
 # ==== branch and bound ======================================================================================
 # integer state (ist)
 DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT = range(11)

@@ -42,17 +42,19 @@ class Horizon:
         blocks = np.maximum(b_now[None, :], -(-(tok[None, :] + grown) // block_size))
         self.blocks = blocks.astype(float)  # [H+1, R]
         self.total_tokens = (tok[None, :] + grown).sum(axis=1)  # [H+1]
-        change = np.any(self.blocks[1:] != self.blocks[:-1], axis=1)
-        starts = [0] + [int(i) + 1 for i in np.flatnonzero(change[: steps - 1])]
+        self.boundaries = (np.flatnonzero((blocks[1:] != blocks[:-1]).any(axis=1)) + 1).tolist()  # steps 1..H
+        starts = [0] + [t for t in self.boundaries if t < steps]  # where b changes, within the horizon
         self.seg_starts = starts
         self.seg_ends = starts[1:] + [steps]
         self.seg_starts_a = np.array(self.seg_starts, dtype=np.int64)
         self.seg_ends_a = np.array(self.seg_ends, dtype=np.int64)
-        self.boundaries = [int(i) + 1 for i in np.flatnonzero(change)]  # steps 1..H where b changes
         self.cm = cost_model
-        self.comp = [cost_model.compute(int(self.total_tokens[s]) if cost_model.depends_on_tokens else None,
-                                        len(reqs)) for s in starts]
-        self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
+        if cost_model.depends_on_tokens:
+            self.comp = [cost_model.compute(int(self.total_tokens[s]), len(reqs)) for s in starts]
+            self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
+        else:  # one (cached, read-only) array for every segment
+            self.comp = [cost_model.compute(None, len(reqs))] * len(starts)
+            self.compute_grows = True
         self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency
         self.tails: list[np.ndarray] | None = None  # compiled evaluator: suffix sums of each segment's compute
         self.slo = np.array([q.slo_s for q in reqs], dtype=float)

@@ -63,7 +63,15 @@ from typing import NamedTuple
 import numpy as np
 
 from orbitflow.plan import compiled as cc
-from orbitflow.plan.bounds import SeparableTables, count_matrix, cover_cost, cover_tables, dp_bound, separable_tables
+from orbitflow.plan.bounds import (
+    CoverTables,
+    SeparableTables,
+    count_matrix,
+    cover_cost,
+    cover_tables,
+    dp_bound,
+    separable_tables,
+)
 from orbitflow.plan.cost_model import edf_stalls, host_layers_s
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
@@ -268,17 +276,24 @@ class BranchAndBound:
         """What the node bounds read for the unassigned requests (suffixes in search order) and the separable
         and chain bounds' per-request tables."""
         o, tables = self.order, self.tables
-        self.rest_b = np.concatenate((np.cumsum(self.bcap[o][::-1])[::-1], [0.0]))
-        self.rest_b0 = np.concatenate((np.cumsum(self.b0[o][::-1])[::-1], [0.0]))
+        if self.rules.compiled:  # the same tables in one call (compiled.suffix_tables)
+            *suffixes, cov_cap, cov_cost, cov_rate, cov_size = cc.suffix_tables(
+                np.asarray(o, dtype=np.int64), self.bcap, self.b0, self.x0, self.n_layers, DP_REST_SHARE)
+            self.rest_b, self.rest_b0, self.ratio_suffix, self.dp_depth = suffixes
+            self.cover = CoverTables(cov_cap, cov_cost, cov_rate, cov_size)
+        else:
+            self.rest_b = np.concatenate((np.cumsum(self.bcap[o][::-1])[::-1], [0.0]))
+            self.rest_b0 = np.concatenate((np.cumsum(self.b0[o][::-1])[::-1], [0.0]))
+            ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
+            self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
+            # the propagated bound where what is left unassigned is small (it offloads nothing there): always at the
+            # last request
+            self.dp_depth = self.rest_b0[1:] <= DP_REST_SHARE * self.rest_b0[0]
+            self.cover = cover_tables(o, self.bcap, self.x0, self.n_layers)
         cum = np.concatenate(([0.0], np.cumsum(self.comp0)))
         sep = tables.sep
         self.sep_n, self.sep_slope, self.sep_icept = sep.n, sep.slope, sep.icept
         self.sep_off = self.comp_total - sep.between @ cum
-        ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
-        self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
-        # the propagated bound where what is left unassigned is small (it offloads nothing there): always at the last
-        self.dp_depth = self.rest_b0[1:] <= DP_REST_SHARE * self.rest_b0[0]
-        self.cover = cover_tables(o, self.bcap, self.x0, self.n_layers)
         # per-request chain stall lower bound of each candidate
         gaps = cum[tables.gap_last] - cum[tables.gap_first]
         gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
