@@ -79,7 +79,7 @@ from orbitflow.plan.types import REL_TOL, PlanStats, better
 
 PAUSE_S = 1e-4  # compiled kernels under a deadline: seconds of work between deadline checks (about)
 PAUSE_EVERY = 256  # ... and at most this many nodes / evaluations
-BIG_SPACE = 10**6  # assignments of the pruned space above which the local improvement gets time of its own
+BIG_SPACE = 10**6  # assignments of the pruned space above which an exact search polishes its first incumbent
 DP_REST_SHARE = 0.05  # the propagated bound (dp_bound) where the unassigned requests hold at most this share
 IMPROVE_SHARE = 0.2  # of the time left when a search with a deadline starts: kept for the local improvement
 PROBE_SHARE = 0.1  # of the time left to a deadline: the most the root's probes may be expected to take
@@ -211,7 +211,7 @@ class BranchAndBound:
         self.n_layers = rules.num_layers
         self.tables = tables = candidate_tables(self.n_layers)
         self.improve_s = 0.0  # the improvement's share of the budget, which it gets even past the deadline
-        if deadline is not None and improve_evals > 0 and not first_only and self._big_space(win.blocks.shape[1]):
+        if deadline is not None and improve_evals > 0 and not first_only:  # keep a share for the improvement
             self.improve_s = IMPROVE_SHARE * max(0.0, deadline - time.perf_counter())
             self.deadline = deadline - self.improve_s
         self.hosts, self.hosts_f, self.counts = tables.hosts, tables.hosts_f, tables.counts
@@ -242,14 +242,6 @@ class BranchAndBound:
         self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
         self.root_probe = np.zeros(len(self.counts))  # the first request's visiting order (_probe_root)
         self.clock = cc.clock_scratch()  # the compiled kernels read the time into it
-
-    def _big_space(self, n_req: int) -> bool:
-        """Whether the pruned space has more than ``BIG_SPACE`` assignments: where a search under a deadline keeps a
-        share of it for the local improvement, and an exact one polishes its first incumbent. In a smaller space the
-        search itself mostly finishes within a tight budget: at (R, L) = (4, 32) and 1 ms, five runs over the speed
-        table's 300 batches with the share kept had 1-7 plans more than 5% above the optimum (worst 6.6-13%),
-        and 0-1 without it (worst 0.9-6.6%)."""
-        return len(self.tables.counts) ** n_req > BIG_SPACE
 
     def _init_compute(self, comp0: np.ndarray) -> None:
         """Step 0's per-layer compute and transfer times, as the bounds and the leaves read them."""
@@ -308,7 +300,7 @@ class BranchAndBound:
             return self.best_host
         if not self.first_only:
             self._seed_incumbents()
-            if self.node_limit is None and self._big_space(self.n_req):
+            if self.node_limit is None and len(self.counts) ** self.n_req > BIG_SPACE:
                 self._improve()  # a long search without a node budget: a better incumbent first prunes more of it
             self._probe_root()
         self.dive_start = self.nodes  # the no-offload try and the seeds do not eat into the first dive's allowance
