@@ -74,7 +74,7 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),
              ("cluster", "Scale-out: routers on a simulated cluster"))
 OTHER_STAGES = {
-    "planner": ["benchmarks/planner.py", "--md", "docs/results/planner.md"],
+    "planner": ["benchmarks/planner.py", "--sections", "speed,budget_seeds", "--md", "docs/results/planner.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],
     "host_copy_bound": ["benchmarks/host_copy_bound.py", "--md", "docs/results/host_copy_bound.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3",

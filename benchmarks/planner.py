@@ -146,6 +146,39 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
         print("\n".join(out[-2:]), flush=True)
 
 
+def bench_budget_seeds(size: tuple[int, int], calls: int, seeds: list[int], budget_s: float, out: list[str]) -> None:
+    """The compiled budgeted solves' excess over the optimum on other seeds' batches: how much the speed table's
+    one draw can be trusted. A budget-cut plan depends on how far the search got, so on timing too: the same batch
+    can land either side of a threshold on two runs."""
+    n_req, n_layers = size
+    out.append(f"\n### Budgeted plans on other seeds (compiled)\n\n({n_req}, {n_layers}), {calls} random batches "
+               f"per seed drawn as in the table above, `time_limit_s={budget_s:g}` with the Planner's defaults; excess "
+               f"over the compiled exact optimum of the same batch (batches with a proven feasible optimum). A "
+               f"budget-cut plan depends on how far the search got, so on the machine's speed at that moment too.\n")
+    out.append("| seed | batches | budget p50 ms | budget p99 ms | excess mean | excess max | plans > 1% | "
+               "plans > 5% |")
+    out.append("|---" * 8 + "|")
+    for seed in seeds:
+        rng = np.random.default_rng(seed + 1000 * n_req + n_layers)
+        cases = [random_instance(rng, n_req, n_layers) for _ in range(calls)]
+        _solve(*cases[0], compiled=True, time_limit_s=0.05)  # load the compiled code
+        walls, excess, lost = [], [], 0
+        for cm, cap, reqs in tqdm(cases, desc=f"seed {seed}", leave=False):
+            _, _, ex = _solve(cm, cap, reqs, True, time_limit_s=2.0, **EXACT)
+            w, _, b = _solve(cm, cap, reqs, True, time_limit_s=budget_s)
+            walls.append(w)
+            if ex.feasible and ex.stats.exact:
+                if b.feasible:
+                    excess.append(b.predicted_step_s / ex.predicted_step_s - 1)
+                else:
+                    lost += 1
+        lost_s = f" ({lost} infeasible)" if lost else ""
+        out.append(f"| {seed} | {len(excess) + lost} | {1e3 * pct(walls, 50):.2f} | {1e3 * pct(walls, 99):.2f} | "
+                   f"{100 * float(np.mean(excess)):.2f}% | {100 * max(excess):.2f}%{lost_s} | "
+                   f"{sum(e > 0.01 for e in excess)} | {sum(e > 0.05 for e in excess) + lost} |")
+        print(out[-1], flush=True)
+
+
 def bench_bruteforce(trials: int, seed: int) -> None:
     print(f"\n== exactness vs brute-force enumeration of the pruned space ({trials} instances, "
           "R<=5, L<=12; L<=8 when R=5) ==")
@@ -533,8 +566,10 @@ def main() -> None:
                     help="random batches per size for the speed table (default 300, quick 20; a tenth at L=80)")
     ap.add_argument("--budget-ms", type=float, default=1.0, help="time_limit_s of the budgeted solves, in ms")
     ap.add_argument("--exact-cap-s", type=float, default=2.0, help="wall-clock cap of one exact solve, in seconds")
-    ap.add_argument("--sections", default="speed,engine,bruteforce,floor,uniform,full",
-                    help="comma-separated subset of speed,engine,bruteforce,floor,uniform,full")
+    ap.add_argument("--sections", default="speed,budget_seeds,engine,bruteforce,floor,uniform,full",
+                    help="comma-separated subset of speed,budget_seeds,engine,bruteforce,floor,uniform,full")
+    ap.add_argument("--budget-seeds", type=int, default=4,
+                    help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
     ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
     ap.add_argument("--model", default="smollm2-135m",
@@ -549,7 +584,7 @@ def main() -> None:
                     "(docs/results/planner.md)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"speed", "engine", "bruteforce", "floor", "uniform", "full"}
+    unknown = sections - {"speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full"}
     if unknown:
         ap.error(f"--sections: unknown {sorted(unknown)}")
     calls = args.calls or (20 if args.quick else 300)
@@ -576,6 +611,9 @@ def main() -> None:
         if dump is not None:
             with open(args.dump_budget, "w") as f:
                 json.dump(dump, f)
+    if "budget_seeds" in sections:
+        bench_budget_seeds(sizes[0], calls, list(range(args.seed + 1, args.seed + 1 + args.budget_seeds)),
+                           args.budget_ms / 1e3, out)
     if "engine" in sections:
         bench_engine(args.engine_rounds or (3 if args.quick else 12), 5, args.seed, args.torch_threads,
                      [(4, 32), (16, 80)], out, model=args.model)
@@ -589,7 +627,7 @@ def main() -> None:
         bench_full([(4, 32), (8, 32)], 10 if args.quick else 40, args.seed)
     if args.md:
         cmd = "python benchmarks/planner.py " + " ".join(sys.argv[1:])
-        title = ("Planner speed: compiled vs pure Python / NumPy reference" if "speed" in sections
+        title = ("Planner speed: compiled vs pure Python / NumPy reference" if sections & {"speed", "budget_seeds"}
                  else f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)")
         head = (f"## {title}\n\nProduced by `{cmd}` on {started} "
                 f"({machine}), seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` "
