@@ -1,0 +1,121 @@
+"""How tight could a root bound be? The LP relaxation of the planner's problem against the branch and bound's bounds.
+
+Run: ``python benchmarks/lp_bound.py [--size 16x80] [--batches 30] [--seed 0]`` (needs SciPy, which orbitflow does not
+depend on: ``pip install scipy``). Evidence for issue 17's (16, 80) goal, not a planner feature.
+
+The relaxation. Each request ``q`` picks candidate ``k`` with weight ``lam[q, k]`` (convex combination), the transfer
+matrices of the propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) are the weighted sums ``v = sum_q x_q
+sum_k lam[q, k] N_k``, and the layer finish times ``f`` obey that bound's recursion as inequalities
+(``f_l >= f_{l-1} + c_l``, ``f_l >= v[0, l] + c_l``, ``f_l >= f_m + v[m+1, l] + c_l``); the capacity equation at
+the window's capacity step holds with the buffer as a variable above every layer's buffered blocks. Minimise
+``f_{L-1}``. For integral weights the least ``f_{L-1}`` is the propagated bound of that assignment, which is at most
+its exact latency, so the LP optimum bounds every feasible plan (the SLO rule is left out: a relaxation too).
+
+Printed per batch: the LP bound, the planner's own lower bound and plan after ``--cap-s`` seconds (exact solve), and
+how many requests the LP leaves fractional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from orbitflow.plan import Planner  # noqa: E402
+from orbitflow.plan.search import BranchAndBound  # noqa: E402
+from orbitflow.plan.types import PlanStats  # noqa: E402
+
+try:
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+except ImportError:  # pragma: no cover - optional
+    linprog = coo_matrix = None
+
+from planner import random_instance  # noqa: E402  (benchmarks/planner.py: the speed table's batches)
+
+
+def lp_bound(bb: BranchAndBound) -> tuple[float, np.ndarray, float]:
+    """The LP relaxation's optimum (seconds), its weights ``[R, K]`` and the solve's seconds, for the search's
+    tables (``bb``: a :class:`BranchAndBound` of the batch, only read)."""
+    t = bb.tables
+    n_layers, n_cand, n_req = bb.n_layers, len(t.counts), bb.n_req
+    x, comp, bcap = bb.x0, bb.comp0, bb.bcap
+    n_lam = n_req * n_cand
+    f0, buf = n_lam, n_lam + n_layers  # column of f_0, of the buffer
+    rows, cols, vals, rhs = [], [], [], []
+
+    def row(entries: list[tuple[int, float]], bound: float) -> None:  # sum(coef * var) <= bound
+        for c, v in entries:
+            rows.append(len(rhs))
+            cols.append(c)
+            vals.append(v)
+        rhs.append(bound)
+
+    def v_terms(m: int, layer: int) -> list[tuple[int, float]]:
+        return [(q * n_cand + k, x[q] * t.mats[k, m, layer]) for q in range(n_req) for k in range(n_cand)
+                if t.mats[k, m, layer]]
+
+    for layer in range(n_layers):
+        row(v_terms(0, layer) + [(f0 + layer, -1.0)], -comp[layer])
+        if layer:
+            row([(f0 + layer - 1, 1.0), (f0 + layer, -1.0)], -comp[layer])
+        for m in range(layer):
+            row([(f0 + m, 1.0)] + v_terms(m + 1, layer) + [(f0 + layer, -1.0)], -comp[layer])
+        row([(q * n_cand + k, bcap[q] * t.hosts_f[k, layer]) for q in range(n_req) for k in range(n_cand)
+             if t.hosts_f[k, layer]] + [(buf, -1.0)], 0.0)
+    row([(q * n_cand + k, bcap[q] * (n_layers - t.counts[k])) for q in range(n_req) for k in range(n_cand)]
+        + [(buf, 1.0)], bb.cap)
+    n_var = n_lam + n_layers + 1
+    a_ub = coo_matrix((vals, (rows, cols)), shape=(len(rhs), n_var)).tocsr()
+    a_eq = np.zeros((n_req, n_var))
+    for q in range(n_req):
+        a_eq[q, q * n_cand:(q + 1) * n_cand] = 1.0
+    cost = np.zeros(n_var)
+    cost[f0 + n_layers - 1] = 1.0
+    start = time.perf_counter()
+    res = linprog(cost, A_ub=a_ub, b_ub=np.array(rhs), A_eq=a_eq, b_eq=np.ones(n_req),
+                  bounds=[(0, 1)] * n_lam + [(0, None)] * (n_layers + 1), method="highs")
+    took = time.perf_counter() - start
+    if res.status != 0:
+        raise RuntimeError(f"LP not solved: {res.message}")
+    return float(res.fun), res.x[:n_lam].reshape(n_req, n_cand), took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="16x80", help="(R)x(L) of the batches (default %(default)s)")
+    ap.add_argument("--batches", type=int, default=30, help="batches, drawn as the speed table's (default 30)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cap-s", type=float, default=2.0, help="the planner's exact solve is stopped here (seconds)")
+    args = ap.parse_args()
+    if linprog is None:
+        ap.error("needs SciPy: pip install scipy")
+    n_req, n_layers = (int(v) for v in args.size.split("x"))
+    rng = np.random.default_rng(args.seed + 1000 * n_req + n_layers)
+    cases = [random_instance(rng, n_req, n_layers) for _ in range(args.batches)]
+    print("| batch | LP bound ms | LP s | fractional | planner lower bound ms | planner plan ms | proven | "
+          "LP to plan |")
+    print("|---" * 8 + "|")
+    for i, (cm, cap, reqs) in enumerate(cases):
+        planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False,
+                          time_limit_s=args.cap_s)
+        plan = planner.plan(reqs)
+        if not plan.feasible:
+            print(f"| {i} | | | | | no feasible plan found | {plan.stats.exact} | |")
+            continue
+        rules = planner.constraints
+        bb = BranchAndBound(rules, rules.horizon(reqs), PlanStats())
+        bound, lam, took = lp_bound(bb)
+        frac = int(((lam > 1e-6).sum(axis=1) > 1).sum())
+        print(f"| {i} | {bound * 1e3:.2f} | {took:.2f} | {frac}/{n_req} | {plan.stats.lower_bound_s * 1e3:.2f} | "
+              f"{plan.predicted_step_s * 1e3:.2f} | {plan.stats.exact} | "
+              f"{100 * (plan.predicted_step_s / bound - 1):.2f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
