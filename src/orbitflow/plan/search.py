@@ -77,7 +77,7 @@ from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
 from orbitflow.plan.types import REL_TOL, PlanStats, better
 
-PAUSE_S = 1e-4  # compiled kernels under a deadline: seconds of work between deadline checks (about)
+PAUSE_S = 1e-4  # kernels without a clock (compiled.HAVE_CLOCK) under a deadline: seconds between its checks (about)
 PAUSE_EVERY = 256  # ... and at most this many nodes / evaluations
 BIG_SPACE = 10**6  # assignments of the pruned space above which an exact search polishes its first incumbent
 DP_REST_SHARE = 0.05  # the propagated bound (dp_bound) where the unassigned requests hold at most this share
@@ -207,13 +207,13 @@ class BranchAndBound:
         self.node_limit = node_limit  # None: unlimited
         self.deadline = deadline  # time.perf_counter() value after which the search stops
         self.improve_deadline = deadline  # ... and the local improvement of its incumbent, when it was cut
-        self.nodes = 0
-        self.n_layers = rules.num_layers
-        self.tables = tables = candidate_tables(self.n_layers)
         self.improve_s = 0.0  # the improvement's share of the budget, which it gets even past the deadline
         if deadline is not None and improve_evals > 0 and not first_only:  # keep a share for the improvement
             self.improve_s = IMPROVE_SHARE * max(0.0, deadline - time.perf_counter())
             self.deadline = deadline - self.improve_s
+        self.nodes = 0
+        self.n_layers = rules.num_layers
+        self.tables = tables = candidate_tables(self.n_layers)
         self.hosts, self.hosts_f, self.counts = tables.hosts, tables.hosts_f, tables.counts
         self.cumh, self.pairs_after, self.lists, self.mats = tables.cumh, tables.pairs_after, tables.lists, tables.mats
         cm = rules.cost_model
