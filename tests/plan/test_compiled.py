@@ -370,3 +370,27 @@ def test_compiled_suffix_tables_are_the_references():
         got = cc.suffix_tables(order.astype(np.int64), bcap, b0, x0, n_layers, search.DP_REST_SHARE)
         for a, b in zip(got, (ref.rest_b, ref.rest_b0, ref.ratio_suffix, ref.dp_depth, *ref.cover)):
             assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@pytest.mark.skipif(not cc.HAVE_CLOCK, reason="no clock_gettime for the kernels on this platform")
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_search_still_gaining_runs_to_the_plans_deadline(compiled):
+    """Past the search's own deadline (the local improvement's share begins) but before the plan's: the search stops
+    unless a leaf after its first dive became the incumbent; past both it stops either way; never in the first
+    dive. The kernel (_budget_spent) and the reference (BranchAndBound._out_of_budget) alike."""
+    cm, cap, reqs = _planner_case(np.random.default_rng(3))
+    rules = Planner(cm, cap, window=(2, 8)).constraints
+    clock = cc.clock_scratch()
+    for gained, late_in, nodes, spent in ((0, 5.0, 10, True), (1, 5.0, 10, False), (1, -1.0, 10, True),
+                                          (0, 5.0, 2, False)):
+        now = time.perf_counter()
+        if compiled:
+            ist, fst = np.zeros(cc.N_IST, dtype=np.int64), np.zeros(cc.N_FST)
+            ist[cc.NODES], ist[cc.NODE_LIMIT], ist[cc.GAINED] = nodes, -1, gained
+            fst[cc.DEADLINE] = cc.kernel_deadline(now - 1.0, clock)
+            fst[cc.LATE_DEADLINE] = cc.kernel_deadline(now + late_in, clock)
+            assert cc._budget_spent(ist, fst, clock, 1) == spent
+        else:
+            bb = BranchAndBound(rules, rules.horizon(reqs[:1]), PlanStats(), deadline=now + late_in)
+            bb.deadline, bb.gained, bb.nodes = now - 1.0, bool(gained), nodes
+            assert bb._out_of_budget() == spent

@@ -287,11 +287,13 @@ def suffix_tables(order, bcap, b0, x0, n_layers, share):
 
 # ==== branch and bound ======================================================================================
 # integer state (ist)
-DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT = range(11)
-N_IST = 11
-# float state (fst); DEADLINE on the kernels' clock (kernel_deadline), inf: none
-BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, GAP, DEADLINE = range(7)
-N_FST = 7
+# GAINED: a leaf after the first dive became the incumbent (the search still improves on its first dive's plan)
+DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT, GAINED = range(12)
+N_IST = 12
+# float state (fst); deadlines on the kernels' clock (kernel_deadline), inf: none. DEADLINE: where the search stops
+# and hands the rest to the local improvement; LATE_DEADLINE: where it stops instead once it has GAINED
+BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, GAP, DEADLINE, LATE_DEADLINE = range(8)
+N_FST = 8
 # phases and return codes
 ENTER, LOOP = 0, 1
 FINISHED, PAUSED = 0, 2
@@ -390,9 +392,10 @@ def _unwind(depth, pos, nk, ordk, alive, lat_lb, fst):
 
 @_jit
 def _budget_spent(ist, fst, clock, n_req):
-    """``BranchAndBound._out_of_budget``: never during the first dive; the deadline read from the clock."""
+    """``BranchAndBound._out_of_budget``: never during the first dive; the deadline read from the clock (the late
+    one once the search has GAINED)."""
     if ist[FIRST_ONLY] or ist[NODES] - ist[DIVE_START] > n_req + 1:
-        if fst[DEADLINE] < math.inf and _now(clock) > fst[DEADLINE]:
+        if fst[DEADLINE] < math.inf and _now(clock) > (fst[LATE_DEADLINE] if ist[GAINED] else fst[DEADLINE]):
             ist[TIMED_OUT] = 1
         if (ist[NODE_LIMIT] >= 0 and ist[NODES] > ist[NODE_LIMIT]) or ist[TIMED_OUT]:
             ist[HIT] = 1
@@ -577,7 +580,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
 
     A leaf that beats the incumbent at step 0 and passes the window rule (:func:`leaf_feasible`, the data in
     ``feas``: :func:`feasibility_data`) becomes the incumbent (``fst[BEST_*]``, its candidates in ``best_k``).
-    Stops at ``fst[DEADLINE]`` (read from the clock at every node) like at the node limit; returns ``PAUSED`` when
+    Stops at ``fst[DEADLINE]`` (read from the clock at every node; ``fst[LATE_DEADLINE]`` once a leaf after the
+    first dive became the incumbent, ``ist[GAINED]``) like at the node limit; returns ``PAUSED`` when
     ``ist[NODES]`` reaches ``ist[CHUNK_STOP]`` (without a clock: the caller checks its deadline, sets
     ``ist[TIMED_OUT]`` and resumes), or ``FINISHED``. One function, kept whole: its state is the stack.
     """
@@ -640,6 +644,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                         fst[BEST_LAT] = lat0
                         fst[BEST_MOVED] = mv
                         best_k[:] = k_of
+                        if ist[NODES] - ist[DIVE_START] > n_req + 1:
+                            ist[GAINED] = 1
                         if ist[FIRST_ONLY]:
                             ist[DONE] = 1
                 if _budget_spent(ist, fst, clock, n_req):

@@ -124,7 +124,8 @@ class Planner:
     Budgets (like a MILP solver's): ``node_limit`` branch-and-bound nodes for the main search and
     ``time_limit_s`` per :meth:`plan` call (None: unlimited), never spent before the first dive (one node per
     request) is done; a search cut by it keeps a fifth of it to polish its incumbent (``improve_evals``), which
-    that polish gets even when the first dive ran past the limit.
+    that polish gets even when the first dive ran past the limit, unless the search is still finding better plans
+    than its first dive's when that fifth begins: then it searches on to the limit.
     When one runs out, the best plan found so far is returned with ``plan.stats.exact`` False and a
     certified ``stats.gap``: no plan of the space is faster than ``stats.lower_bound_s``; if none was
     found, the plan is infeasible (not proven: ``exact`` False) and the engine pauses a victim as for a proven
