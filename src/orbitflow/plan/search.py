@@ -611,9 +611,10 @@ class BranchAndBound:
         since, done = time.perf_counter(), self.nodes
         while cc.bb_search(*args) == cc.PAUSED:
             now, nodes = time.perf_counter(), int(ist[cc.NODES])
-            if now > (self.improve_deadline if ist[cc.GAINED] else self.deadline):
+            end = self.improve_deadline if ist[cc.GAINED] else self.deadline
+            if now > end:
                 ist[cc.TIMED_OUT] = 1
-            ist[cc.CHUNK_STOP] = nodes + paced_chunk(now, since, nodes - done, self.deadline)
+            ist[cc.CHUNK_STOP] = nodes + paced_chunk(now, since, nodes - done, end)
             since, done = now, nodes
         if (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])) != self.best_key:
             self._set_best(best_k, (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])))
@@ -689,7 +690,8 @@ class BranchAndBound:
     def _out_of_budget(self) -> bool:
         """Whether the node or time budget is spent (then the search stops: ``done``, not ``exact``). Budgets
         never stop the main search's first dive (one node per request and its first leaf), so it gets the
-        chance to find a plan (it may still end at a dead end or an infeasible leaf)."""
+        chance to find a plan (it may still end at a dead end or an infeasible leaf). Once the search has ``gained``
+        its deadline is the plan's own (``improve_deadline``), the local improvement's share included."""
         limit = self.node_limit
         if self.first_only or self.nodes - self.dive_start > self.n_req + 1:
             deadline = self.improve_deadline if self.gained else self.deadline
