@@ -36,7 +36,7 @@ try:
 except ImportError:  # pragma: no cover - optional
     linprog = coo_matrix = None
 
-from planner import random_instance  # noqa: E402  (benchmarks/planner.py: the speed table's batches)
+from planner import speed_cases  # noqa: E402  (benchmarks/planner.py: the speed table's batches)
 
 
 def lp_bound(bb: BranchAndBound) -> tuple[float, np.ndarray, float]:
@@ -96,8 +96,7 @@ def main() -> None:
     if linprog is None:
         ap.error("needs SciPy: pip install scipy")
     n_req, n_layers = (int(v) for v in args.size.split("x"))
-    rng = np.random.default_rng(args.seed + 1000 * n_req + n_layers)
-    cases = [random_instance(rng, n_req, n_layers) for _ in range(args.batches)]
+    cases = speed_cases(args.seed, n_req, n_layers, args.batches)
     print("| batch | LP bound ms | LP s | fractional | planner lower bound ms | planner plan ms | proven | "
           "LP to plan |")
     print("|---" * 8 + "|")

@@ -47,6 +47,13 @@ def random_instance(rng: np.random.Generator, n_req: int, n_layers: int, slo_sca
     return CostModel(comp, link), cap, reqs
 
 
+def speed_cases(seed: int, n_req: int, n_layers: int, n: int) -> list:
+    """The speed table's ``n`` batches of size (``n_req``, ``n_layers``) for ``seed``: every section and script that
+    compares against that table draws them here."""
+    rng = np.random.default_rng(seed + 1000 * n_req + n_layers)
+    return [random_instance(rng, n_req, n_layers) for _ in range(n)]
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
@@ -101,9 +108,8 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
     for n_req, n_layers in sizes:  # load the compiled code (numba's on-disk cache) before timing
         _solve(*random_instance(np.random.default_rng(seed), n_req, n_layers), compiled=True, time_limit_s=0.05)
     for n_req, n_layers in sizes:
-        rng = np.random.default_rng(seed + 1000 * n_req + n_layers)
         n_calls = calls if n_layers < 80 else max(3, calls // 10)
-        cases = [random_instance(rng, n_req, n_layers) for _ in range(n_calls)]
+        cases = speed_cases(seed, n_req, n_layers, n_calls)
         rec = {name: {"ew": [], "ec": [], "bw": [], "bc": [], "opt": [], "excess": [], "lost": 0, "cut": 0, "open": 0,
                       "lat": []} for name in IMPLS}
         for i, (cm, cap, reqs) in enumerate(tqdm(cases, desc=f"R={n_req} L={n_layers}", leave=False)):
@@ -159,8 +165,7 @@ def bench_budget_seeds(size: tuple[int, int], calls: int, seeds: list[int], budg
                "plans > 5% |")
     out.append("|---" * 8 + "|")
     for seed in seeds:
-        rng = np.random.default_rng(seed + 1000 * n_req + n_layers)
-        cases = [random_instance(rng, n_req, n_layers) for _ in range(calls)]
+        cases = speed_cases(seed, n_req, n_layers, calls)
         _solve(*cases[0], compiled=True, time_limit_s=0.05)  # load the compiled code
         walls, excess, lost = [], [], 0
         for cm, cap, reqs in tqdm(cases, desc=f"seed {seed}", leave=False):
@@ -218,10 +223,8 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
     tables = candidate_tables(n_layers)
     every = np.array(list(itertools.product(range(len(tables.counts)), repeat=n_req)))  # [N, R] candidates
     hosts = tables.hosts_f[every]  # [N, R, L]
-    rng = np.random.default_rng(seed + 1000 * n_req + n_layers)  # the instances of the speed table
     counts, floors = [], []
-    for _ in range(calls):
-        cm, cap, reqs = random_instance(rng, n_req, n_layers)
+    for cm, cap, reqs in speed_cases(seed, n_req, n_layers, calls):
         pl = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False)
         best = pl.plan(reqs)
         if not best.feasible:
