@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 
 import numpy as np
 from tqdm import tqdm
@@ -301,7 +302,7 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
 
 
 ENGINE_MODES = ("thread", "process")  # runtime/background_planner.py: where the engine solves ahead
-# "paced": the engine's own pattern: the step loop submits one solve per step and reads it when the step is done
+# "paced": the engine's own pattern: one solve in flight, read at the step it is due (Controller.lead_steps ahead)
 PACED = "paced process"
 # "pool": the planner process as it was before the pipe (a one-worker ProcessPoolExecutor), for the same-run A/B
 POOL = "pool process"
@@ -324,6 +325,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     from orbitflow.llm import LLM
     from orbitflow.policies import FixedPlacementPolicy, OrbitFlowPolicy
     from orbitflow.runtime.background_planner import BackgroundPlanner
+    from orbitflow.runtime.controller import lead_steps
     from orbitflow.runtime.sampling import SamplingParams
 
     torch.set_num_threads(torch_threads)
@@ -348,6 +350,8 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     steps: dict[str, list[float]] = {c: [] for c in conditions}
     solves: dict[str, list[int]] = {c: [0] for c in conditions}
     busy_s: dict[str, float] = {c: 0.0 for c in conditions}
+    paced_solve_s = {c: deque(maxlen=8) for c in conditions}  # per paced condition, what Controller.lead_steps
+    paced_step_s: dict[str, float | None] = {c: None for c in conditions}  # reads
     for rnd in tqdm(range(rounds), desc="engine rounds", leave=False):
         for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
             stop = threading.Event()
@@ -368,15 +372,23 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                 time.sleep(0.002)
             paced = cases[tuple(int(v) for v in cond.split(" ")[-1].split("x"))] if cond.startswith(PACED) else None
             t_cond = time.perf_counter()
+            ahead = None  # paced: (future, steps until it is read)
             for i in range(block):
                 t = time.perf_counter()
-                if paced is not None:  # as Controller.solve_ahead, then the next step's Controller.solve
-                    future = planners["process"].submit(*paced[(rnd * block + i) % len(paced)])
+                lead = lead_steps(paced_solve_s[cond], paced_step_s[cond])
+                if paced is not None and ahead is None and i + lead <= block:  # as Controller.ahead_step/solve_ahead
+                    ahead = [planners["process"].submit(*paced[solves[cond][0] % len(paced)]), lead]
                 engine.step()
-                if paced is not None:
-                    future.result()
-                    solves[cond][0] += 1
+                if ahead is not None:
+                    ahead[1] -= 1
+                    if ahead[1] == 0:  # the expiry's step reads it (Controller.solve), waiting if it is not done
+                        paced_solve_s[cond].append(ahead[0].result()[1])
+                        solves[cond][0] += 1
+                        ahead = None
                 steps[cond].append(time.perf_counter() - t)
+                if paced is not None:  # the controller's EWMA of the decode steps
+                    last, was = steps[cond][-1], paced_step_s[cond]
+                    paced_step_s[cond] = last if was is None else 0.7 * was + 0.3 * last
             busy_s[cond] += time.perf_counter() - t_cond
             stop.set()
             if th is not None:
@@ -396,9 +408,10 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                f"(OrbitFlow policy, compiled planner, the engine's default node limit; 16 random batches of the "
                f"size shown, round robin), each solve a round trip from a thread of the engine's process; pool "
                f"process: the same, through a one-worker ProcessPoolExecutor (the planner process before it got "
-               f"its pipe); paced process: the engine's own pattern, one solve per step submitted by the step loop "
-               f"before the step and read after it, inside the timed step (as the controller's solve_ahead and "
-               f"the next step's solve); busy "
+               f"its pipe); paced process: the engine's own pattern, one solve in flight, submitted by the step loop "
+               f"before a step and read after the step it is due, inside the timed step (waiting if it is not "
+               f"done), due as many steps ahead as the controller would start it (Controller.lead_steps: the last "
+               f"solves and the steps' EWMA); busy "
                f"process: a planner process solving the same batches on its own, with no round trip; burner: a "
                f"thread that keeps a core busy without the GIL (CPU "
                f"contention alone; per second: SHA-256 of 1 MiB); idle: the engine alone. {rounds} rounds x "

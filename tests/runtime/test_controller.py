@@ -107,3 +107,93 @@ def test_the_controller_loads_the_compiled_planner_when_the_engine_starts(monkey
         assert planner._warm and calls  # a tiny solve ran at construction
     finally:
         controller.close()
+
+
+class GatedPolicy(OrbitFlowPolicy):
+    """OrbitFlow's plans, each solve held until ``gate`` is set and then ``sleep_s`` long at least."""
+
+    def __init__(self, sleep_s: float = 0.0):
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.gate.set()
+        self.sleep_s = sleep_s
+
+    def plan(self, requests, ctx):
+        import time
+
+        assert self.gate.wait(60), "the test never opened the gate"
+        time.sleep(self.sleep_s)
+        return super().plan(requests, ctx)
+
+
+def test_an_expiry_whose_solve_is_still_running_keeps_the_old_plan_inside_its_window():
+    """The engine used to wait for a background solve that was not done at the expiry (the step then held the
+    rest of the solve); inside the plan's window the old plan is still valid, so it runs on, and the new plan is
+    adopted at the first step after the solve is done, counted from the step it was solved for."""
+    policy = GatedPolicy()
+    controller = Controller(policy, context(window=(2, 5)), background="thread")
+    try:
+        reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+        first = controller.solve(reqs, step=0, trigger="batch")
+        assert first.window == 5
+        controller.plan = first = dataclasses.replace(first, expiry_step=2)  # a faster plan exists from step 2
+        assert controller.ahead_step(0) is None and controller.ahead_step(1) == 2
+        policy.gate.clear()
+        controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)
+        assert controller.ahead_step(1) is None  # one solve ahead at a time
+        assert [controller.trigger(s, ["a"]) for s in (2, 3)] == [None, None] and controller.ran_on == 2
+        assert controller.plan is first
+        policy.gate.set()
+        controller._ahead[2].result(timeout=60)
+        assert controller.trigger(4, ["a"]) == "expiry"  # done: adopted now
+        late = controller.solve([PlanRequest("a", 1, 14, None, 0.0, math.inf)], step=4, trigger="expiry")
+        assert controller.plan is late and controller.plan_step == 2 and controller.adopted_late == 1
+        assert controller.records[-1].background and controller.records[-1].step == 2
+        assert late.distances == OrbitFlowPolicy().plan([PlanRequest("a", 1, 12, None, 0.0, math.inf)],
+                                                        controller.ctx).distances
+    finally:
+        policy.gate.set()
+        controller.close()
+
+
+def test_past_its_window_the_old_plan_waits_for_the_solve():
+    policy = GatedPolicy()
+    controller = Controller(policy, context(window=(2, 5)), background="thread")
+    try:
+        reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+        controller.solve(reqs, step=0, trigger="batch")
+        controller.plan = dataclasses.replace(controller.plan, expiry_step=4)
+        policy.gate.clear()
+        controller.solve_ahead(reqs, step_next=4)
+        assert controller.trigger(4, ["a"]) is None  # inside the window (0..4)
+        assert controller.trigger(5, ["a"]) == "expiry"  # nothing is guaranteed past it: solve (and wait)
+        policy.gate.set()
+        plan = controller.solve(reqs, step=5, trigger="expiry")
+        assert plan.feasible and controller.plan is plan
+    finally:
+        policy.gate.set()
+        controller.close()
+
+
+def test_a_solve_slower_than_a_step_starts_that_many_steps_ahead():
+    policy = GatedPolicy(sleep_s=0.05)
+    controller = Controller(policy, context(window=(2, 5)), background="thread")
+    try:
+        reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+        controller.solve(reqs, step=0, trigger="batch")
+        assert controller.lead_steps() == 1  # nothing measured yet
+        controller.solve_ahead(reqs, step_next=5)
+        controller.solve(reqs, step=5, trigger="expiry")  # a background solve of 0.05 s or more
+        assert controller.lead_steps() == 1  # no step measured yet
+        for _ in range(3):  # decode steps of 20 ms, as predicted (no mismatch)
+            controller.observe(0.02, 0.02, [0.005] * 4, 10, None)
+        lead = controller.lead_steps()
+        assert lead >= math.ceil(1.25 * 0.05 / 0.02) and not controller.mismatch
+        due = controller.plan_step + controller.plan.replan_step
+        assert controller.ahead_step(due - lead - 1) is None
+        assert controller.ahead_step(due - lead) == due  # the solve gets `lead` steps before its expiry
+        assert controller.ahead_step(due + 3) == due + 4  # late already: for the next step
+    finally:
+        controller.close()

@@ -147,3 +147,30 @@ def test_admission_order(order, first):
     add(sched, "short", max_tokens=2, arrival=1.0)
     out = sched.schedule()
     assert [s.req_id for s in out.seqs] == [first]
+
+
+def test_an_expiry_is_solved_ahead_for_the_batch_as_it_will_be_then():
+    """The background solve of an expiry starts Controller.lead_steps() before it (here 3), for the requests as
+    they will be at the expiry: that many tokens longer."""
+
+    class Expiring(CapPolicy):
+        replan_on = frozenset({"batch", "expiry"})
+
+    sched = make_scheduler(Expiring(cap=4))
+    sched.controller = controller = Controller(Expiring(cap=4), sched.controller.ctx, background="thread")
+    try:
+        controller.lead_steps = lambda: 3
+        submitted, tokens_at = [], {}
+        real = controller.solve_ahead
+        controller.solve_ahead = lambda reqs, step_next: submitted.append(
+            (sched.step, step_next, [r.tokens for r in reqs])) or real(reqs, step_next)
+        req = add(sched, "a", prompt=20, max_tokens=40)
+        for _ in range(12):
+            tokens_at[sched.step] = req.num_tokens
+            run(sched, sched.schedule())
+        # the plans last 8 steps (CapPolicy's window) from step 0, so the one for step 8 is solved from step 5 on
+        assert submitted[0] == (5, 8, [tokens_at[8]]) and tokens_at[8] == tokens_at[5] + 3
+        assert controller.records[-1].background and controller.records[-1].step == 8
+        assert req.status is Status.RUNNING
+    finally:
+        controller.close()

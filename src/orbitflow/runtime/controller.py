@@ -4,15 +4,19 @@ Triggers: a batch change (arrival, finish, pause, resume), the plan's expiry ste
 window (whichever comes first: ``Plan.replan_step``; nothing is guaranteed past the window), a profile mismatch
 (measured step latency off the shared cost model's prediction for that very step, batch and placement, by
 more than `mismatch_threshold`: per-layer compute and link bandwidth are then refreshed by EWMA), and, for
-policies that want it, every step. An expiry
-that is known one step ahead is solved in the background while the current step runs (a planner process,
-or a thread: runtime/background_planner.py), so the solver's cost stays off the critical path. Every call is
-recorded.
+policies that want it, every step. An expiry is solved in the background (a planner process, or a thread:
+runtime/background_planner.py) while the steps before it run, so the solver's cost stays off the critical path:
+the solve starts one step ahead, or more when the last background solves took longer than a step
+(:meth:`Controller.lead_steps`). If it is still running when the expiry comes and the plan in force still holds
+(inside its window), that plan runs on and the new one is adopted at the first step after it is done, as the
+simulator charges it; only past the window does the step wait for it. Every call is recorded.
 
 On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`:
 a solve that the batch must wait for (a batch change, an infeasible plan, no plan yet) advances the clock by
 its solve time; a re-plan of an unchanged batch (expiry, mismatch, every step) leaves the old plan running and
-adopts the new one at the first decision once its solve time has passed on the clock.
+adopts the new one at the first decision once its solve time has passed on the clock. That stands in for the
+engine's solve ahead started early enough (``lead_steps``); unlike the engine, the old plan may run a few steps
+past its window meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -33,6 +38,17 @@ from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.background_planner import BackgroundPlanner, resolve_mode
 
 log = logging.getLogger(__name__)
+
+LEAD_MARGIN = 1.25  # a background solve starts when the expiry is this many of its expected durations away ...
+MAX_LEAD_STEPS = 8  # ... but at most this many steps ahead
+
+
+def lead_steps(solve_s: Sequence[float], step_s: float | None) -> int:
+    """Steps ahead of an expiry to start its background solve: enough steps of ``step_s`` to cover the slowest of
+    the recent solves ``solve_s`` with ``LEAD_MARGIN``; 1 while either is unknown, at most ``MAX_LEAD_STEPS``."""
+    if not solve_s or not step_s:
+        return 1
+    return int(min(MAX_LEAD_STEPS, max(1, math.ceil(LEAD_MARGIN * max(solve_s) / step_s))))
 
 
 @dataclass
@@ -79,6 +95,9 @@ class Controller:
         self._solve_time: Callable[[float], float] | None = None
         self._pending: tuple[Plan, list, int, float] | None = None  # (plan, ids, step, ready at) while solving
         self.adopted_late = 0  # re-plans adopted after the old plan ran on while they solved
+        self.ran_on = 0  # steps past an expiry that ran the old plan because the solve ahead was not done
+        self._ahead_solve_s: deque[float] = deque(maxlen=8)  # the last background solves' seconds (lead_steps)
+        self._step_s: float | None = None  # EWMA of the measured decode step seconds (observe)
         # Load the compiled planner now (once per process): the first request's solve would otherwise pay for
         # numba's cache load (0.1-0.3 s, seconds without a cache) inside its first step.
         warm_up()
@@ -108,8 +127,21 @@ class Controller:
         if "mismatch" in wanted and self.mismatch:
             return "mismatch"
         if "expiry" in wanted and step >= self.plan_step + self.plan.replan_step:
+            if self._ahead_running(step, batch_ids):
+                self.ran_on += 1
+                return None  # solved ahead and not done yet: the old plan runs on while its window lasts
             return "expiry"
         return None
+
+    def _ahead_running(self, step: int, batch_ids: list) -> bool:
+        """Whether the solve started ahead for this batch is still running and the plan in force still holds at
+        ``step`` (inside its window: memory and the SLO were checked that far). Then waiting for the solve would
+        put its remaining time into this step; the simulator charges the same (``_pending``)."""
+        if self._ahead is None:
+            return False
+        ahead_step, ahead_ids, future = self._ahead
+        return (ahead_step <= step and ahead_ids == batch_ids and not future.done()
+                and step < self.plan_step + self.plan.window)
 
     # ---- solving ----------------------------------------------------------------------------------
     def set_host_capacity(self, blocks: float) -> None:
@@ -124,9 +156,14 @@ class Controller:
         if self._ahead is not None:
             ahead_step, ahead_ids, future = self._ahead
             self._ahead = None
-            if ahead_step == step and ahead_ids == ids and trigger == "expiry":
+            if ahead_step <= step and ahead_ids == ids and trigger == "expiry":
                 plan, solve_s = self._ahead_result(future)
                 background = plan is not None
+                if background and ahead_step < step:  # it finished while the old plan ran on (trigger)
+                    if plan.feasible and step < ahead_step + plan.replan_step:
+                        self.adopted_late += 1
+                        return self._install(plan, ids, ahead_step, trigger, solve_s, background)
+                    plan, background = None, False  # already expired, or infeasible: solve for this step
         start = time.perf_counter()
         if plan is None:
             plan = self.policy.plan(requests, self.ctx)
@@ -140,22 +177,35 @@ class Controller:
     def _ahead_result(self, future: Future) -> tuple[Plan | None, float]:
         """The background solve's plan, or None (then the caller solves inline) if it failed."""
         try:
-            return future.result()
+            plan, solve_s = future.result()
+            self._ahead_solve_s.append(solve_s)
+            return plan, solve_s
         except BrokenProcessPool:
             self._background.fall_back_to_thread()
         except Exception:
             log.exception("background plan failed; solving inline")
         return None, 0.0
 
-    def expires_at(self, step: int) -> bool:
-        """Whether the plan's expiry trigger will fire at `step` (so it is worth solving ahead)."""
+    def ahead_step(self, step: int) -> int | None:
+        """With ``step`` the next step to run: the step whose plan to start solving in the background now, or None.
+
+        That is the plan's expiry once it is at most :meth:`lead_steps` steps after ``step`` (not before
+        ``step + 1``: the solve runs while ``step`` does), so a solve that takes longer than a step starts early
+        enough to be done when the expiry comes."""
         if self._background is None or self.plan is None or "expiry" not in self.policy.replan_on:
-            return False
-        return step >= self.plan_step + self.plan.replan_step and self._ahead is None
+            return None
+        if self._ahead is not None:
+            return None
+        due = self.plan_step + self.plan.replan_step
+        return max(due, step + 1) if due <= step + self.lead_steps() else None
+
+    def lead_steps(self) -> int:
+        """:func:`lead_steps` of the last background solves and the decode steps' EWMA."""
+        return lead_steps(self._ahead_solve_s, self._step_s)
 
     def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
-        """Start solving the plan for the next step now, in the background (the caller passes the batch as
-        it will be then: every request one token longer). The solve gets the current snapshot of the planning
+        """Start solving the plan for step ``step_next`` now, in the background (the caller passes the batch as
+        it will be then: every request that many tokens longer). The solve gets the current snapshot of the planning
         inputs; later changes replace ``self.ctx`` and leave that snapshot alone."""
         try:
             future = self._background.submit(requests_next, self.ctx)
@@ -212,6 +262,7 @@ class Controller:
         one the simulator charges); on mismatch refresh that model's compute scale and link rate by EWMA.
         ``host_layers``: the layers that read prefetched KV (their measured compute holds the model's
         ``host_layer_s``, which the scale must not learn)."""
+        self._step_s = measured_s if self._step_s is None else (1 - self.ewma) * self._step_s + self.ewma * measured_s
         if predicted_s <= 0 or abs(measured_s - predicted_s) <= self.mismatch_threshold * predicted_s:
             return
         self.mismatch = True

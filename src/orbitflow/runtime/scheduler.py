@@ -131,11 +131,13 @@ class Scheduler:
                                     result.link_blocks_per_s, num_requests=len(out.seqs), host_layers=out.host_layers)
 
     def finish_step(self) -> None:
-        """After the step's outputs are processed: count it, and solve the next step's plan on the planner
-        thread now when it expires then (the batch as it will be: every request one token longer)."""
+        """After the step's outputs are processed: count it, and start solving the plan of a coming expiry in the
+        background when the controller says it is time (``Controller.ahead_step``: the batch as it will be then,
+        every request that many tokens longer)."""
         self.step += 1
-        if self.running and self.controller.expires_at(self.step + 1):
-            self.controller.solve_ahead(self._plan_requests(self.running, ahead=1), self.step + 1)
+        target = self.controller.ahead_step(self.step) if self.running else None
+        if target is not None:
+            self.controller.solve_ahead(self._plan_requests(self.running, ahead=target - self.step), target)
 
     def step_failed(self, out: ScheduleOutput, error: str) -> None:
         """The executor raised: the step is lost, its requests end with the error, the plan is dropped."""
