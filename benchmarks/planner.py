@@ -254,6 +254,44 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
           f"ms, p99 {1e3 * pct(floors, 99):.2f} ms, max {1e3 * max(floors):.2f} ms")
 
 
+def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, n_req: int = 16,
+                n_layers: int = 80) -> None:
+    """Is a better first plan what the exact search lacks at this size, or are its bounds? Each batch is solved
+    exactly (capped at ``exact_cap_s``), then searched again with that plan's latency as the bound to beat from the
+    start (an oracle incumbent: the optimum where the first solve proved one): what is left is the proof alone."""
+    from orbitflow.plan.search import BranchAndBound
+    from orbitflow.plan.types import PlanStats
+
+    print(f"\n== ({n_req}, {n_layers}), {calls} batches: the exact search again, knowing its best plan up front "
+          f"(exact solve capped at {exact_cap_s:g} s, this search at {proof_cap_s:g} s) ==")
+    print("| batch | first solve proven | first solve s | proof s | proof done | nodes | leaves | better plan found |")
+    print("|---" * 8 + "|")
+    done_s = []
+    for i, (cm, cap, reqs) in enumerate(speed_cases(seed, n_req, n_layers, calls)):
+        planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False,
+                          time_limit_s=exact_cap_s)
+        t = time.perf_counter()
+        plan = planner.plan(reqs)
+        first_s = time.perf_counter() - t
+        if not plan.feasible:
+            continue
+        best = plan.predicted_step_s
+        stats = PlanStats()
+        rules = planner.constraints
+        search = BranchAndBound(rules, rules.horizon(reqs), stats, upper=best * (1 + 1e-9),
+                                deadline=time.perf_counter() + proof_cap_s)
+        t = time.perf_counter()
+        search.run()
+        proof_s = time.perf_counter() - t
+        if not search.timed_out:
+            done_s.append(proof_s)
+        print(f"| {i} | {plan.stats.exact} | {first_s:.2f} | {proof_s:.2f} | {not search.timed_out} | "
+              f"{stats.nodes} | {stats.leaves} | {search.best_key[0] < best * (1 - 1e-9)} |", flush=True)
+    if done_s:
+        print(f"proofs done within {proof_cap_s:g} s: {len(done_s)}; their time p50 {pct(done_s, 50):.2f} s, "
+              f"least {min(done_s):.2f} s")
+
+
 def bench_full(sizes, calls: int, seed: int) -> None:
     print("\n== full space (local search seeded from the pruned optimum) vs pruned ==")
     print(f"{'R':>3} {'L':>3} | {'both feas':>9} {'full wins':>9} {'mean gain':>9} {'max gain':>9} | "
@@ -583,7 +621,10 @@ def main() -> None:
     ap.add_argument("--budget-ms", type=float, default=1.0, help="time_limit_s of the budgeted solves, in ms")
     ap.add_argument("--exact-cap-s", type=float, default=2.0, help="wall-clock cap of one exact solve, in seconds")
     ap.add_argument("--sections", default="speed,budget_seeds,engine,bruteforce,floor,uniform,full",
-                    help="comma-separated subset of speed,budget_seeds,engine,bruteforce,floor,uniform,full")
+                    help="comma-separated subset of speed,budget_seeds,engine,bruteforce,floor,uniform,full,proof "
+                         "(proof: not by default, ~6 min)")
+    ap.add_argument("--proof-cap-s", type=float, default=10.0,
+                    help="proof: wall-clock cap of the search that knows its best plan (default %(default)s)")
     ap.add_argument("--budget-seeds", type=int, default=4,
                     help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
     ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
@@ -600,7 +641,7 @@ def main() -> None:
                     "(docs/results/planner.md)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full"}
+    unknown = sections - {"speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof"}
     if unknown:
         ap.error(f"--sections: unknown {sorted(unknown)}")
     calls = args.calls or (20 if args.quick else 300)
@@ -637,6 +678,8 @@ def main() -> None:
         bench_bruteforce(20 if args.quick else 100, args.seed)
     if "floor" in sections:
         bench_floor(10 if args.quick else 100, args.seed)
+    if "proof" in sections:
+        bench_proof(3 if args.quick else 30, args.seed, args.exact_cap_s, args.proof_cap_s)
     if "uniform" in sections:
         bench_uniform(sizes, 5 if args.quick else 50, args.seed)
     if "full" in sections:
