@@ -173,7 +173,7 @@ class PlannerConfig(_Validated):
     ewma: float = option(0.3, "weight of a new measurement when refreshing the profile", type=float, check="unit",
                          cli=False)
     background_planner: str = option(
-        "auto", "where a plan known one step ahead is solved while the step runs: process (never holds the "
+        "auto", "where an expiry's plan is solved while the steps before it run: process (never holds the "
                 "engine's GIL), thread or off; auto: process with 4 or more cores, else thread",
         choices=BACKGROUND_PLANNER_CHOICES)
 

@@ -12,8 +12,9 @@ from orbitflow.serve.cluster import EngineReplica  # noqa: E402
 
 def _replica(failure):
     replica = object.__new__(EngineReplica)  # Serve constructs it; here only what check_health reads
-    replica.engine = SimpleNamespace(running=True, stalled=lambda after_s: None)
-    replica.llm = SimpleNamespace(executor=SimpleNamespace(failure=failure))
+    # shutdown and close: what the replica's finalizer calls when the test drops it
+    replica.engine = SimpleNamespace(running=True, stalled=lambda after_s: None, shutdown=lambda: None)
+    replica.llm = SimpleNamespace(executor=SimpleNamespace(failure=failure), close=lambda: None)
     replica.watchdog_s = 60.0
     return replica
 

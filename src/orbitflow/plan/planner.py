@@ -18,7 +18,7 @@ search order (requests by decreasing size; a node's candidates by increasing low
 count), which is deterministic.
 
 ``tokens`` of a PlanRequest is the context length at the step the plan is for: the runtime calls the
-planner one step ahead and passes the counts of that target step.
+planner ahead of it (one step or more) and passes the counts of that target step.
 
 Token-dependent compute (``CostModel`` given a callable) is evaluated at the batch's total tokens at the
 start of each block-constant stretch of the window.

@@ -1,4 +1,4 @@
-"""Where a plan is solved one step ahead, off the engine's critical path: a planner process or a thread.
+"""Where a plan is solved ahead of its step, off the engine's critical path: a planner process or a thread.
 
 A thread shares the engine's GIL. Most of a solve's set-up (window, seeds, feasibility, expiry) is Python, and
 the engine's step is a long run of short torch calls, each of which must take the GIL back. Measured with
