@@ -39,46 +39,81 @@ except ImportError:  # pragma: no cover - optional
 
 from planner import speed_cases  # noqa: E402  (benchmarks/planner.py: the speed table's batches)
 
+Row = tuple[list[tuple[int, float]], float]  # an LP row: (column, coefficient) entries <= bound
+
+
+def columns(bb: BranchAndBound) -> tuple[int, int, int]:
+    """The LP's column layout: candidates per request (weight of request ``q``'s candidate ``k``: column
+    ``q * K + k``), the column of ``f_0`` (``f_l``: ``f_0 + l``) and the buffer's."""
+    n_cand = len(bb.tables.counts)
+    n_lam = bb.n_req * n_cand
+    return n_cand, n_lam, n_lam + bb.n_layers
+
+
+def window_row(bb: BranchAndBound, m: int, layer: int) -> Row:
+    """``f_layer >= f_m + v[m+1, layer] + c_layer`` (``m = -1``: the transfers released at t=0, ``v[0, layer]``)."""
+    n_cand, f0, _ = columns(bb)
+    mats = bb.tables.mats
+    entries = [(q * n_cand + k, bb.x0[q] * mats[k, m + 1, layer]) for q in range(bb.n_req) for k in range(n_cand)
+               if mats[k, m + 1, layer]]
+    if m >= 0:
+        entries.append((f0 + m, 1.0))
+    return entries + [(f0 + layer, -1.0)], -bb.comp0[layer]
+
+
+def chain_row(bb: BranchAndBound, layer: int) -> Row:
+    """``f_layer >= f_{layer-1} + c_layer`` (``layer >= 1``)."""
+    _, f0, _ = columns(bb)
+    return [(f0 + layer - 1, 1.0), (f0 + layer, -1.0)], -bb.comp0[layer]
+
+
+def buffer_row(bb: BranchAndBound, layer: int) -> Row:
+    """The buffer holds the blocks every request prefetches for ``layer``."""
+    n_cand, _, buf = columns(bb)
+    hosts = bb.tables.hosts_f
+    return [(q * n_cand + k, bb.bcap[q] * hosts[k, layer]) for q in range(bb.n_req) for k in range(n_cand)
+            if hosts[k, layer]] + [(buf, -1.0)], 0.0
+
+
+def capacity_row(bb: BranchAndBound) -> Row:
+    """The capacity equation at the window's capacity step: resident blocks plus the buffer."""
+    n_cand, _, buf = columns(bb)
+    counts = bb.tables.counts
+    return [(q * n_cand + k, bb.bcap[q] * (bb.n_layers - counts[k])) for q in range(bb.n_req)
+            for k in range(n_cand)] + [(buf, 1.0)], bb.cap
+
 
 def lp_bound(bb: BranchAndBound) -> tuple[float, np.ndarray, float, np.ndarray]:
     """The LP relaxation's optimum (seconds), its weights ``[R, K]``, the solve's seconds and the reduced costs
     ``[R, K]`` of the weights at the LP's duals (see :func:`under_fixed_duals`), for the search's tables (``bb``: a
     :class:`BranchAndBound` of the batch, only read)."""
-    t = bb.tables
-    n_layers, n_cand, n_req = bb.n_layers, len(t.counts), bb.n_req
-    x, comp, bcap = bb.x0, bb.comp0, bb.bcap
-    n_lam = n_req * n_cand
-    f0, buf = n_lam, n_lam + n_layers  # column of f_0, of the buffer
+    n_layers, n_req = bb.n_layers, bb.n_req
+    n_cand, n_lam, _ = columns(bb)  # the weights' columns come first: f_0's is their count
     rows, cols, vals, rhs = [], [], [], []
 
-    def row(entries: list[tuple[int, float]], bound: float) -> None:  # sum(coef * var) <= bound
+    def row(made: Row) -> None:
+        entries, bound = made
         for c, v in entries:
             rows.append(len(rhs))
             cols.append(c)
             vals.append(v)
         rhs.append(bound)
 
-    def v_terms(m: int, layer: int) -> list[tuple[int, float]]:
-        return [(q * n_cand + k, x[q] * t.mats[k, m, layer]) for q in range(n_req) for k in range(n_cand)
-                if t.mats[k, m, layer]]
-
     for layer in range(n_layers):
-        row(v_terms(0, layer) + [(f0 + layer, -1.0)], -comp[layer])
+        row(window_row(bb, -1, layer))
         if layer:
-            row([(f0 + layer - 1, 1.0), (f0 + layer, -1.0)], -comp[layer])
+            row(chain_row(bb, layer))
         for m in range(layer):
-            row([(f0 + m, 1.0)] + v_terms(m + 1, layer) + [(f0 + layer, -1.0)], -comp[layer])
-        row([(q * n_cand + k, bcap[q] * t.hosts_f[k, layer]) for q in range(n_req) for k in range(n_cand)
-             if t.hosts_f[k, layer]] + [(buf, -1.0)], 0.0)
-    row([(q * n_cand + k, bcap[q] * (n_layers - t.counts[k])) for q in range(n_req) for k in range(n_cand)]
-        + [(buf, 1.0)], bb.cap)
+            row(window_row(bb, m, layer))
+        row(buffer_row(bb, layer))
+    row(capacity_row(bb))
     n_var = n_lam + n_layers + 1
     a_ub = coo_matrix((vals, (rows, cols)), shape=(len(rhs), n_var)).tocsr()
     a_eq = np.zeros((n_req, n_var))
     for q in range(n_req):
         a_eq[q, q * n_cand:(q + 1) * n_cand] = 1.0
     cost = np.zeros(n_var)
-    cost[f0 + n_layers - 1] = 1.0
+    cost[n_lam + n_layers - 1] = 1.0
     start = time.perf_counter()
     res = linprog(cost, A_ub=a_ub, b_ub=np.array(rhs), A_eq=a_eq, b_eq=np.ones(n_req),
                   bounds=[(0, 1)] * n_lam + [(0, None)] * (n_layers + 1), method="highs")

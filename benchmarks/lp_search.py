@@ -21,6 +21,7 @@ same incumbent.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -38,6 +39,7 @@ try:
 except ImportError:  # pragma: no cover - optional
     highspy = None
 
+from lp_bound import buffer_row, capacity_row, chain_row, columns, window_row  # noqa: E402  (the same LP's rows)
 from planner import speed_cases  # noqa: E402  (benchmarks/planner.py: the speed table's batches)
 
 
@@ -46,11 +48,11 @@ class GeneratedLP:
     window rows are added as they are found violated."""
 
     def __init__(self, bb: BranchAndBound) -> None:
-        t = bb.tables
-        self.n_layers, self.n_cand, self.n_req = n_layers, n_cand, n_req = bb.n_layers, len(t.counts), bb.n_req
-        self.x, self.comp, self.mats = bb.x0, bb.comp0, t.mats
-        self.n_lam = n_req * n_cand
-        self.f0, self.buf = self.n_lam, self.n_lam + n_layers  # columns of f_0 and of the buffer
+        self.bb = bb
+        self.n_layers, self.n_req = n_layers, n_req = bb.n_layers, bb.n_req
+        self.n_cand, self.f0, _ = columns(bb)
+        self.n_lam = self.f0  # the weights' columns come first
+        self.x, self.comp, self.mats = bb.x0, bb.comp0, bb.tables.mats
         inf = highspy.kHighsInf
         self.h = h = highspy.Highs()
         h.setOptionValue("output_flag", False)
@@ -58,34 +60,27 @@ class GeneratedLP:
         h.addVars(n_var, np.zeros(n_var), np.concatenate((np.ones(self.n_lam), np.full(n_layers + 1, inf))))
         h.changeColCost(self.f0 + n_layers - 1, 1.0)
         self.windows: set[tuple[int, int]] = set()
-        lam = [(q, k) for q in range(n_req) for k in range(n_cand)]
-        for q in range(n_req):
-            self._row(1.0, 1.0, [(q * n_cand + k, 1.0) for k in range(n_cand)])
-        for layer in range(n_layers):  # the buffer holds every layer's prefetched blocks
-            self._row(-inf, 0.0, [(q * n_cand + k, bb.bcap[q] * t.hosts_f[k, layer]) for q, k in lam
-                                  if t.hosts_f[k, layer]] + [(self.buf, -1.0)])
-        self._row(-inf, bb.cap, [(q * n_cand + k, bb.bcap[q] * (n_layers - t.counts[k])) for q, k in lam]
-                  + [(self.buf, 1.0)])
+        for q in range(n_req):  # each request's weights sum to one
+            self._row([(q * self.n_cand + k, 1.0) for k in range(self.n_cand)], 1.0, lower=1.0)
+        for layer in range(n_layers):
+            self._row(*buffer_row(bb, layer))
+        self._row(*capacity_row(bb))
         for layer in range(n_layers):
             self.add_window(-1, layer)
             if layer:
-                self._row(-inf, -self.comp[layer], [(self.f0 + layer - 1, 1.0), (self.f0 + layer, -1.0)])
+                self._row(*chain_row(bb, layer))
 
-    def _row(self, lower: float, upper: float, entries: list[tuple[int, float]]) -> None:
+    def _row(self, entries: list[tuple[int, float]], upper: float, lower: float = -math.inf) -> None:
         idx = np.array([c for c, _ in entries], dtype=np.int32)
-        self.h.addRow(lower, upper, idx.size, idx, np.array([v for _, v in entries], dtype=float))
+        self.h.addRow(max(lower, -highspy.kHighsInf), upper, idx.size, idx,
+                      np.array([v for _, v in entries], dtype=float))
 
     def add_window(self, m: int, layer: int) -> bool:
         """The row ``f_layer >= f_m + v[m+1, layer] + c_layer`` (``m = -1``: released at t=0), once."""
         if (m, layer) in self.windows:
             return False
         self.windows.add((m, layer))
-        n_cand = self.n_cand
-        entries = [(q * n_cand + k, self.x[q] * self.mats[k, m + 1, layer]) for q in range(self.n_req)
-                   for k in range(n_cand) if self.mats[k, m + 1, layer]]
-        if m >= 0:
-            entries.append((self.f0 + m, 1.0))
-        self._row(-highspy.kHighsInf, -self.comp[layer], entries + [(self.f0 + layer, -1.0)])
+        self._row(*window_row(self.bb, m, layer))
         return True
 
     def solve(self) -> tuple[float, np.ndarray, int]:
