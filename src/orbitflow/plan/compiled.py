@@ -254,10 +254,10 @@ def suffix_tables(order, bcap, b0, x0, n_layers, share):
     ratio_suffix = np.ones(n_req + 1)
     for i in range(n_req - 1, -1, -1):
         r = order[i]
-        rest_b[i] = rest_b[i + 1] + bcap[r] if i < n_req - 1 else bcap[r]
-        rest_b0[i] = rest_b0[i + 1] + b0[r] if i < n_req - 1 else b0[r]
+        rest_b[i] = rest_b[i + 1] + bcap[r]  # the sentinel 0.0 adds nothing
+        rest_b0[i] = rest_b0[i + 1] + b0[r]
         ratio = b0[r] / max(bcap[r], 1e-300) if bcap[r] > 0 else 1.0
-        ratio_suffix[i] = min(ratio_suffix[i + 1], ratio) if i < n_req - 1 else ratio
+        ratio_suffix[i] = min(ratio_suffix[i + 1], ratio) if i < n_req - 1 else ratio  # not the sentinel 1.0
     dp_depth = np.empty(n_req, np.bool_)
     for i in range(n_req):
         dp_depth[i] = rest_b0[i + 1] <= share * rest_b0[0]
