@@ -1,5 +1,7 @@
 import dataclasses
 import math
+import threading
+import time
 
 from orbitflow.plan import CostModel, PlanRequest
 from orbitflow.policies.base import PlanContext
@@ -114,15 +116,11 @@ class GatedPolicy(OrbitFlowPolicy):
 
     def __init__(self, sleep_s: float = 0.0):
         super().__init__()
-        import threading
-
         self.gate = threading.Event()
         self.gate.set()
         self.sleep_s = sleep_s
 
     def plan(self, requests, ctx):
-        import time
-
         assert self.gate.wait(60), "the test never opened the gate"
         time.sleep(self.sleep_s)
         return super().plan(requests, ctx)
