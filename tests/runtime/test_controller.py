@@ -43,7 +43,9 @@ def test_policies_without_expiry_replan_only_on_batch_changes():
     assert fires(controller, ["a"], range(0, 40)) == []
 
 
-def test_slow_solve_delays_the_plans_adoption_on_the_virtual_clock():
+def test_on_the_virtual_clock_a_solve_the_step_waits_for_moves_the_clock():
+    """The simulator charges a solve as the engine runs it: one made while the step waits (a batch change, a
+    mismatch, every step, an expiry not solved ahead) holds the batch for its charged seconds."""
     from orbitflow.runtime.clock import VirtualClock
 
     clock = VirtualClock()
@@ -51,20 +53,62 @@ def test_slow_solve_delays_the_plans_adoption_on_the_virtual_clock():
     controller.charge_solve_time(clock, lambda wall_s: 0.5)  # every solve costs 0.5 s of virtual time
     reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
     first = controller.solve(reqs, step=0, trigger="batch")
-    # nothing ran before: the batch waits for its first plan, so the clock moves by the solve time
     assert clock.now() == 0.5 and controller.plan is first and controller.records[-1].charged_s == 0.5
-    # an expiry re-plan of the same batch: the old plan keeps running while the new one solves
-    assert controller.trigger(7, ["a"]) == "expiry"
+    assert controller.trigger(7, ["a"]) == "expiry"  # nothing was solved ahead: the expiry is solved now
     second = controller.solve(reqs, step=7, trigger="expiry")
-    assert second is not first and controller.plan is first and clock.now() == 0.5
-    clock.advance(0.3)  # a step of 0.3 s: still solving
-    assert controller.trigger(8, ["a"]) is None and controller.plan is first
-    clock.advance(0.3)  # 0.6 s after the solve started: adopted at the next decision
-    controller.trigger(9, ["a"])
-    assert controller.plan is second and controller.adopted_late == 1
-    # a batch change drops a solve in flight: its plan was for the old batch
-    controller.solve(reqs, step=12, trigger="expiry")
-    assert controller.trigger(12, ["a", "b"]) == "batch" and controller.plan is second
+    assert controller.plan is second and clock.now() == 1.0 and not controller.records[-1].background
+    controller.solve(reqs, step=8, trigger="mismatch")
+    assert clock.now() == 1.5 and controller.records[-1].charged_s == 0.5
+
+
+def _clocked(solve_s, window=(2, 5)):
+    from orbitflow.runtime.clock import VirtualClock
+
+    clock = VirtualClock()
+    controller = Controller(OrbitFlowPolicy(), context(window=window), background=False)
+    controller.charge_solve_time(clock, lambda wall_s: solve_s)
+    first = controller.solve([PlanRequest("a", 1, 10, None, 0.0, math.inf)], step=0, trigger="batch")
+    controller.plan = first = dataclasses.replace(first, expiry_step=2)  # a faster plan exists from step 2
+    return clock, controller, first
+
+
+def test_on_the_virtual_clock_an_expiry_solved_ahead_costs_the_steps_nothing_when_it_is_done_in_time():
+    clock, controller, first = _clocked(0.5)
+    start = clock.now()
+    assert controller.ahead_step(1) == 2
+    controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)
+    assert clock.now() == start  # solved beside the steps: nothing charged to them yet
+    clock.advance(0.6)  # the step before the expiry ran 0.6 s: the solve is done
+    assert controller.trigger(2, ["a"]) == "expiry"
+    plan = controller.solve([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step=2, trigger="expiry")
+    record = controller.records[-1]
+    assert controller.plan is plan and plan is not first and clock.now() == start + 0.6
+    assert record.background and record.charged_s == 0.5 and controller.lead_steps() == 1
+
+
+def test_on_the_virtual_clock_a_late_solve_ahead_runs_the_old_plan_on_inside_its_window_then_waits():
+    clock, controller, first = _clocked(1.0)  # first.window == 5: valid for steps 0..4
+    controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)
+    clock.advance(0.3)
+    assert [controller.trigger(s, ["a"]) for s in (2, 3)] == [None, None] and controller.ran_on == 2
+    clock.advance(0.3)
+    assert controller.trigger(4, ["a"]) is None and controller.ran_on == 3 and controller.plan is first
+    clock.advance(0.3)  # 0.9 s of the 1.0 s solve: at step 5 the old plan's window is over, so the step waits
+    assert controller.trigger(5, ["a"]) == "expiry"
+    late = controller.solve([PlanRequest("a", 1, 15, None, 0.0, math.inf)], step=5, trigger="expiry")
+    assert math.isclose(clock.now(), 1.0 + 1.0)  # the first solve's 1.0 s, then the wait to the ahead solve's end
+    assert controller.plan is late and controller.plan_step == 2 and controller.adopted_late == 1
+    assert controller.records[-1].charged_s == 1.0
+
+
+def test_on_the_virtual_clock_a_batch_change_drops_the_solve_ahead():
+    clock, controller, first = _clocked(0.5)
+    controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)
+    clock.advance(1.0)
+    assert controller.trigger(2, ["a", "b"]) == "batch"
+    reqs = [PlanRequest("a", 1, 12, None, 0.0, math.inf), PlanRequest("b", 1, 10, None, 0.0, math.inf)]
+    controller.solve(reqs, step=2, trigger="batch")
+    assert not controller.records[-1].background and clock.now() == 0.5 + 1.0 + 0.5
 
 
 def test_solve_time_off_the_clock_by_default():

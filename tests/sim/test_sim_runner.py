@@ -122,6 +122,20 @@ def test_solver_time_is_charged_on_the_virtual_clock(a5000):
     assert slow.metrics.extra["solver_charged_s"] == pytest.approx(2.0 * len(charged))
 
 
+def test_a_solve_hidden_behind_the_steps_changes_no_plan(a5000):
+    """An expiry is solved ahead on the virtual clock as the engine solves it ahead in time: a solve much shorter
+    than a step is done by its expiry, so the plans are those of free solves, step for step. (The simulator used to
+    start it at the expiry and run the old plan one step past it: each plan was adopted a step late.)"""
+    config = sim_config(a5000, policy="orbitflow", slo_scale=1.5)
+    free = simulate_trace(a5000, small_trace(), config).engine.controller
+    timed = simulate_trace(a5000, small_trace(), config, solver_time="1ms").engine.controller
+    assert [(r.step, r.trigger, r.distances) for r in timed.records] == [
+        (r.step, r.trigger, r.distances) for r in free.records]
+    expiries = [r for r in timed.records if r.trigger == "expiry"]
+    assert expiries and all(r.background and r.charged_s == 0.001 for r in expiries)
+    assert timed.adopted_late == 0 and timed.ran_on == 0
+
+
 def test_solver_time_flag_values():
     from orbitflow.sim.sweep import solver_time_model
 

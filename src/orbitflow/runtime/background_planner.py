@@ -19,6 +19,10 @@ engine itself makes at most one round trip per step: one solve per step from the
 and +0.6% (95% intervals within +-4.4%). The planning context is sent again only when the controller has
 replaced it (it never mutates it), and a plan crosses as its placement's bits.
 
+A simulated engine solves ahead on its virtual clock instead (:class:`ClockedPlanner`): the solve runs at once,
+and its plan is ready once the clock has moved on by the solve's charged seconds, so the controller's rules (start
+early enough, run the old plan on inside its window, wait past it) are the engine's, timed as the engine's would be.
+
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
 back. An engine on 2 cores that re-plans often should say ``--background-planner process``.
@@ -253,3 +257,49 @@ class BackgroundPlanner:
             self._pool.shutdown(wait=False, cancel_futures=True)
         else:
             self._pool.close()
+
+
+class _ClockedFuture(Future):
+    """A solve's result that is ready once the virtual clock reaches ``ready_at``; asking for it earlier waits,
+    which on a virtual clock means moving the clock there (the step that asks holds the rest of the solve)."""
+
+    def __init__(self, value: tuple[Plan, float], clock, ready_at: float):
+        super().__init__()
+        self._value, self._clock, self._ready_at = value, clock, ready_at
+
+    def done(self) -> bool:
+        return self._clock.now() + 1e-12 >= self._ready_at
+
+    def result(self, timeout: float | None = None):
+        self._clock.advance(self._ready_at - self._clock.now())
+        return self._value
+
+
+class ClockedPlanner:
+    """The background planner of a simulated engine: :meth:`submit` solves at once (wall time measured) and
+    returns a future that is done once the virtual ``clock`` has moved on by ``solve_time(wall seconds)``, the
+    seconds the solve is charged (``orbitflow simulate --solver-time``). The solve is off the critical path
+    exactly as far as the engine's planner would be: the steps that run meanwhile hide it."""
+
+    mode = "clocked"
+
+    def __init__(self, policy: Policy, clock, solve_time):
+        self.policy, self._clock, self._solve_time = policy, clock, solve_time
+
+    def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
+        """A future of ``(plan, solve seconds)``, as :meth:`BackgroundPlanner.submit`'s."""
+        start = time.perf_counter()
+        try:
+            plan = self.policy.plan(requests, ctx)
+        except Exception as exc:  # the engine's planner thread would hand the error to whoever asks
+            future = Future()
+            future.set_exception(exc)
+            return future
+        wall_s = time.perf_counter() - start
+        return _ClockedFuture((plan, wall_s), self._clock, self._clock.now() + float(self._solve_time(wall_s)))
+
+    def fall_back_to_thread(self) -> None:
+        """Nothing to fall back from: no process is involved."""
+
+    def close(self) -> None:
+        """Nothing to stop."""

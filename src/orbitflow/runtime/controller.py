@@ -11,12 +11,12 @@ the solve starts one step ahead, or more when the last background solves took lo
 (inside its window), that plan runs on and the new one is adopted at the first step after it is done, as the
 simulator charges it; only past the window does the step wait for it. Every call is recorded.
 
-On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`:
-a solve that the batch must wait for (a batch change, an infeasible plan, no plan yet) advances the clock by
-its solve time; a re-plan of an unchanged batch (expiry, mismatch, every step) leaves the old plan running and
-adopts the new one at the first decision once its solve time has passed on the clock. That stands in for the
-engine's solve ahead started early enough (``lead_steps``); unlike the engine, the old plan may run a few steps
-past its window meanwhile.
+On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`, by
+the same rules: an expiry is solved ahead (:class:`~orbitflow.runtime.background_planner.ClockedPlanner`: the solve
+runs at once and its plan is ready once the clock has moved on by its charged seconds), so the steps before it hide
+it, the old plan runs on inside its window while it is not ready and the step waits for it past the window; every
+other solve (a batch change, a profile mismatch, every step, an expiry not solved ahead) is made while the step
+waits, as the engine makes it, so the clock advances by its charged seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 from orbitflow.plan import Placement, Plan, PlanRequest, warm_up
 from orbitflow.policies.base import PlanContext, Policy
-from orbitflow.runtime.background_planner import BackgroundPlanner, resolve_mode
+from orbitflow.runtime.background_planner import BackgroundPlanner, ClockedPlanner, resolve_mode
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,6 @@ class Controller:
         self._ahead: tuple[int, list, Future] | None = None
         self._clock = None  # set by charge_solve_time (simulator)
         self._solve_time: Callable[[float], float] | None = None
-        self._pending: tuple[Plan, list, int, float] | None = None  # (plan, ids, step, ready at) while solving
         self.adopted_late = 0  # re-plans adopted after the old plan ran on while they solved
         self.ran_on = 0  # steps past an expiry that ran the old plan because the solve ahead was not done
         self._ahead_solve_s: deque[float] = deque(maxlen=8)  # the last background solves' seconds (lead_steps)
@@ -103,22 +102,20 @@ class Controller:
         warm_up()
 
     def charge_solve_time(self, clock, solve_time: Callable[[float], float]) -> None:
-        """Put every solve on ``clock``: ``solve_time(measured wall seconds)`` is what it costs there."""
+        """Put every solve on ``clock``: ``solve_time(measured wall seconds)`` is what it costs there. Expiries
+        are then solved ahead on that clock (:class:`ClockedPlanner`), as the engine solves them ahead in time."""
         self._clock = clock
         self._solve_time = solve_time
+        if self._background is not None:
+            self._background.close()
+        self._background = ClockedPlanner(self.policy, clock, solve_time)
+
+    def _charged(self, solve_s: float) -> float:
+        """Seconds a solve of ``solve_s`` wall seconds takes on the clock the steps run on."""
+        return float(self._solve_time(solve_s)) if self._clock is not None else solve_s
 
     # ---- when -------------------------------------------------------------------------------------
     def trigger(self, step: int, batch_ids: list) -> str | None:
-        if self._pending is not None:
-            plan, ids, plan_step, ready = self._pending
-            if ids != batch_ids:
-                self._pending = None  # the batch changed under the solve: its plan is stale
-            elif self._clock.now() + 1e-12 >= ready:
-                self._pending = None
-                self._adopt(plan, ids, plan_step)
-                self.adopted_late += 1
-            else:
-                return None  # still solving: the old plan keeps running
         if self.plan is None or batch_ids != self.plan_ids:
             return "batch"
         wanted = self.policy.replan_on
@@ -136,7 +133,7 @@ class Controller:
     def _ahead_running(self, step: int, batch_ids: list) -> bool:
         """Whether the solve started ahead for this batch is still running and the plan in force still holds at
         ``step`` (inside its window: memory and the SLO were checked that far). Then waiting for the solve would
-        put its remaining time into this step; the simulator charges the same (``_pending``)."""
+        put its remaining time into this step."""
         if self._ahead is None:
             return False
         ahead_step, ahead_ids, future = self._ahead
@@ -152,39 +149,38 @@ class Controller:
     def solve(self, requests: list[PlanRequest], step: int, trigger: str) -> Plan:
         """Plan now, unless the background thread already solved this very step for this batch."""
         ids = [r.request_id for r in requests]
-        plan, background = None, False
+        plan, ahead_s = None, None  # ahead_s: the background solve's seconds, when its plan is used
         if self._ahead is not None:
             ahead_step, ahead_ids, future = self._ahead
             self._ahead = None
             if ahead_step <= step and ahead_ids == ids and trigger == "expiry":
-                plan, solve_s = self._ahead_result(future)
-                background = plan is not None
-                if background and ahead_step < step:  # it finished while the old plan ran on (trigger)
+                plan, ahead_s = self._ahead_result(future)
+                if plan is not None and ahead_step < step:  # it finished while the old plan ran on (trigger)
                     if plan.feasible and step < ahead_step + plan.replan_step:
                         self.adopted_late += 1
-                        return self._install(plan, ids, ahead_step, trigger, solve_s, background)
-                    plan, background = None, False  # already expired, or infeasible: solve for this step
-        start = time.perf_counter()
+                        return self._install(plan, ids, ahead_step, trigger, ahead_s, None)
+                    plan, ahead_s = None, None  # already expired, or infeasible: solve for this step
+        start, inline = time.perf_counter(), plan is None
         if plan is None:
             plan = self.policy.plan(requests, self.ctx)
         if not plan.feasible and (len(requests) == 1 or not self.policy.pause_resume):
             # Nothing to pause (or a policy without Pause-Resume): settle for the fastest plan that fits
             # the device, SLO cap or not. This holds for a plan solved ahead on the planner thread too.
-            plan = self.policy.plan(requests, replace(self.ctx, alpha=math.inf))
-        elapsed = time.perf_counter() - start
-        return self._install(plan, ids, step, trigger, solve_s + elapsed if background else elapsed, background)
+            plan, inline = self.policy.plan(requests, replace(self.ctx, alpha=math.inf)), True
+        inline_s = time.perf_counter() - start if inline else None
+        return self._install(plan, ids, step, trigger, ahead_s, inline_s)
 
-    def _ahead_result(self, future: Future) -> tuple[Plan | None, float]:
-        """The background solve's plan, or None (then the caller solves inline) if it failed."""
+    def _ahead_result(self, future: Future) -> tuple[Plan | None, float | None]:
+        """The background solve's plan and seconds, or None (then the caller solves inline) if it failed."""
         try:
             plan, solve_s = future.result()
-            self._ahead_solve_s.append(solve_s)
+            self._ahead_solve_s.append(self._charged(solve_s))
             return plan, solve_s
         except BrokenProcessPool:
             self._background.fall_back_to_thread()
         except Exception:
             log.exception("background plan failed; solving inline")
-        return None, 0.0
+        return None, None
 
     def ahead_step(self, step: int) -> int | None:
         """With ``step`` the next step to run: the step whose plan to start solving in the background now, or None.
@@ -214,24 +210,25 @@ class Controller:
             future = self._background.submit(requests_next, self.ctx)
         self._ahead = (step_next, [r.request_id for r in requests_next], future)
 
-    def _install(self, plan: Plan, ids: list, step: int, trigger: str, solve_s: float, background=False) -> Plan:
+    def _install(self, plan: Plan, ids: list, step: int, trigger: str, ahead_s: float | None,
+                 inline_s: float | None) -> Plan:
+        """Record and adopt a solve's plan. ``ahead_s``: seconds of the background solve it came from (None: none);
+        ``inline_s``: seconds solved while the step waited (None: none). On a virtual clock the inline part moves
+        the clock; the background part was charged on it while the steps ran (:class:`ClockedPlanner`)."""
+        charged = None
+        if self._clock is not None:
+            waited = self._charged(inline_s) if inline_s is not None else 0.0
+            self._clock.advance(waited)  # the batch waits for what was solved inline
+            charged = waited + (self._charged(ahead_s) if ahead_s is not None else 0.0)
         self.records.append(
             PlanRecord(
-                step=step, trigger=trigger, solve_s=solve_s, request_ids=list(ids),
+                step=step, trigger=trigger, solve_s=(ahead_s or 0.0) + (inline_s or 0.0), request_ids=list(ids),
                 distances=list(plan.distances) if plan.distances is not None else None,
                 window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
-                predicted_step_s=float(plan.predicted_step_s), background=background,
-                proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0),
+                predicted_step_s=float(plan.predicted_step_s), background=ahead_s is not None,
+                proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0), charged_s=charged,
             )
         )
-        if self._clock is not None:
-            cost = float(self._solve_time(solve_s))
-            self.records[-1].charged_s = cost
-            if plan.feasible and trigger != "batch" and self.plan is not None and ids == self.plan_ids:
-                # the old plan still fits this batch: it runs on while the new one solves
-                self._pending = (plan, list(ids), step, self._clock.now() + cost)
-                return plan
-            self._clock.advance(cost)  # nothing valid to run meanwhile: the batch waits for the plan
         if plan.feasible:
             self._adopt(plan, ids, step)
         return plan
@@ -245,7 +242,6 @@ class Controller:
 
     def forget(self) -> None:
         self.plan, self.plan_ids = None, []
-        self._pending = None
 
     # ---- observing --------------------------------------------------------------------------------
     def predict(self, on_device: list[list[bool]], blocks_per_layer: list[int], total_tokens: int) -> float:

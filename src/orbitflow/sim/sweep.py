@@ -84,7 +84,8 @@ class SimSetup:
 
 
 SOLVER_TIME_HELP = ("planner solve time on the virtual clock: 'measured' (each solve's wall time), 'off', or a "
-                    "fixed cost per call in ms, e.g. '5ms'")
+                    "fixed cost per call in ms, e.g. '5ms'. Charged as the engine runs the solves: an expiry is "
+                    "solved ahead while the steps before it run; every other solve holds its step")
 
 
 def noise_cv_for(flag: float | None, profile: HardwareProfile) -> float:
