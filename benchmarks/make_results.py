@@ -208,9 +208,9 @@ def sim_section(res: Results, profile, setup: SimSetup, rates, reduced: bool, ou
            f"confidence interval** (Student t); a policy is called better only where the intervals do not overlap. "
            f"Every step (its compute and transfers alike) carries a seeded lognormal factor (CV {setup.noise_cv}; "
            f"the default 0.07 is the real engine's step jitter, `benchmarks/step_jitter.py`) the planner does not "
-           f"see; the planner's measured solve time is charged on the virtual clock ({setup.solver_time}: a new "
-           f"plan takes effect only once its solve time has passed; the old one runs meanwhile, or the batch "
-           f"waits when there is none); DeepSpeed runs at prefetch depth 2 (it fetches layer i+1 while layer i "
+           f"see; the planner's measured solve time is charged on the virtual clock ({setup.solver_time}) as the "
+           f"engine runs its solves: an expiry is solved ahead while the steps before it run, every other solve "
+           f"holds its step; DeepSpeed runs at prefetch depth 2 (it fetches layer i+1 while layer i "
            f"runs), every other policy at depth 1 unless a table says depth 2. Every policy runs with Token-Deposit "
            f"unless noted.", ""]
     if reduced:

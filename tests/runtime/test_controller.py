@@ -83,7 +83,79 @@ def test_on_the_virtual_clock_an_expiry_solved_ahead_costs_the_steps_nothing_whe
     plan = controller.solve([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step=2, trigger="expiry")
     record = controller.records[-1]
     assert controller.plan is plan and plan is not first and clock.now() == start + 0.6
-    assert record.background and record.charged_s == 0.5 and controller.lead_steps() == 1
+    assert record.background and record.charged_s == 0.5
+
+
+def test_on_the_virtual_clock_the_lead_counts_charged_seconds_against_simulated_steps():
+    clock, controller, first = _clocked(0.5)
+    controller.observe(0.1, 0.1, [0.025] * 4, 10, None)  # a simulated step of 0.1 s
+    controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)
+    clock.advance(0.6)
+    controller.solve([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step=2, trigger="expiry")
+    assert controller.lead_steps() == 7  # ceil(1.25 * 0.5 s charged / 0.1 s), whatever the wall seconds were
+
+
+def test_on_the_virtual_clock_one_planner_solves_one_request_at_a_time():
+    """A solve ahead that the controller dropped still runs to its end on the engine's one planner: the next one
+    queues behind it."""
+    clock, controller, first = _clocked(0.5)
+    controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)  # ready at 0.5 + 0.5
+    controller.solve([PlanRequest("a", 1, 11, None, 0.0, math.inf)], step=1, trigger="mismatch")  # drops it
+    assert clock.now() == 1.0
+    controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)
+    assert not controller._ahead[2].done()  # queued: ready at 1.0 + 0.5 = 1.5, not 1.0
+    clock.advance(0.5)
+    assert controller._ahead[2].done()
+
+
+class SloCapped(OrbitFlowPolicy):
+    """OrbitFlow's plans, infeasible under any SLO cap (a lone request's plan then comes from the uncapped solve)."""
+
+    def plan(self, requests, ctx):
+        plan = super().plan(requests, ctx)
+        return plan if math.isinf(ctx.alpha) else dataclasses.replace(plan, feasible=False)
+
+
+def test_on_the_virtual_clock_an_infeasible_plan_solved_ahead_charges_only_its_fallback_to_the_step():
+    """A lone request whose plan solved ahead is infeasible gets the fastest plan that fits, solved while the step
+    waits: the clock moves by that solve only, the record charges both."""
+    from orbitflow.runtime.clock import VirtualClock
+
+    clock = VirtualClock()
+    controller = Controller(SloCapped(), context(window=(2, 5)), background=False)
+    controller.charge_solve_time(clock, lambda wall_s: 0.5)
+    controller.solve([PlanRequest("a", 1, 10, None, 0.0, math.inf)], step=0, trigger="batch")
+    assert clock.now() == 0.5 and controller.plan is not None
+    controller.solve_ahead([PlanRequest("a", 1, 11, None, 0.0, math.inf)], step_next=1)
+    clock.advance(0.5)  # the solve ahead is done
+    plan = controller.solve([PlanRequest("a", 1, 11, None, 0.0, math.inf)], step=1, trigger="expiry")
+    record = controller.records[-1]
+    assert plan.feasible and record.background and record.charged_s == 1.0 and clock.now() == 1.5
+
+
+def test_on_the_virtual_clock_a_failed_solve_ahead_is_solved_again_while_the_step_waits():
+    class FailingAhead(OrbitFlowPolicy):
+        fail = False
+
+        def plan(self, requests, ctx):
+            if self.fail:
+                raise RuntimeError("planner bug")
+            return super().plan(requests, ctx)
+
+    from orbitflow.runtime.clock import VirtualClock
+
+    clock, policy = VirtualClock(), FailingAhead()
+    controller = Controller(policy, context(window=(2, 5)), background=False)
+    controller.charge_solve_time(clock, lambda wall_s: 0.5)
+    reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+    controller.solve(reqs, step=0, trigger="batch")
+    controller.plan = dataclasses.replace(controller.plan, expiry_step=2)
+    policy.fail = True
+    controller.solve_ahead([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step_next=2)
+    policy.fail = False
+    assert controller.trigger(2, ["a"]) == "expiry"  # a failed solve is done: nothing to run on for
+    plan = controller.solve([PlanRequest("a", 1, 12, None, 0.0, math.inf)], step=2, trigger="expiry")
+    assert plan.feasible and not controller.records[-1].background and clock.now() == 1.0
 
 
 def test_on_the_virtual_clock_a_late_solve_ahead_runs_the_old_plan_on_inside_its_window_then_waits():

@@ -123,9 +123,10 @@ def test_solver_time_is_charged_on_the_virtual_clock(a5000):
 
 
 def test_a_solve_hidden_behind_the_steps_changes_no_plan(a5000):
-    """An expiry is solved ahead on the virtual clock as the engine solves it ahead in time: a solve much shorter
-    than a step is done by its expiry, so the plans are those of free solves, step for step. (The simulator used to
-    start it at the expiry and run the old plan one step past it: each plan was adopted a step late.)"""
+    """An expiry is solved ahead on the virtual clock as the engine solves it ahead in time (with --solver-time off
+    too: solved ahead at no cost): a solve much shorter than a step is done by its expiry, so the plans are those of
+    free solves, step for step. (The simulator used to start a charged solve at the expiry and run the old plan one
+    step past it: each plan was adopted a step late.)"""
     config = sim_config(a5000, policy="orbitflow", slo_scale=1.5)
     free = simulate_trace(a5000, small_trace(), config).engine.controller
     timed = simulate_trace(a5000, small_trace(), config, solver_time="1ms").engine.controller
@@ -133,6 +134,7 @@ def test_a_solve_hidden_behind_the_steps_changes_no_plan(a5000):
         (r.step, r.trigger, r.distances) for r in free.records]
     expiries = [r for r in timed.records if r.trigger == "expiry"]
     assert expiries and all(r.background and r.charged_s == 0.001 for r in expiries)
+    assert all(r.background for r in free.records if r.trigger == "expiry")
     assert timed.adopted_late == 0 and timed.ran_on == 0
 
 

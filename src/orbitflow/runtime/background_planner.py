@@ -20,8 +20,10 @@ and +0.6% (95% intervals within +-4.4%). The planning context is sent again only
 replaced it (it never mutates it), and a plan crosses as its placement's bits.
 
 A simulated engine solves ahead on its virtual clock instead (:class:`ClockedPlanner`): the solve runs at once,
-and its plan is ready once the clock has moved on by the solve's charged seconds, so the controller's rules (start
-early enough, run the old plan on inside its window, wait past it) are the engine's, timed as the engine's would be.
+and its plan is ready once the clock has moved on by the solve's charged seconds (after the solves submitted before
+it: one planner, one solve at a time), so the controller's rules (start early enough, run the old plan on inside
+its window, wait past it) run as in the engine. What it leaves out is the planner's own cost to the steps beside it
+(a thread's share of the GIL, a process's round trip), which benchmarks/planner.py --sections engine measures.
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
@@ -31,6 +33,7 @@ back. An engine on 2 cores that re-plans often should say ``--background-planner
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -271,20 +274,23 @@ class _ClockedFuture(Future):
         return self._clock.now() + 1e-12 >= self._ready_at
 
     def result(self, timeout: float | None = None):
-        self._clock.advance(self._ready_at - self._clock.now())
+        self._clock.advance(max(0.0, self._ready_at - self._clock.now()))
         return self._value
 
 
 class ClockedPlanner:
     """The background planner of a simulated engine: :meth:`submit` solves at once (wall time measured) and
     returns a future that is done once the virtual ``clock`` has moved on by ``solve_time(wall seconds)``, the
-    seconds the solve is charged (``orbitflow simulate --solver-time``). The solve is off the critical path
-    exactly as far as the engine's planner would be: the steps that run meanwhile hide it."""
+    seconds the solve is charged (``orbitflow simulate --solver-time``), counted from when the planner is free:
+    like the engine's one planner thread or process, it solves one request at a time, so a solve queues behind
+    one still running (a solve the controller dropped runs to its end there too). The steps that run meanwhile
+    hide it."""
 
     mode = "clocked"
 
     def __init__(self, policy: Policy, clock, solve_time):
         self.policy, self._clock, self._solve_time = policy, clock, solve_time
+        self._free_at = -math.inf  # when the solve submitted last is done, on the clock
 
     def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
         """A future of ``(plan, solve seconds)``, as :meth:`BackgroundPlanner.submit`'s."""
@@ -296,7 +302,8 @@ class ClockedPlanner:
             future.set_exception(exc)
             return future
         wall_s = time.perf_counter() - start
-        return _ClockedFuture((plan, wall_s), self._clock, self._clock.now() + float(self._solve_time(wall_s)))
+        self._free_at = max(self._clock.now(), self._free_at) + float(self._solve_time(wall_s))
+        return _ClockedFuture((plan, wall_s), self._clock, self._free_at)
 
     def fall_back_to_thread(self) -> None:
         """Nothing to fall back from: no process is involved."""

@@ -149,7 +149,7 @@ class Controller:
     def solve(self, requests: list[PlanRequest], step: int, trigger: str) -> Plan:
         """Plan now, unless the background thread already solved this very step for this batch."""
         ids = [r.request_id for r in requests]
-        plan, ahead_s = None, None  # ahead_s: the background solve's seconds, when its plan is used
+        plan, ahead_s = None, None  # ahead_s: seconds of the background solve whose result this step took
         if self._ahead is not None:
             ahead_step, ahead_ids, future = self._ahead
             self._ahead = None
@@ -158,8 +158,9 @@ class Controller:
                 if plan is not None and ahead_step < step:  # it finished while the old plan ran on (trigger)
                     if plan.feasible and step < ahead_step + plan.replan_step:
                         self.adopted_late += 1
-                        return self._install(plan, ids, ahead_step, trigger, ahead_s, None)
-                    plan, ahead_s = None, None  # already expired, or infeasible: solve for this step
+                        return self._install(plan, ids, ahead_step, trigger, ahead_s, None, background=True)
+                    plan = None  # already expired, or infeasible: solve for this step (ahead_s stays counted)
+        background = plan is not None
         start, inline = time.perf_counter(), plan is None
         if plan is None:
             plan = self.policy.plan(requests, self.ctx)
@@ -168,7 +169,7 @@ class Controller:
             # the device, SLO cap or not. This holds for a plan solved ahead on the planner thread too.
             plan, inline = self.policy.plan(requests, replace(self.ctx, alpha=math.inf)), True
         inline_s = time.perf_counter() - start if inline else None
-        return self._install(plan, ids, step, trigger, ahead_s, inline_s)
+        return self._install(plan, ids, step, trigger, ahead_s, inline_s, background)
 
     def _ahead_result(self, future: Future) -> tuple[Plan | None, float | None]:
         """The background solve's plan and seconds, or None (then the caller solves inline) if it failed."""
@@ -211,10 +212,11 @@ class Controller:
         self._ahead = (step_next, [r.request_id for r in requests_next], future)
 
     def _install(self, plan: Plan, ids: list, step: int, trigger: str, ahead_s: float | None,
-                 inline_s: float | None) -> Plan:
-        """Record and adopt a solve's plan. ``ahead_s``: seconds of the background solve it came from (None: none);
-        ``inline_s``: seconds solved while the step waited (None: none). On a virtual clock the inline part moves
-        the clock; the background part was charged on it while the steps ran (:class:`ClockedPlanner`)."""
+                 inline_s: float | None, background: bool) -> Plan:
+        """Record and adopt a solve's plan. ``ahead_s``: seconds of the background solve this decision took (None:
+        none), its plan's (``background``) or one found expired or infeasible when it came; ``inline_s``: seconds
+        solved while the step waited (None: none). On a virtual clock the inline part moves the clock; the
+        background part was charged on it while the steps ran (:class:`ClockedPlanner`)."""
         charged = None
         if self._clock is not None:
             waited = self._charged(inline_s) if inline_s is not None else 0.0
@@ -225,7 +227,7 @@ class Controller:
                 step=step, trigger=trigger, solve_s=(ahead_s or 0.0) + (inline_s or 0.0), request_ids=list(ids),
                 distances=list(plan.distances) if plan.distances is not None else None,
                 window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
-                predicted_step_s=float(plan.predicted_step_s), background=ahead_s is not None,
+                predicted_step_s=float(plan.predicted_step_s), background=background,
                 proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0), charged_s=charged,
             )
         )

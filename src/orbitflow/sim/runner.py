@@ -48,9 +48,15 @@ def build_sim_engine(profile: HardwareProfile, config: EngineConfig, noise: floa
                            noise_cv=noise_cv, prefetch_slots=prefetch_slots_for(config, policy))
     ctx = PlanContext.from_profile(config, profile, policy)
     engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
-    if charge is not None:
-        engine.controller.charge_solve_time(clock, charge)
+    # Expiries are solved ahead as the engine solves them (its planner process or thread; the config's "off" only
+    # keeps the engine from starting one), on the virtual clock: --solver-time off charges nothing there.
+    engine.controller.charge_solve_time(clock, charge or _free_solve)
     return engine
+
+
+def _free_solve(wall_s: float) -> float:
+    """``--solver-time off``: a solve costs no virtual time."""
+    return 0.0
 
 
 def request_records(engine: Engine) -> list[RequestRecord]:
