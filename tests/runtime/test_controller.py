@@ -7,6 +7,7 @@ from orbitflow.plan import CostModel, PlanRequest
 from orbitflow.policies.base import PlanContext
 from orbitflow.policies.fixed import FixedPlacementPolicy
 from orbitflow.policies.orbitflow import OrbitFlowPolicy
+from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.controller import Controller
 
 
@@ -46,8 +47,6 @@ def test_policies_without_expiry_replan_only_on_batch_changes():
 def test_on_the_virtual_clock_a_solve_the_step_waits_for_moves_the_clock():
     """The simulator charges a solve as the engine runs it: one made while the step waits (a batch change, a
     mismatch, every step, an expiry not solved ahead) holds the batch for its charged seconds."""
-    from orbitflow.runtime.clock import VirtualClock
-
     clock = VirtualClock()
     controller = Controller(OrbitFlowPolicy(), context(window=(2, 5)), background=False)
     controller.charge_solve_time(clock, lambda wall_s: 0.5)  # every solve costs 0.5 s of virtual time
@@ -62,8 +61,6 @@ def test_on_the_virtual_clock_a_solve_the_step_waits_for_moves_the_clock():
 
 
 def _clocked(solve_s, window=(2, 5)):
-    from orbitflow.runtime.clock import VirtualClock
-
     clock = VirtualClock()
     controller = Controller(OrbitFlowPolicy(), context(window=window), background=False)
     controller.charge_solve_time(clock, lambda wall_s: solve_s)
@@ -119,8 +116,6 @@ class SloCapped(OrbitFlowPolicy):
 def test_on_the_virtual_clock_an_infeasible_plan_solved_ahead_charges_only_its_fallback_to_the_step():
     """A lone request whose plan solved ahead is infeasible gets the fastest plan that fits, solved while the step
     waits: the clock moves by that solve only, the record charges both."""
-    from orbitflow.runtime.clock import VirtualClock
-
     clock = VirtualClock()
     controller = Controller(SloCapped(), context(window=(2, 5)), background=False)
     controller.charge_solve_time(clock, lambda wall_s: 0.5)
@@ -141,8 +136,6 @@ def test_on_the_virtual_clock_a_failed_solve_ahead_is_solved_again_while_the_ste
             if self.fail:
                 raise RuntimeError("planner bug")
             return super().plan(requests, ctx)
-
-    from orbitflow.runtime.clock import VirtualClock
 
     clock, policy = VirtualClock(), FailingAhead()
     controller = Controller(policy, context(window=(2, 5)), background=False)
@@ -184,8 +177,6 @@ def test_on_the_virtual_clock_a_batch_change_drops_the_solve_ahead():
 
 
 def test_solve_time_off_the_clock_by_default():
-    from orbitflow.runtime.clock import VirtualClock
-
     clock = VirtualClock()
     controller = Controller(OrbitFlowPolicy(), context(), background=False)
     controller.solve([PlanRequest("a", 1, 10, None, 0.0, math.inf)], step=0, trigger="batch")

@@ -286,22 +286,18 @@ class ClockedPlanner:
     one still running (a solve the controller dropped runs to its end there too). The steps that run meanwhile
     hide it."""
 
-    mode = "clocked"
-
     def __init__(self, policy: Policy, clock, solve_time):
         self.policy, self._clock, self._solve_time = policy, clock, solve_time
         self._free_at = -math.inf  # when the solve submitted last is done, on the clock
 
     def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
         """A future of ``(plan, solve seconds)``, as :meth:`BackgroundPlanner.submit`'s."""
-        start = time.perf_counter()
         try:
-            plan = self.policy.plan(requests, ctx)
+            plan, wall_s = _timed_plan(self.policy, requests, ctx)
         except Exception as exc:  # the engine's planner thread would hand the error to whoever asks
             future = Future()
             future.set_exception(exc)
             return future
-        wall_s = time.perf_counter() - start
         self._free_at = max(self._clock.now(), self._free_at) + float(self._solve_time(wall_s))
         return _ClockedFuture((plan, wall_s), self._clock, self._free_at)
 
