@@ -261,13 +261,23 @@ def _search_of(cm, cap, reqs, compiled, **kwargs):
     return pl, win, BranchAndBound(pl.constraints, win, PlanStats())
 
 
+def _some_window_passes(rules, win, host, lat0, cap_max=None):
+    """The window rule by its definition: every segment the horizon fits scheduled, then some window of ``d``
+    steps (``min_steps <= d <= cap_max``, by default ``steps_that_fit``) with at most ``alpha * d`` violations."""
+    cap_max = rules.steps_that_fit(win, host) if cap_max is None else cap_max
+    n_seg = sum(1 for s in win.seg_starts if s < cap_max)
+    cum = rules.violations(win, [lat0] + rules.seg_latencies(win, host, upto=n_seg, first=1))
+    return any(cum[d] <= rules.alpha * d + 1e-9 for d in range(rules.min_steps, cap_max + 1))
+
+
 @needs_numba
 def test_jitted_window_rule_is_constraints_feasible():
     """compiled.leaf_feasible / steps_that_fit (the leaves' and the local improvement's check) answer as
-    Constraints.feasible / steps_that_fit for random assignments, latencies and later-step bounds."""
+    Constraints.feasible / steps_that_fit for random assignments, latencies and later-step bounds; both schedule
+    the later segments only until a window passes, and answer as the rule's definition over the whole horizon."""
     rng = np.random.default_rng(5)
-    answers = set()
-    for _ in range(40):
+    answers, lazy = set(), 0
+    for _ in range(60):
         cm, cap, reqs = _planner_case(rng)
         kwargs = dict(alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(int(rng.integers(1, 5)), 16))
         pl, win, bb = _search_of(cm, cap, reqs, True, **kwargs)
@@ -278,10 +288,19 @@ def test_jitted_window_rule_is_constraints_feasible():
             assert cc.steps_that_fit(k_of, bb._feas()) == rules.steps_that_fit(win, host)
             lat0 = rules.seg_latencies(win, host, upto=1)[0] * float(rng.choice([1.0, 0.7, 1.3]))
             lb = float(rng.choice([0.0, lat0 * rng.uniform(0.5, 1.0)]))
+            win.seg_cache.clear()
             want = rules.feasible(win, host, lat0, later_lb=lb)
             assert cc.leaf_feasible(k_of, lat0, lb, bb._feas()) == want
+            if lb == 0.0:
+                scheduled = len(win.seg_cache)  # the later segments the lazy rule needed
+                assert want == _some_window_passes(rules, win, host, lat0)
+                lazy += scheduled < len(win.seg_cache)
+                cap_max = int(rng.integers(rules.min_steps, win.horizon + 1))  # as if memory ran out there
+                assert cc._window_rule(k_of, lat0, 0.0, cap_max, bb._feas()) == _some_window_passes(
+                    rules, win, host, lat0, cap_max)
             answers.add(want)
     assert answers == {True, False}
+    assert lazy > 0  # some plans passed before the last segment the horizon fits
 
 
 @needs_numba

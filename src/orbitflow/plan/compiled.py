@@ -117,12 +117,23 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
     """
     # NOTE: kept whole: the jitted twin of cost_model.edf_stalls, one event loop whose state is a few scalars
     # and the scratch arrays; split, every piece would take and return all of it.
+    # Per request, the transfer it moves next (nxt) is kept with its release time (nrel: inf until the layer that
+    # releases it has run, or when the request has none left) and its EDF key (nkey), so a decision reads two
+    # arrays; pend[l] counts layer l's transfers not started yet (a layer waits while it is > 0).
     n_req = row.size
     n_layers = comp.size
     inf = math.inf
+    nrel = np.empty(n_req)
+    nkey = np.empty(n_req, np.int64)
+    pend = np.zeros(n_layers, np.int64)
     for r in range(n_req):
-        nxt[r] = ptr[row[r]]
-        cur[r] = ptr[row[r]]
+        p = ptr[row[r]]
+        nxt[r] = p
+        cur[r] = p
+        nrel[r] = 0.0 if p < ptr[row[r] + 1] else inf  # a request's first transfers are released at t=0
+        nkey[r] = lay[p] * n_req + r if p < ptr[row[r] + 1] else 0
+        for a in range(p, ptr[row[r] + 1]):
+            pend[lay[a]] += 1
     for layer in range(n_layers):
         stall[layer] = 0.0
         fin[layer] = inf
@@ -130,28 +141,16 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
     t = 0.0
     added = 0.0
     for layer in range(n_layers):
-        while True:
-            waiting = False
-            for r in range(n_req):
-                a = nxt[r]
-                if a < ptr[row[r] + 1] and lay[a] == layer:
-                    waiting = True
-                    break
-            if not waiting:
-                break
+        while pend[layer] > 0:  # this layer waits for a transfer not started yet
             thr = t_link + 1e-12 + 1e-9 * t_link
             pick = -1
             pick_key = 1 << 62
             next_rel = inf
             for r in range(n_req):
-                a = nxt[r]
-                if a >= ptr[row[r] + 1]:
-                    continue
-                rel = 0.0 if a - ptr[row[r]] < slots else fin[lay[a - slots]]
+                rel = nrel[r]
                 if rel <= thr:
-                    key = lay[a] * n_req + r
-                    if key < pick_key:
-                        pick_key = key
+                    if nkey[r] < pick_key:
+                        pick_key = nkey[r]
                         pick = r
                 elif rel < next_rel:
                     next_rel = rel
@@ -161,8 +160,16 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
                 t_link = next_rel  # idle until the next release
                 continue
             t_link += xfer[pick]
-            arr[nxt[pick]] = t_link
-            nxt[pick] += 1
+            a = nxt[pick]
+            arr[a] = t_link
+            pend[lay[a]] -= 1
+            a += 1
+            nxt[pick] = a
+            if a < ptr[row[pick] + 1]:
+                nrel[pick] = 0.0 if a - ptr[row[pick]] < slots else fin[lay[a - slots]]
+                nkey[pick] = lay[a] * n_req + pick
+            else:
+                nrel[pick] = inf
         ready = -inf
         extra = 0.0
         for r in range(n_req):
@@ -170,7 +177,6 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
             if c < ptr[row[r] + 1] and lay[c] == layer:
                 if arr[c] > ready:
                     ready = arr[c]
-                cur[r] = c + 1
                 extra = hl
         if ready > t:
             stall[layer] = ready - t
@@ -180,6 +186,12 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
         t += comp[layer] + extra
         fin[layer] = t
         added += extra
+        for r in range(n_req):  # the layer has run: it releases the transfer slots later of each request it read
+            c = cur[r]
+            if c < ptr[row[r] + 1] and lay[c] == layer:
+                cur[r] = c + 1
+                if nxt[r] == c + slots and c + slots < ptr[row[r] + 1]:
+                    nrel[r] = t
     total = 0.0
     for layer in range(n_layers):
         total += stall[layer]
@@ -229,10 +241,10 @@ def host_csr(host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.ndarray, slots: int = 1,
-               host_layer_s: float = 0.0) -> float:
+               host_layer_s: float = 0.0, csr: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """What a host mask adds to one step's compute (stalls and host-layer compute; ``CostModel.added_s``), for
-    the planner's window segments."""
-    ptr, lay = host_csr(host)
+    the planner's window segments; ``csr``: the mask's :func:`host_csr`, when the caller has it."""
+    ptr, lay = host_csr(host) if csr is None else csr
     n_req, n_layers = host.shape
     return float(_edf(comp, tail, ptr, lay, np.arange(n_req, dtype=np.int64), xfer, np.int64(slots), math.inf,
                       np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers),
@@ -690,29 +702,34 @@ def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
     agree."""
     per_step = np.zeros(horizon)
     bal = deposit.copy()
-    n_req = slo.size
     for i in range(seg_lat.size):
-        s = seg_starts[i]
-        e = seg_ends[i]
-        n = e - s
-        for r in range(n_req):
-            delta = 1.0 - seg_lat[i] / slo[r]
-            if delta < 0:
-                ok = min(np.floor(bal[r] / -delta + 1e-9), float(n))
-                if ok < n:
-                    for step in range(s + int(ok), e):
-                        per_step[step] += 1
-                    bal[r] = 0.0
-                else:
-                    bal[r] = max(bal[r] + n * delta, 0.0)
-            else:
-                bal[r] = bal[r] + n * delta
+        _deposit_segment(seg_lat[i], seg_starts[i], seg_ends[i], slo, bal, per_step)
     cum = np.zeros(horizon + 1)
     acc = 0.0
     for step in range(horizon):
         acc += per_step[step]
         cum[step + 1] = acc
     return cum
+
+
+@_jit
+def _deposit_segment(lat, s, e, slo, bal, per_step):
+    """One segment of :func:`violations`: steps ``s..e-1`` of ``lat`` seconds each, the balances ``bal`` updated in
+    place and each request's violations counted into ``per_step``. Only steps ``s..e-1`` are touched, so the
+    violations over the first ``d`` steps are known once the segments covering them are done."""
+    n = e - s
+    for r in range(slo.size):
+        delta = 1.0 - lat / slo[r]
+        if delta < 0:
+            ok = min(np.floor(bal[r] / -delta + 1e-9), float(n))
+            if ok < n:
+                for step in range(s + int(ok), e):
+                    per_step[step] += 1
+                bal[r] = 0.0
+            else:
+                bal[r] = max(bal[r] + n * delta, 0.0)
+        else:
+            bal[r] = bal[r] + n * delta
 
 
 # ==== the window rule of one assignment, and local improvement ==============================================
@@ -725,7 +742,7 @@ def feasibility_data(counts, hosts_f, lay_ptr, lay, blocks_h, cap, host_cap, alp
     and transfer seconds per request; ``fpar[3]`` the extra compute of a layer that reads prefetched KV."""
     n_req, n_layers = blocks_h.shape[1], hosts_f.shape[1]
     scratch = (np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
-               np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers))
+               np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers), np.empty(horizon), np.empty(n_req))
     fpar = np.array([cap, host_cap, alpha, host_layer_s], dtype=np.float64)
     ipar = np.array([min_steps, horizon, int(np.isfinite(slo).any()), int(compute_grows)], dtype=np.int64)
     return (counts, hosts_f, lay_ptr, lay, np.ascontiguousarray(blocks_h), fpar, ipar, seg_starts, seg_ends, seg_comp,
@@ -778,10 +795,17 @@ def leaf_feasible(k_of, lat0, later_lb, feas):
 
 @_jit
 def _window_rule(k_of, lat0, later_lb, cap_max, feas):
-    """The SLO part of :func:`leaf_feasible`, for an assignment that fits ``cap_max`` steps."""
+    """The SLO part of :func:`leaf_feasible`, for an assignment that fits ``cap_max`` steps: whether some window of
+    ``d`` steps, ``min_steps <= d <= cap_max``, keeps the violations over its steps within ``alpha * d``.
+
+    The violations over the first ``d`` steps read the segments covering them only, so the segments are scheduled
+    one at a time, in order, and the rule stops at the first window that passes: a plan that meets it over the
+    shortest window costs the segments of those few steps, not the horizon's (the final plan's longest window is
+    ``Constraints.window_of``'s). The same floats in the same order as :func:`violations`, so the same answer."""
     lay_ptr, lay, fpar, ipar = feas[2], feas[3], feas[5], feas[6]
     starts, ends, seg_comp, seg_tail, seg_sum, seg_xfer, slo, dep, scr = feas[7:16]
     d_lo, horizon = ipar[0], ipar[1]
+    alpha = fpar[2]
     if ipar[2] == 0:  # no finite SLO
         return True
     n_seg = 0
@@ -790,15 +814,25 @@ def _window_rule(k_of, lat0, later_lb, cap_max, feas):
             n_seg += 1
     seg_lat = scr[5][:n_seg]
     seg_lat[0] = lat0
-    if n_seg > 1 and later_lb > 0 and ipar[3]:
+    if n_seg > 1 and later_lb > 0 and ipar[3]:  # every later step at least later_lb: fails without a schedule
         for i in range(1, n_seg):
             seg_lat[i] = later_lb
-        if not _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon), d_lo, cap_max, fpar[2]):
+        if not _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon), d_lo, cap_max, alpha):
             return False
-    for i in range(1, n_seg):
-        seg_lat[i] = seg_sum[i] + _edf(seg_comp[i], seg_tail[i], lay_ptr, lay, k_of, seg_xfer[i], 1, math.inf,
-                                       scr[0], scr[1], scr[2], scr[3], scr[4], fpar[3])
-    return _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon), d_lo, cap_max, fpar[2])
+    per_step, bal = scr[7], scr[8]
+    per_step[:] = 0.0
+    bal[:] = dep
+    acc = 0.0
+    for i in range(n_seg):
+        if i > 0:
+            seg_lat[i] = seg_sum[i] + _edf(seg_comp[i], seg_tail[i], lay_ptr, lay, k_of, seg_xfer[i], 1, math.inf,
+                                           scr[0], scr[1], scr[2], scr[3], scr[4], fpar[3])
+        _deposit_segment(seg_lat[i], starts[i], ends[i], slo, bal, per_step)
+        for step in range(starts[i], min(ends[i], cap_max)):
+            acc += per_step[step]  # the violations over the first step + 1 steps, as violations() sums them
+            if step + 1 >= d_lo and acc <= alpha * (step + 1) + 1e-9:
+                return True
+    return False
 
 
 @_jit

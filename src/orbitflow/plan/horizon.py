@@ -112,14 +112,17 @@ class Constraints:
         out = []
         n = len(win.seg_starts) if upto is None else upto
         mask_key = host.tobytes()
+        csr = None  # the compiled schedule's host layers (_segment_latency), built once per call
         for i in range(first, n):
             lat = win.seg_cache.get((mask_key, i))
             if lat is None:
-                lat = win.seg_cache[(mask_key, i)] = self._segment_latency(win, host, i)
+                if csr is None and self.compiled and self.cost_model.transfer == "edf":
+                    csr = cc.host_csr(host)
+                lat = win.seg_cache[(mask_key, i)] = self._segment_latency(win, host, i, csr)
             out.append(lat)
         return out
 
-    def _segment_latency(self, win: Horizon, host: np.ndarray, i: int) -> float:
+    def _segment_latency(self, win: Horizon, host: np.ndarray, i: int, csr: tuple | None = None) -> float:
         comp = win.comp[i]
         cm = self.cost_model
         if self.compiled and cm.transfer == "edf":  # same floats, no GIL
@@ -127,7 +130,7 @@ class Constraints:
                 win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
             xfer = np.asarray(cm.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
             added = cc.step_added(np.array(comp, dtype=float), win.tails[i], host, xfer, cm.prefetch_slots,
-                                  cm.host_layer_s)
+                                  cm.host_layer_s, csr)
         else:
             added = cm.added_s(host, win.blocks[win.seg_starts[i]], comp)
         return float(comp.sum()) + added
@@ -169,9 +172,16 @@ class Constraints:
             cum = self.violations(win, [lat0] + [later_lb] * (n_seg - 1))
             if not np.any(cum[d] <= self.alpha * d + 1e-9):
                 return False
-        seg_lat = [lat0] + self.seg_latencies(win, host, upto=n_seg, first=1)
-        cum = self.violations(win, seg_lat)
-        return bool(np.any(cum[d] <= self.alpha * d + 1e-9))
+        # the violations over the first d steps read only the segments covering them: schedule the segments one at a
+        # time and stop at the first window that passes (the plan's longest window is window_of's)
+        seg_lat = [lat0]
+        for i in range(n_seg):
+            if i:
+                seg_lat += self.seg_latencies(win, host, upto=i + 1, first=i)
+            d = np.arange(max(self.min_steps, win.seg_starts[i] + 1), min(win.seg_ends[i], cap_max) + 1)
+            if d.size and np.any(self.violations(win, seg_lat)[d] <= self.alpha * d + 1e-9):
+                return True
+        return False
 
     def lat_prefilter(self, win: Horizon) -> Callable[[float], bool]:
         """Whether a constant per-step latency lower bound still admits some window under alpha.
