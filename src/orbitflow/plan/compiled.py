@@ -127,12 +127,12 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
     nkey = np.empty(n_req, np.int64)
     pend = np.zeros(n_layers, np.int64)
     for r in range(n_req):
-        p = ptr[row[r]]
+        p, end = ptr[row[r]], ptr[row[r] + 1]
         nxt[r] = p
         cur[r] = p
-        nrel[r] = 0.0 if p < ptr[row[r] + 1] else inf  # a request's first transfers are released at t=0
-        nkey[r] = lay[p] * n_req + r if p < ptr[row[r] + 1] else 0
-        for a in range(p, ptr[row[r] + 1]):
+        nrel[r] = 0.0 if p < end else inf  # a request's first transfers are released at t=0
+        nkey[r] = lay[p] * n_req + r if p < end else 0
+        for a in range(p, end):
             pend[lay[a]] += 1
     for layer in range(n_layers):
         stall[layer] = 0.0

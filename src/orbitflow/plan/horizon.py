@@ -112,20 +112,23 @@ class Constraints:
         out = []
         n = len(win.seg_starts) if upto is None else upto
         mask_key = host.tobytes()
-        csr = None  # the compiled schedule's host layers (_segment_latency), built once per call
+        compiled_edf = self.compiled and self.cost_model.transfer == "edf"  # same floats, no GIL
+        csr = None  # the compiled schedule's host layers, built once per call when a segment is missing
         for i in range(first, n):
             lat = win.seg_cache.get((mask_key, i))
             if lat is None:
-                if csr is None and self.compiled and self.cost_model.transfer == "edf":
+                if compiled_edf and csr is None:
                     csr = cc.host_csr(host)
                 lat = win.seg_cache[(mask_key, i)] = self._segment_latency(win, host, i, csr)
             out.append(lat)
         return out
 
-    def _segment_latency(self, win: Horizon, host: np.ndarray, i: int, csr: tuple | None = None) -> float:
+    def _segment_latency(self, win: Horizon, host: np.ndarray, i: int, csr: tuple | None) -> float:
+        """Segment ``i``'s step latency: by the compiled schedule given the mask's host layers ``csr``
+        (:func:`orbitflow.plan.compiled.host_csr`), by the cost model when ``csr`` is None."""
         comp = win.comp[i]
         cm = self.cost_model
-        if self.compiled and cm.transfer == "edf":  # same floats, no GIL
+        if csr is not None:
             if win.tails is None:
                 win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
             xfer = np.asarray(cm.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
