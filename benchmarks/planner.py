@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances  # noqa: E402
+from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances, search  # noqa: E402
 
 
 def random_instance(rng: np.random.Generator, n_req: int, n_layers: int, slo_scale: float | None = None):
@@ -85,10 +85,11 @@ def _budget_vs_baseline(size: str, got: list[float], baseline: dict | None) -> s
 
 
 def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: float, out: list[str],
-                baseline: dict | None = None, dump: dict | None = None) -> None:
-    """Exact and budgeted solves, compiled vs the pure Python / NumPy reference, interleaved per batch.
-    ``baseline``: budgeted latencies per size of another run (``--compare-budget``); ``dump``: filled with this
-    run's (``--dump-budget``)."""
+                baseline: dict | None = None, dump: dict | None = None, threads: int = 1) -> None:
+    """Exact and budgeted solves, compiled vs the pure Python / NumPy reference, interleaved per batch; with
+    ``threads`` > 1 also the compiled exact solve on that many threads. ``baseline``: budgeted latencies per size of
+    another run (``--compare-budget``); ``dump``: filled with this run's (``--dump-budget``)."""
+    par = f"compiled, {threads} threads"
     out.append(f"\n### Solve time per plan() call: compiled vs reference\n\n"
                f"space=pruned, window=(4, 16), alpha=1. exact: `node_limit=None, check_better=False` (the optimum "
                f"proven), stopped at `time_limit_s={exact_cap_s:g}` (then counted in 'exact unproven' and its time "
@@ -99,6 +100,11 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                f"excess: predicted step latency of the budgeted plan over the exact optimum; same opt: the "
                f"compiled and reference exact plans have the same predicted latency (batches where both proved a "
                f"feasible optimum; the excess, too, only counts batches with a proven optimum: n/a where none)."
+               + (f" {par}: the compiled exact solve with `threads={threads}` (Planner's: its search split among "
+                  f"{threads} threads once past {search.PARALLEL_AFTER} nodes; budgeted solves keep a node limit, so "
+                  f"they run on one thread), after the other two; its cpu column is the process's CPU time (every "
+                  f"thread's), its same opt compares it with the compiled one-thread exact plans."
+                  if threads > 1 else "")
                + (f" vs baseline: the compiled budgeted plan's predicted latency against the baseline run's "
                   f"(`--compare-budget`, {baseline.get('source', '?')}) on the same batches (infeasible: infinite)."
                   if baseline is not None else "") + "\n")
@@ -132,6 +138,15 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                     r["excess"].append(b.predicted_step_s / opt - 1)
                 elif opt is not None:
                     r["lost"] += 1  # out of budget before any plan: reported infeasible though one exists
+            if threads > 1:
+                w, c = time.perf_counter(), time.process_time()
+                p = Planner(cm, cap, alpha=1.0, window=(4, 16), compiled=True, threads=threads,
+                            time_limit_s=exact_cap_s, **EXACT).plan(reqs)
+                r = rec.setdefault(par, {"ew": [], "ec": [], "opt": [], "open": 0})
+                r["ew"].append(time.perf_counter() - w)
+                r["ec"].append(time.process_time() - c)
+                r["open"] += not p.stats.exact
+                r["opt"].append(p.predicted_step_s if p.feasible and p.stats.exact else None)
         both = [(a, b) for a, b in zip(rec["compiled"]["opt"], rec["reference"]["opt"])
                 if a is not None and b is not None]
         same = f"{sum(a == b for a, b in both)}/{len(both)}"
@@ -139,6 +154,13 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
         if dump is not None:
             dump[size] = rec["compiled"]["lat"]
         for name, r in rec.items():
+            if name == par:  # exact only; the same optimum as the compiled one-thread search
+                pair = [(a, b) for a, b in zip(rec["compiled"]["opt"], r["opt"]) if a is not None and b is not None]
+                out.append(f"| {n_req} | {n_layers} | {n_calls} | {name} | {1e3 * pct(r['ew'], 50):.2f} | "
+                           f"{1e3 * pct(r['ew'], 99):.2f} | {1e3 * pct(r['ec'], 99):.2f} | {r['open']}/{n_calls} | "
+                           f"- | - | - | - | - | - | {sum(a == b for a, b in pair)}/{len(pair)} |"
+                           + (" |" if baseline is not None else ""))
+                continue
             versus = _budget_vs_baseline(size, r["lat"], baseline) if name == "compiled" else (
                 " |" if baseline is not None else "")
             ex = r["excess"]
@@ -150,7 +172,7 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                 f"{1e3 * pct(r['bw'], 99):.2f} | {1e3 * pct(r['bc'], 99):.2f} | "
                 + (f"{100 * float(np.mean(ex)):.2f}% | {100 * max(ex):.2f}%{lost} | " if ex else f"n/a | n/a{lost} | ")
                 + f"{r['cut']}/{n_calls} | {same} |" + versus)
-        print("\n".join(out[-2:]), flush=True)
+        print("\n".join(out[-len(rec):]), flush=True)
 
 
 def bench_budget_seeds(size: tuple[int, int], calls: int, seeds: list[int], budget_s: float, out: list[str]) -> None:
@@ -620,6 +642,8 @@ def main() -> None:
                     help="random batches per size for the speed table (default 300, quick 20; a tenth at L=80)")
     ap.add_argument("--budget-ms", type=float, default=1.0, help="time_limit_s of the budgeted solves, in ms")
     ap.add_argument("--exact-cap-s", type=float, default=2.0, help="wall-clock cap of one exact solve, in seconds")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="speed: also time the compiled exact solve on this many threads (1: not)")
     ap.add_argument("--sections", default="speed,budget_seeds,engine,bruteforce,floor,uniform,full",
                     help="comma-separated subset of speed,budget_seeds,engine,bruteforce,floor,uniform,full,proof "
                          "(proof: not by default, ~6 min)")
@@ -664,7 +688,10 @@ def main() -> None:
                 ap.error(f"--compare-budget: {args.compare_budget} has seed {baseline.get('seed')} and calls "
                          f"{baseline.get('calls')}, this run {args.seed} and {calls}")
         dump = {"seed": args.seed, "calls": calls, "source": _source()} if args.dump_budget else None
-        bench_speed(sizes, calls, args.seed, args.budget_ms / 1e3, args.exact_cap_s, out, baseline, dump)
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        bench_speed(sizes, calls, args.seed, args.budget_ms / 1e3, args.exact_cap_s, out, baseline, dump,
+                    args.threads)
         if dump is not None:
             with open(args.dump_budget, "w") as f:
                 json.dump(dump, f)

@@ -374,7 +374,7 @@ def _add_plan_parser(sub) -> None:
                     helps={"device_kv_blocks": "override the device KV budget (default: the profile's)"})
     add_config_args(p, PlannerConfig, "planner", helps={"slo_ms": "TBT SLO (default: --slo-scale x the base SLO)"},
                     only=("slo_ms", "slo_scale", "alpha", "window_min", "window_max", "victim", "plan_node_limit",
-                          "plan_time_limit_ms"))
+                          "plan_time_limit_ms", "plan_threads"))
     p.add_argument("--space", choices=("pruned", "uniform", "full"), default="pruned", help="search space")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)

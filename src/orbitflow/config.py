@@ -168,6 +168,9 @@ class PlannerConfig(_Validated):
     plan_time_limit_ms: float | None = option(
         None, "wall-clock budget per planner solve (default: none; the node limit alone bounds it)", type=float,
         check="positive?", metavar="MS")
+    plan_threads: int = option(
+        1, "threads of a planner solve without a node limit (--plan-node-limit none): its search splits among them "
+           "(the same optimum, sooner on a host with spare cores)", type=int, check="positive", metavar="N")
     mismatch_threshold: float = option(0.25, "re-plan when the measured step latency is off by more than this "
                                              "fraction", type=float, check="positive", cli=False)
     ewma: float = option(0.3, "weight of a new measurement when refreshing the profile", type=float, check="unit",

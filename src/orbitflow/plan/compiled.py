@@ -299,9 +299,12 @@ def suffix_tables(order, bcap, b0, x0, n_layers, share):
 
 # ==== branch and bound ======================================================================================
 # integer state (ist)
-# GAINED: a leaf after the first dive became the incumbent (the search still improves on its first dive's plan)
-DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT, GAINED = range(12)
-N_IST = 12
+# GAINED: a leaf after the first dive became the incumbent (the search still improves on its first dive's plan);
+# PREFIX: the search covers only the subtree of the first PREFIX candidates in ``choice`` (one task of a parallel
+# search, BranchAndBound._search_parallel; 0: the whole tree)
+(DEPTH, PHASE, NODES, LEAVES, DONE, HIT, DIVE_START, CHUNK_STOP, TIMED_OUT, FIRST_ONLY, NODE_LIMIT, GAINED,
+ PREFIX) = range(13)
+N_IST = 13
 # float state (fst); deadlines on the kernels' clock (kernel_deadline), inf: none. DEADLINE: where the search stops
 # and hands the rest to the local improvement; LATE_DEADLINE: where it stops instead once it has GAINED
 BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, GAP, DEADLINE, LATE_DEADLINE = range(8)
@@ -393,11 +396,14 @@ def _cover_cost(y, cover, e):
 
 
 @_jit
-def _unwind(depth, pos, nk, ordk, alive, lat_lb, fst):
-    """Budget spent: the least bound of the children left unexplored at every open level."""
+def _unwind(depth, pos, nk, ordk, alive, lat_lb, fst, prefix, choice):
+    """Budget spent: the least bound of the children left unexplored at every open level (above ``prefix``, the
+    fixed candidates' only: the others are other tasks')."""
     for d in range(depth, -1, -1):
         for i in range(pos[d], nk[d]):
             k = ordk[d, i]
+            if d < prefix and k != choice[d]:
+                continue
             if alive[d, k] and lat_lb[d, k] < fst[OPEN_LB]:
                 fst[OPEN_LB] = lat_lb[d, k]
 
@@ -610,7 +616,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                 return PAUSED
             ist[NODES] += 1
             if _budget_spent(ist, fst, clock, n_req):
-                _unwind(d - 1, pos, nk, ordk, alive, lat_lb, fst)
+                _unwind(d - 1, pos, nk, ordk, alive, lat_lb, fst, ist[PREFIX], choice)
                 return FINISHED
             n_kids = choice[d - 1] + 1 if same_as_prev[d] else n_cand
             nk[d] = n_kids
@@ -629,6 +635,9 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
         while i < nk[d]:
             k = ordk[d, i]
             lb = lat_lb[d, k]
+            if d < ist[PREFIX] and k != choice[d]:  # another task's subtree
+                i += 1
+                continue
             if (not alive[d, k] or _prunable(lb, kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP])
                     or not _lat_ok(lb, fst, slo_on, dep, slo, alpha, d_lo, d_hi)):
                 i += 1
@@ -661,7 +670,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                         if ist[FIRST_ONLY]:
                             ist[DONE] = 1
                 if _budget_spent(ist, fst, clock, n_req):
-                    _unwind(d, pos, nk, ordk, alive, lat_lb, fst)
+                    _unwind(d, pos, nk, ordk, alive, lat_lb, fst, ist[PREFIX], choice)
                     return FINISHED
                 i += 1
                 continue

@@ -136,6 +136,8 @@ class Planner:
     distance, the others refitted to the capacity, or of two requests' in opposite directions;
     :func:`orbitflow.plan.compiled.improve`) before the
     search; 0 turns it off. It only makes budgeted plans better and exact searches prune earlier.
+    ``threads``: a search without a node limit (``node_limit=None``, compiled) splits its subtrees among this many
+    threads (:meth:`BranchAndBound._search_parallel`): the same optimum, found sooner on a host with spare cores.
     ``compiled``: run the search and the step evaluator compiled (:mod:`orbitflow.plan.compiled`, numba,
     without the GIL); None: when numba is installed and ``ORBITFLOW_PLAN_COMPILED`` is not ``0``. Both give the
     same plans; the pure Python / NumPy path is the reference.
@@ -161,6 +163,7 @@ class Planner:
         host_capacity_blocks: float = math.inf,
         compiled: bool | None = None,
         improve_evals: int = 256,
+        threads: int = 1,
     ) -> None:
         lo, hi = _check_limits(space, window, block_size, alpha, capacity_blocks, node_limit, expiry_node_limit,
                                full_max_evals, gap, time_limit_s)
@@ -186,6 +189,9 @@ class Planner:
         if improve_evals < 0:
             raise ValueError(f"improve_evals must be >= 0, got {improve_evals}")
         self.improve_evals = int(improve_evals)
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        self.threads = int(threads)
         self._victims = resolve_victim_order(victim_order, cost_model.num_layers, seed)
 
     @property
@@ -352,7 +358,7 @@ class Planner:
         """Exact branch and bound over per-request distance candidates (:class:`BranchAndBound`: ``upper``,
         ``first_only``, ``node_limit``, ``deadline``, ``hint``); returns the host mask or None."""
         return BranchAndBound(self.constraints, win, stats, gap=self.gap, improve_evals=self.improve_evals,
-                              **search).run()
+                              threads=self.threads, **search).run()
 
 
 def _check_ids(reqs: list[PlanRequest]) -> None:

@@ -53,6 +53,9 @@ optimum changes.
 
 Budgets (node count, deadline) stop the search with the incumbent; the least bound among the children left
 unexplored then certifies its gap.
+A search without a node limit may use several threads (``threads``; :meth:`BranchAndBound._search_parallel`): past
+``PARALLEL_AFTER`` nodes it gives the open subtrees at the top of its stack to other threads, which share the
+incumbent and take work from each other; the same optimum, found sooner where cores are spare.
 Identical requests (same sizes over the window, deposit and SLO) are interchangeable, so their offload
 counts are forced non-increasing along the search order.
 """
@@ -60,7 +63,9 @@ counts are forced non-increasing along the search order.
 from __future__ import annotations
 
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -88,6 +93,8 @@ DP_REST_SHARE = 0.05  # the propagated bound (dp_bound) where the unassigned req
 IMPROVE_SHARE = 0.2  # of the time left when a search with a deadline starts: kept for the local improvement
 PROBE_SHARE = 0.1  # of the time left to a deadline: the most the root's probes may be expected to take
 PROBE_S = 6e-9  # seconds per K * R^2 * L the root's probes take (measured: 3.5-6 ns, (4, 32) to (16, 80))
+PARALLEL_AFTER = 4096  # nodes a search that may use threads runs alone first (most searches end before)
+SYNC_NODES = 1024  # nodes a thread of a parallel search runs between two looks at the shared incumbent
 
 
 def paced_chunk(now: float, since: float, units: int, deadline: float) -> int:
@@ -205,8 +212,10 @@ class BranchAndBound:
         deadline: float | None = None,
         hint: list | None = None,
         improve_evals: int = 0,
+        threads: int = 1,
     ) -> None:
         self.rules, self.win, self.stats = rules, win, stats
+        self.threads = threads  # a search without a node limit splits its subtrees among them (_search_parallel)
         self.first_only, self.gap, self.hint = first_only, gap, hint
         self.node_limit = node_limit  # None: unlimited
         self.deadline = deadline  # time.perf_counter() value after which the search stops
@@ -600,33 +609,144 @@ class BranchAndBound:
         """The search of :meth:`_node`, run by :func:`orbitflow.plan.compiled.bb_search` (no GIL, no Python
         object per node, leaves checked against the window rule there too), which reads the deadline from the clock
         itself; where the kernels have no clock (``compiled.HAVE_CLOCK``) it hands back control every
-        :func:`paced_chunk` nodes instead."""
-        ist, fst = self._compiled_state()
-        best_k = np.zeros(self.n_req, dtype=np.int64)
-        t = self.tables
-        args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
-            self._feas(), best_k, tuple(self.cover), np.zeros((self.n_req, len(self.counts))), self.dp_depth,
-            t.least_t, np.zeros(len(self.counts)), np.zeros(t.mats_t.shape[1:]), self.root_probe, self.clock)
-        nodes0 = self.nodes
+        :func:`paced_chunk` nodes instead. A search that may use threads (:meth:`_parallel`) and is still running
+        after ``PARALLEL_AFTER`` nodes goes on with them (:meth:`_search_parallel`)."""
+        state = self._worker_state()
+        ist, fst, best_k, args = state
+        paced = self.deadline is not None and not cc.HAVE_CLOCK
+        split = self._parallel()
+        never = 1 << 62
+        if split:
+            ist[cc.CHUNK_STOP] = min(int(ist[cc.CHUNK_STOP]), self.nodes + PARALLEL_AFTER)
+        states, shared = [state], None
         since, done = time.perf_counter(), self.nodes
         while cc.bb_search(*args) == cc.PAUSED:
             now, nodes = time.perf_counter(), int(ist[cc.NODES])
+            tasks = self._donate(state) if split else []
+            if tasks:
+                states, shared = self._search_parallel(state, tasks)
+                break
             end = self.improve_deadline if ist[cc.GAINED] else self.deadline
-            if now > end:
+            if paced and now > end:
                 ist[cc.TIMED_OUT] = 1
-            ist[cc.CHUNK_STOP] = nodes + paced_chunk(now, since, nodes - done, end)
+            ist[cc.CHUNK_STOP] = min(nodes + paced_chunk(now, since, nodes - done, end) if paced else never,
+                                     nodes + PARALLEL_AFTER if split else never)
             since, done = now, nodes
-        if (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])) != self.best_key:
-            self._set_best(best_k, (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])))
-        leaves = int(ist[cc.LEAVES])
-        self.nodes = int(ist[cc.NODES])
-        self.stats.nodes += self.nodes - nodes0 - leaves
-        self.stats.leaves += leaves
-        if ist[cc.HIT]:
-            self.stats.exact = False
-        self.done = bool(ist[cc.DONE])
-        self.open_lb = float(fst[cc.OPEN_LB])
-        self.gained, self.timed_out = bool(ist[cc.GAINED]), bool(ist[cc.TIMED_OUT])
+        self._collect(states, shared)
+
+    def _collect(self, states: list[tuple], shared: _Shared | None) -> None:
+        """What the compiled search's states (one, or one per thread) found and spent, into this search's."""
+        nodes0 = self.nodes
+        if shared is None:  # one state: its incumbent
+            _, fst, best_k, _ = states[0]
+            key = (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED]))
+            if better(key, self.best_key):
+                self._set_best(best_k, key)
+        elif better(shared.best_key, self.best_key):  # threads: the shared one (a thread's own may be stale)
+            self._set_best(shared.best_k, shared.best_key)
+        for ist, fst, _, _ in states:
+            leaves = int(ist[cc.LEAVES])
+            self.nodes += int(ist[cc.NODES]) - nodes0
+            self.stats.nodes += int(ist[cc.NODES]) - nodes0 - leaves
+            self.stats.leaves += leaves
+            if ist[cc.HIT]:
+                self.stats.exact = False
+            self.done = self.done or bool(ist[cc.DONE])
+            self.open_lb = min(self.open_lb, float(fst[cc.OPEN_LB]))
+            self.gained = self.gained or bool(ist[cc.GAINED])
+            self.timed_out = self.timed_out or bool(ist[cc.TIMED_OUT])
+        if shared is not None:  # the tasks never started
+            self.open_lb = min([self.open_lb, *(lb for _, lb in shared.tasks[shared.next:])])
+
+    def _parallel(self) -> bool:
+        """Whether the search may go on with ``threads`` threads: compiled, two requests or more, no node limit (a node
+        budget counts the serial search's nodes; threads would spend it in another order)."""
+        return (self.threads > 1 and self.compiled and self.trace is None and not self.first_only
+                and self.node_limit is None and self.n_req > 1)
+
+    def _search_parallel(self, state: tuple, tasks: list[tuple[tuple[int, ...], float]]) -> tuple[list[tuple], _Shared]:
+        """Go on with the compiled search paused in ``state``, which gave away ``tasks`` (:meth:`_donate`), on
+        ``threads`` threads at once (the kernels hold no GIL); returns every thread's state and what they shared.
+
+        A task is a subtree: the candidates of the first requests (``compiled.PREFIX`` keeps a search inside them).
+        A thread takes the next task when it finishes one; when none is left and a thread waits, the next busy
+        thread to pause gives away the open siblings at the top of its own stack, as the serial search would visit
+        them next (work stealing), so no thread idles while another holds a big subtree. Every ``SYNC_NODES`` nodes
+        a thread swaps incumbents with the shared best: a plan one thread found prunes the others from then on.
+
+        Exact like the serial search: a subtree is only cut by the bound of a plan that was found, so the optimum is
+        the same (latency, moved blocks); among plans tied within ``REL_TOL`` the one kept may differ, as it depends
+        on which thread found its plan first. Under a deadline every thread stops at it; ``open_lb`` then takes what
+        each thread's task left open and the bound of every task not started."""
+        _, fst, best_k, _ = state
+        shared = _Shared(tasks, (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])), best_k, self.threads)
+        states = [state] + [self._worker_state() for _ in range(self.threads - 1)]
+        for other, *_ in states[1:]:  # the first dive is done: budgets apply to the new threads from their first node
+            other[cc.DIVE_START] = other[cc.NODES] - self.n_req - 2
+        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="orbitflow-bb") as pool:
+            list(pool.map(lambda i: self._work(states[i], shared, resume=i == 0), range(self.threads)))
+        return states, shared
+
+    def _donate(self, state: tuple) -> list[tuple[tuple[int, ...], float]]:
+        """Give away part of the search paused in ``state``: the open siblings at its shallowest level with any
+        (not pruned by its incumbent), as tasks ``(candidates of the first requests, bound of the subtree)``; the
+        search then keeps to the subtree of its current candidate there (``compiled.PREFIX``). [] if none."""
+        ist, fst, _, args = state
+        choice, pos, nk, ordk, lat_lb, alive, kid_moved = args[4:11]
+        best = (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED]))
+        for level in range(int(ist[cc.PREFIX]), int(ist[cc.DEPTH])):
+            ks = [int(k) for k in ordk[level, pos[level] + 1: nk[level]]
+                  if alive[level, k] and not prunable(float(lat_lb[level, k]), float(kid_moved[level, k]), best)]
+            if ks:
+                prefix = tuple(int(c) for c in choice[:level])
+                ist[cc.PREFIX] = level + 1
+                return [((*prefix, k), float(lat_lb[level, k])) for k in ks]
+        return []
+
+    def _worker_state(self) -> tuple:
+        """One compiled search's state ``(ist, fst, best_k, args of compiled.bb_search)``: its own scratch, window-rule
+        scratch and clock (the kernels write into them), the tables shared read-only."""
+        ist, fst = self._compiled_state()
+        best_k = np.zeros(self.n_req, dtype=np.int64)
+        feas = self._feas()
+        feas = feas[:-1] + (tuple(np.empty_like(a) for a in feas[-1]),)
+        t, n_cand = self.tables, len(self.counts)
+        args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
+            feas, best_k, tuple(self.cover), np.zeros((self.n_req, n_cand)), self.dp_depth, t.least_t,
+            np.zeros(n_cand), np.zeros(t.mats_t.shape[1:]), self.root_probe, cc.clock_scratch())
+        return ist, fst, best_k, args
+
+    def _work(self, state: tuple, shared: _Shared, resume: bool) -> None:
+        """One thread of :meth:`_search_parallel`: its search in ``state`` to the end (``resume``: the paused one
+        first), then tasks in turn until every thread waits for one, or the budget is spent."""
+        ist, fst, best_k, args = state
+        choice = args[4]
+        paced = not cc.HAVE_CLOCK and self.deadline is not None
+        task_lb = math.inf
+        while True:
+            if not resume:
+                task = shared.take()
+                if task is None:
+                    return
+                prefix, task_lb = task
+                choice[: len(prefix)] = prefix
+                ist[cc.DEPTH], ist[cc.PHASE], ist[cc.PREFIX] = 0, cc.ENTER, len(prefix)
+            resume = False
+            while True:
+                shared.swap(fst, best_k)
+                ist[cc.CHUNK_STOP] = ist[cc.NODES] + SYNC_NODES
+                if cc.bb_search(*args) != cc.PAUSED:
+                    break
+                if paced and time.perf_counter() > (self.improve_deadline if ist[cc.GAINED] else self.deadline):
+                    ist[cc.TIMED_OUT] = 1
+                if shared.hungry():
+                    shared.give(self._donate(state))
+            shared.swap(fst, best_k)
+            if ist[cc.DONE]:  # the budget is spent: OPEN_LB holds what this thread left open, ...
+                if ist[cc.DEPTH] == 0 and ist[cc.PHASE] == cc.ENTER:  # ... but a task stopped before its root
+                    fst[cc.OPEN_LB] = min(fst[cc.OPEN_LB], task_lb)
+                shared.halt()
+                return
 
     def _feas(self) -> tuple:
         """The window rule's data for the compiled kernels (:func:`orbitflow.plan.compiled.feasibility_data`),
@@ -798,3 +918,63 @@ class BranchAndBound:
                     if self._try(cand.tolist()):
                         k_of[:], ist[cc.SINCE] = cand, 0
         self.stats.improve_evals += int(ist[cc.EVALS])
+
+
+class _Shared:
+    """What the threads of a parallel search share (:meth:`BranchAndBound._search_parallel`): the tasks (candidates
+    of the first requests, with a bound on their subtree) and the next one, how many threads wait for one, the best
+    plan found, and whether the search ended (every thread waiting) or the budget stopped it."""
+
+    def __init__(self, tasks: list[tuple[tuple[int, ...], float]], best_key: tuple[float, float],
+                 best_k: np.ndarray, threads: int) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.tasks = list(tasks)
+        self.next = 0
+        self.threads = threads
+        self.waiting = 0
+        self.finished = False  # every thread waits and no task is left: the tree is searched
+        self.stop = False  # the budget stopped a thread: the others stop too
+        self.best_key = best_key
+        self.best_k = best_k.copy()
+
+    def take(self) -> tuple[tuple[int, ...], float] | None:
+        """The next task, once there is one; None when the search has ended or stopped."""
+        with self.wake:
+            self.waiting += 1
+            while not (self.stop or self.finished or self.next < len(self.tasks)):
+                if self.waiting == self.threads:
+                    self.finished = True
+                    self.wake.notify_all()
+                    break
+                self.wake.wait()
+            self.waiting -= 1
+            if self.stop or self.finished:
+                return None
+            self.next += 1
+            return self.tasks[self.next - 1]
+
+    def hungry(self) -> bool:
+        """Whether a thread waits and no task is left (read without the lock: a hint for the next pause)."""
+        return self.waiting > 0 and self.next >= len(self.tasks)
+
+    def give(self, tasks: list[tuple[tuple[int, ...], float]]) -> None:
+        if tasks:
+            with self.wake:
+                self.tasks += tasks
+                self.wake.notify_all()
+
+    def halt(self) -> None:
+        with self.wake:
+            self.stop = True
+            self.wake.notify_all()
+
+    def swap(self, fst: np.ndarray, best_k: np.ndarray) -> None:
+        """Publish a thread's incumbent (``fst``'s, its candidates in ``best_k``) if it beats the shared one, else
+        give the thread the shared one (only its key: what its search prunes with)."""
+        with self.lock:
+            mine = (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED]))
+            if better(mine, self.best_key):
+                self.best_key, self.best_k = mine, best_k.copy()
+            else:
+                fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key

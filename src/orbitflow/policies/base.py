@@ -38,6 +38,7 @@ class PlanContext:
     host_capacity_blocks: float = math.inf  # host blocks the batch may use (the engine sets it per solve)
     node_limit: int | None = 2000  # planner budget per solve
     time_limit_s: float | None = None
+    threads: int = 1  # threads of a solve without a node limit
     # offload distance per request id of the plan in place (the search's first try); read-only
     previous: Mapping | None = None
 
@@ -59,6 +60,7 @@ class PlanContext:
             max_batch_tokens=config.scheduler.max_num_batched_tokens,
             node_limit=config.planner.plan_node_limit,
             time_limit_s=config.planner.plan_time_limit_s,
+            threads=config.planner.plan_threads,
         )
 
     def planner(self, space: str = "pruned", alpha: float | None = None) -> Planner:
@@ -73,6 +75,7 @@ class PlanContext:
             host_capacity_blocks=self.host_capacity_blocks,
             node_limit=self.node_limit,
             time_limit_s=self.time_limit_s,
+            threads=self.threads,
         )
 
 

@@ -1,0 +1,183 @@
+"""The branch and bound's parallel search (BranchAndBound._search_parallel): the serial search's optimum, a certified
+bound when a deadline stops it, and the serial path wherever it does not apply."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+from plan.test_planner import plan_matches_brute_force, random_case
+
+import orbitflow.plan.search as search
+from orbitflow.plan import Planner
+from orbitflow.plan import compiled as cc
+
+pytestmark = pytest.mark.skipif(not cc.HAVE_NUMBA, reason="the parallel search runs the compiled kernels")
+
+
+class _Splits(list):
+    """The tasks of each search that split, and ``gifts``: how many times a search gave tasks away (the split
+    included; the rest: a busy thread's work taken by a waiting one)."""
+
+    gifts = 0
+
+
+@pytest.fixture(autouse=True)
+def splits(monkeypatch):
+    """Searches split after 3 nodes (not 4096) and swap incumbents every 3 nodes, so the small batches below run on
+    threads too, hundreds of swaps each."""
+    monkeypatch.setattr(search, "PARALLEL_AFTER", 3)
+    monkeypatch.setattr(search, "SYNC_NODES", 3)
+    calls = _Splits()
+    split = search.BranchAndBound._search_parallel
+
+    def counted(self, state, tasks):
+        calls.append(len(tasks))
+        return split(self, state, tasks)
+
+    monkeypatch.setattr(search.BranchAndBound, "_search_parallel", counted)
+    donate = search.BranchAndBound._donate
+
+    def counted_donate(self, state):
+        tasks = donate(self, state)
+        if tasks:
+            calls.gifts += 1
+        return tasks
+
+    monkeypatch.setattr(search.BranchAndBound, "_donate", counted_donate)
+    return calls
+
+
+def _solve(cm, cap, reqs, threads, **kw):
+    kw.setdefault("node_limit", None)
+    pl = Planner(cm, cap, alpha=1.0, window=(2, 10), check_better=False, compiled=True, threads=threads, **kw)
+    return pl.plan(reqs)
+
+
+def _key(plan, reqs):
+    """What the search optimises: (step latency, blocks moved per step)."""
+    if not plan.feasible:
+        return None
+    by_id = {q.request_id: q for q in reqs}
+    counts = plan.placement.offload_counts()
+    b0 = [max(by_id[i].blocks_per_layer, -(-by_id[i].tokens // 16)) for i in plan.request_ids]  # step 0's blocks
+    return plan.predicted_step_s, sum(b * int(c) for b, c in zip(b0, counts))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parallel_search_is_exact_vs_brute_force(seed, splits):
+    rng = np.random.default_rng(700 + seed)
+    for _ in range(8):
+        n_req = int(rng.integers(3, 6))
+        n_layers = int(rng.integers(6, 17)) if n_req <= 3 else int(rng.integers(6, 9))
+        cm, cap, reqs = random_case(rng, n_req, n_layers)
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False,
+                     compiled=True, node_limit=None, threads=int(rng.integers(2, 4)))
+        got, _ = plan_matches_brute_force(pl, reqs, n_layers)
+        assert got.stats.exact
+    assert splits  # some of them went on with threads
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_parallel_search_finds_the_serial_optimum_while_threads_swap_incumbents(seed, splits):
+    rng = np.random.default_rng(800 + seed)
+    for _ in range(6):
+        cm, cap, reqs = random_case(rng, int(rng.integers(5, 8)), int(rng.integers(12, 25)))
+        serial = _solve(cm, cap, reqs, 1)
+        assert serial.stats.exact
+        for threads in (2, 3):
+            par = _solve(cm, cap, reqs, threads)
+            assert par.stats.exact and par.feasible == serial.feasible
+            if serial.feasible:
+                lat, moved = _key(par, reqs)
+                assert lat == pytest.approx(serial.predicted_step_s, rel=1e-12, abs=0)
+                assert moved == _key(serial, reqs)[1]
+                assert par.stats.lower_bound_s == par.predicted_step_s
+            # each task searches its own subtree only: the threads together visit about what one thread does, not a
+            # whole tree per task
+            assert par.stats.nodes + par.stats.leaves <= 2 * (serial.stats.nodes + serial.stats.leaves) + 100
+    assert len(splits) >= 6 and splits.gifts > len(splits)  # threads that ran out took work from busy ones
+
+
+def test_a_deadline_stops_every_thread_with_a_certified_bound(splits):
+    rng = np.random.default_rng(3)
+    cut = 0
+    for _ in range(6):
+        cm, cap, reqs = random_case(rng, 8, 24)
+        exact = _solve(cm, cap, reqs, 1)
+        assert exact.stats.exact
+        if not exact.feasible:
+            continue
+        par = _solve(cm, cap, reqs, 2, time_limit_s=2e-3)
+        assert par.feasible
+        assert par.predicted_step_s >= exact.predicted_step_s * (1 - 1e-12)
+        # no plan is faster than the certified bound, which may not exceed the plan it certifies
+        assert par.stats.lower_bound_s <= exact.predicted_step_s * (1 + 1e-12)
+        assert par.stats.lower_bound_s <= par.predicted_step_s
+        if not par.stats.exact:
+            cut += 1
+            assert par.stats.gap == pytest.approx(
+                (par.predicted_step_s - par.stats.lower_bound_s) / par.predicted_step_s)
+    assert cut > 0 and splits  # the deadline stopped some searches that had split
+
+
+def test_a_search_stopped_as_it_splits_certifies_every_subtree_it_left(monkeypatch, splits):
+    # the deadline passes the moment the search splits: the paused thread stops inside its subtree, the others at
+    # the root of the first task each takes, and the tasks left are never started; the bound must cover them all
+    split = search.BranchAndBound._search_parallel
+
+    def late(self, state, tasks):
+        self.deadline = self.improve_deadline = time.perf_counter() - 1.0
+        state[1][cc.DEADLINE] = state[1][cc.LATE_DEADLINE] = 0.0  # on the kernels' clock: long past
+        return split(self, state, tasks)
+
+    monkeypatch.setattr(search.BranchAndBound, "_search_parallel", late)
+    collect = search.BranchAndBound._collect
+    left = []  # per split: the least bound of the tasks taken (and stopped at), of those not, the certified bound
+
+    def collected(self, states, shared):
+        collect(self, states, shared)
+        if shared is not None and shared.tasks:  # every task counts: those taken stopped at their root
+            left.append((min(lb for _, lb in shared.tasks[: shared.next] or [(None, math.inf)]),
+                         min(lb for _, lb in shared.tasks[shared.next:] or [(None, math.inf)]), self.open_lb))
+
+    monkeypatch.setattr(search.BranchAndBound, "_collect", collected)
+    rng = np.random.default_rng(21)
+    checked = 0
+    for _ in range(16):
+        cm, cap, reqs = random_case(rng, int(rng.integers(5, 8)), int(rng.integers(8, 17)))
+        exact = _solve(cm, cap, reqs, 1)
+        stopped = _solve(cm, cap, reqs, 3, time_limit_s=60.0)
+        if stopped.stats.exact or not stopped.feasible:  # ended before it split, or stopped before any plan
+            continue
+        checked += 1
+        assert stopped.stats.lower_bound_s <= exact.predicted_step_s * (1 + 1e-12) <= stopped.predicted_step_s * (
+            1 + 2e-12)
+    assert checked >= 6
+    assert any(math.isfinite(taken) for taken, _, _ in left) and any(math.isfinite(rest) for _, rest, _ in left)
+    assert all(open_lb <= min(taken, rest) for taken, rest, open_lb in left)
+
+
+def test_threads_leave_a_node_budgeted_search_serial(splits):
+    rng = np.random.default_rng(11)
+    cm, cap, reqs = random_case(rng, 6, 16)
+    one = _solve(cm, cap, reqs, 1, node_limit=50)
+    two = _solve(cm, cap, reqs, 2, node_limit=50)
+    assert (one.stats.nodes, one.stats.leaves) == (two.stats.nodes, two.stats.leaves)
+    assert _key(one, reqs) == _key(two, reqs)
+    assert not splits
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_threads_must_be_a_positive_integer(bad):
+    cm, cap, reqs = random_case(np.random.default_rng(0), 2, 4)
+    with pytest.raises(ValueError, match="threads"):
+        Planner(cm, cap, threads=bad)
+
+
+def test_no_feasible_plan_is_proven_by_threads_too():
+    rng = np.random.default_rng(5)
+    cm, _, reqs = random_case(rng, 5, 8)
+    one, two = (_solve(cm, 1.0, reqs, threads) for threads in (1, 2))  # a device budget of 1 block fits nothing
+    assert not one.feasible and not two.feasible
+    assert two.stats.exact and two.victims == one.victims
