@@ -81,6 +81,13 @@ def test_cli_json_output(reference, capsys):
 
 
 def test_cli_errors_are_one_line(capsys):
+    assert main(["generate", "--prompt", "x", "--policy", "warp-drive"]) == 2  # before the model loads
+    assert "--policy" in capsys.readouterr().err
+    for argv, says in ((["--prompt", ""], "at least one token"),
+                       (["--prompt", "x", "--max-tokens", "9000"], "context length")):
+        assert main(["generate", "--placement", "none", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert main(["generate", "--prompt", "x", "--model", "/nonexistent/model.gguf"]) == 2
     err = capsys.readouterr().err
     assert "/nonexistent/model.gguf" in err and "Traceback" not in err

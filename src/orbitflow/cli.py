@@ -7,6 +7,7 @@ import json
 import sys
 
 from orbitflow.config import (
+    SERVING_ONLY,
     VICTIM_CHOICES,
     CacheConfig,
     ConfigError,
@@ -30,6 +31,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from orbitflow.llm import LLM
     from orbitflow.policies import FixedPlacementPolicy
+    from orbitflow.runtime.engine import RequestRejected
     from orbitflow.runtime.sampling import SamplingParams
 
     if args.max_tokens < 1:
@@ -42,10 +44,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     bar = tqdm(desc="decode steps", unit="step", disable=args.json or not sys.stderr.isatty(), leave=False)
     try:
         reqs = llm.generate(args.prompt, sampling, chat=args.chat, progress=lambda: bar.update(1))
+        stats = llm.stats()
+    except RequestRejected as exc:  # an empty prompt, or prompt + --max-tokens past the context: no traceback
+        raise CLIError(str(exc)) from None
     finally:
         bar.close()
-    stats = llm.stats()
-    llm.close()
+        llm.close()
     outputs = [
         {"prompt": p, "token_ids": r.output_ids, "text": llm.tokenizer.decode(r.output_ids)}
         for p, r in zip(args.prompt, reqs)
@@ -300,7 +304,8 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
-    add_engine_args(p, defaults={"max_num_seqs": None})
+    add_engine_args(p, defaults={"max_num_seqs": None}, skip=SERVING_ONLY,
+                    helps={"max_num_seqs": "sequences decoded together (default: one per --prompt)"})
     p.set_defaults(func=cmd_generate)
 
 
@@ -346,8 +351,8 @@ def _add_simulate_parser(sub) -> None:
                         "(DeepSpeed 2, others 1), or a comma list of depths for every policy")
     p.add_argument("--noise-cv", type=float, default=None,
                    help="CV of the seeded lognormal noise, one factor per step on its compute and transfers, unseen by "
-                        "the planner (0: the planner's model exactly). Default: the profile's measured step jitter "
-                        f"(step_noise_cv, written by `orbitflow profile`), else {DEFAULT_NOISE_CV}")
+                        "the planner (0: the planner's model exactly) (default: the profile's measured step jitter, "
+                        f"step_noise_cv, written by `orbitflow profile`; else {DEFAULT_NOISE_CV})")
     p.add_argument("--solver-time", default="measured", help=SOLVER_TIME_HELP)
     p.add_argument("--no-deposit-runs", action="store_true",
                    help="also run every point without Token-Deposit (paper Fig. 13b)")
@@ -385,7 +390,7 @@ def _add_profile_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     p.add_argument("--out", "--output", "-o", dest="output", default=None,
                    help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
-    add_engine_args(p)
+    add_engine_args(p, skip=SERVING_ONLY)
     p.set_defaults(func=cmd_profile)
 
 

@@ -359,10 +359,15 @@ def add_config_args(parser, cls, title: str | None = None, only: Iterable[str] |
     return group
 
 
-def add_engine_args(parser, defaults: dict[str, Any] | None = None) -> None:
-    """Every engine flag, grouped by concern."""
+SERVING_ONLY = ("max_queue_len",)  # engine flags that only mean something behind the HTTP API
+
+
+def add_engine_args(parser, defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None,
+                    skip: Iterable[str] = ()) -> None:
+    """Every engine flag but ``skip`` (flat names), grouped by concern."""
     for _, cls, title in ENGINE_CONCERNS:
-        add_config_args(parser, cls, title, defaults=defaults)
+        only = [dest_of(f) for f in fields(cls) if dest_of(f) not in skip]
+        add_config_args(parser, cls, title, only=only, defaults=defaults, helps=helps)
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):

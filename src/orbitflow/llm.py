@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,8 @@ from orbitflow.runtime.engine import Engine
 from orbitflow.runtime.executor import ModelExecutor
 from orbitflow.runtime.request import Request
 from orbitflow.runtime.sampling import SamplingParams
+
+log = logging.getLogger("orbitflow")
 
 
 @dataclass
@@ -52,11 +56,19 @@ class LLM:
         cfg = self.config
         cache = cfg.cache
         tp = cfg.parallel.tensor_parallel_size
+        self.policy = policy or make_policy(cfg.planner.policy)  # a mistyped --policy fails before the loading
         # With tensor parallelism the ranks load their own shards; this process needs config and tokenizer.
+        started = time.perf_counter()
+        if loaded is None:
+            log.info("loading %s%s", cfg.model.name, f" on {tp} tensor-parallel ranks" if tp > 1 else "")
         self.loaded = loaded or load_model(cfg.model.name, weights=tp == 1)
         mc = self.loaded.config
         self.executor = self._build_executor(mc)
         self.kv = self.executor.kv
+        if profile == "measure":
+            log.info("loaded in %.1f s; measuring this machine's decode step and link (the SLO and the planner's "
+                     "cost model come from it)", time.perf_counter() - started)
+            started = time.perf_counter()
         if isinstance(profile, HardwareProfile):
             self.profile = profile
         elif profile == "measure" and tp > 1:
@@ -78,7 +90,10 @@ class LLM:
         # collection (which the executor also keeps out of its steps) never walks the model's objects.
         gc.collect()
         gc.freeze()
-        self.policy = policy or make_policy(cfg.planner.policy)
+        if profile == "measure":
+            log.info("measured in %.1f s: decode step %.1f ms + %.3f ms per 1K tokens, link %.2f GB/s",
+                     time.perf_counter() - started, 1e3 * self.profile.decode_b, 1e6 * self.profile.decode_a,
+                     self.profile.link_bytes_per_s / 1e9)
         self.clock = WallClock()
         max_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
         ctx = PlanContext.from_profile(cfg, self.profile, self.policy)

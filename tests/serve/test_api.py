@@ -109,6 +109,36 @@ def test_d3_overflow_of_the_queue_gets_503_with_retry_after(http, server):
     assert kv_empty(server.llm)
 
 
+def test_a_long_step_that_advances_layer_by_layer_is_not_a_stall(http, server):
+    """A step that takes several watchdog periods but starts a layer every so often (a long prefill on a CPU)
+    keeps /health at ok: the watchdog reads the executor's layer progress, not only the loop's turns."""
+    executor = server.llm.executor
+    real_step, checked = executor.step, []
+
+    def long_step(seqs):
+        for _ in range(12):  # 1.2 s: more than twice the test server's watchdog, a layer every 0.1 s
+            executor.progress_at = time.monotonic()
+            time.sleep(0.1)
+            if not checked:
+                time.sleep(0.6)  # ... except once, where it waits past the watchdog: that is a stall
+                checked.append(http.get("/health").status_code)
+        return real_step(seqs)
+
+    executor.step = long_step
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(http.post, "/v1/completions", json=GOOD)
+            while not server.llm.engine.running:
+                time.sleep(0.01)
+            time.sleep(0.9)
+            during = http.get("/health")
+            assert reply.result().status_code == 200
+    finally:
+        executor.step = real_step
+    assert checked == [503]
+    assert during.status_code == 200, during.text
+
+
 def test_d4_openai_parameters_are_served(http, server):
     reply = http.post("/v1/completions", json={**GOOD, "n": 3, "logprobs": 2, "temperature": 1.0, "seed": 5,
                                               "frequency_penalty": 1.0, "max_tokens": 6})

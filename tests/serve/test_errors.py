@@ -93,6 +93,37 @@ def test_bad_request(http, case):
     assert_still_serving(http)
 
 
+# what the message must say: the member of a union the value was meant as, the field a chat request has
+MESSAGES = {
+    "negative token id": (*_completion(prompt=[1, -5]), "prompt.1", "greater than or equal to 0"),
+    "two prompts": (*_completion(prompt=["a", "b"]), "prompt", "one prompt per request"),
+    "two token prompts": (*_completion(prompt=[[1], [2]]), "prompt", "one prompt per request"),
+    "temperature not a number": (*_completion(temperature="hot"), "temperature", "should be a number"),
+    "image content": (*_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+                      "messages.0.content.0.type", "'text'"),
+    "chat longer than the context": (*_chat(messages=[{"role": "user", "content": "hi " * 700}]), "messages",
+                                     "prompt tokens leave no room"),
+    "suffix": (*_completion(suffix="tail"), "suffix", "suffix: suffix is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(MESSAGES))
+def test_error_message_names_the_real_cause(http, case):
+    path, body, param, says = MESSAGES[case]
+    error = assert_error(http.post(path, json=body, headers=AUTH), 400, param)
+    assert says in error["message"] and "Value error" not in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    _completion(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, seed=None, stop=None),
+    _chat(temperature=None, top_p=None, frequency_penalty=None, stream=None, logprobs=None, max_tokens=2),
+])
+def test_null_parameters_take_their_defaults(http, path, body):
+    reply = http.post(path, json=body, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]"])
 def test_malformed_body(http, body):
     headers = {**AUTH, "Content-Type": "application/json"}

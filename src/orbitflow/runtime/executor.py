@@ -9,6 +9,7 @@ prefetched by the transfer engine in the planner's `edf` order and consumed from
 from __future__ import annotations
 
 import gc
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ class ModelExecutor(Executor):
         # No cyclic-GC pass inside a step: a collection there is a pause of its own that the cost model
         # cannot know about (refcounting still frees nearly everything; cycles wait for the next step).
         self.hold_gc = True
+        self.progress_at = 0.0  # time.monotonic() when the last layer started (read by the server's watchdog)
 
     def _decode_writes(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
         """Per layer, for a decode step: the rows whose KV of that layer is on the device and the (block,
@@ -141,6 +143,7 @@ class ModelExecutor(Executor):
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.progress_at = time.monotonic()  # the server's watchdog: a long step is busy, not stalled
             transfer.clock.enter(layer)
             # The previous layer has run: its prefetch slots free up (RELEASE) and those requests' next
             # fetches may start. (Releasing right after attention would overlap more, but the planner's

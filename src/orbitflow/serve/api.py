@@ -104,8 +104,9 @@ class OpenAIServer:
                  logprobs: int | None) -> SamplingParams:
         room = self.max_len - len(prompt_ids)
         if room < 1:
-            raise bad_request(f"prompt: {len(prompt_ids)} tokens leave no room for output in this server's "
-                              f"context of {self.max_len} tokens", "prompt")
+            what = "messages" if isinstance(req, p.ChatCompletionRequest) else "prompt"
+            raise bad_request(f"{what}: {len(prompt_ids)} prompt tokens leave no room for output in this server's "
+                              f"context of {self.max_len} tokens", what)
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:

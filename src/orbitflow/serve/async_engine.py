@@ -92,8 +92,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def stalled(self, after_s: float) -> float | None:
-        """Seconds since the engine loop last advanced, when that is over `after_s` with work pending."""
-        idle = time.monotonic() - self._heartbeat
+        """Seconds since the engine last made progress, when that is over `after_s` with work pending. Progress is a
+        turn of the loop or a layer of the step it is in (``executor.progress_at``): a prefill of tens of thousands
+        of tokens can take minutes on a CPU, layer by layer, and is busy, not stalled."""
+        last = max(self._heartbeat, getattr(self.engine.executor, "progress_at", 0.0))
+        idle = time.monotonic() - last
         return idle if idle > after_s and self.engine.has_work() else None
 
     def drain(self, grace_s: float) -> None:

@@ -43,11 +43,13 @@ def unavailable(message: str, retry_after_s: int = 1) -> APIError:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """The first pydantic error, with its location in the body as `param` (e.g. "messages.0.role")."""
+    """The first pydantic error, with its location in the body as `param` (e.g. "messages.0.role"). A value that
+    fits no member of a union gets one error per member; the first that is not a plain type mismatch names the
+    member the value was meant as (a token id below 0 in a list of ids, not "should be a string")."""
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
-    err = errors[0]
+    err = next((e for e in errors if not _mismatch(e.get("type", ""))), errors[0])
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, UnsupportedParameter):
         return bad_request(str(cause), param=cause.param)
@@ -59,9 +61,20 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         if err.get("type") == "missing":
             return bad_request("a JSON request body is required")
-        return bad_request(f"request body: {err.get('msg')}")
+        return bad_request(f"request body: {_message(err)}")
     param = ".".join(loc)
-    return bad_request(f"{param}: {err.get('msg')}", param=param)
+    return bad_request(f"{param}: {_message(err)}", param=param)
+
+
+def _mismatch(kind: str) -> bool:
+    """A pydantic error type that says "not this type" (one per member of a union the value is not)."""
+    return kind.endswith(("_type", "_parsing"))
+
+
+def _message(err: dict) -> str:
+    """pydantic's message without its "Value error, " prefix (our validators' messages stand alone)."""
+    msg = str(err.get("msg", ""))
+    return msg.removeprefix("Value error, ")
 
 
 def _is_union_tag(part: str | int) -> bool:

@@ -17,8 +17,6 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
-    StrictInt,
     StrictStr,
     StringConstraints,
     create_model,
@@ -34,7 +32,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 _INT64 = (-(2**63), 2**63 - 1)
 
-Number = StrictInt | StrictFloat  # JSON numbers; strings and booleans are rejected
+def _json_number(value: Any) -> Any:
+    """A JSON number: 7 or 0.5, never "7" or true (pydantic's lax float would take both)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("Input should be a number")
+    return value
 
 
 def _json_integer(value: Any) -> Any:
@@ -44,6 +46,7 @@ def _json_integer(value: Any) -> Any:
     return value
 
 
+Number = Annotated[float, BeforeValidator(_json_number)]
 Int = Annotated[int, BeforeValidator(_json_integer)]
 TokenId = Annotated[Int, Field(ge=0, le=2**31 - 1)]
 
@@ -61,6 +64,15 @@ class SamplingFields(BaseModel):
     """Parameters shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """A parameter sent as null takes its default, as OpenAI's API and vLLM read it (clients send nulls for
+        every parameter they leave unset)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     model: StrictStr | None = Field(None, description="must be the served model's name when given")
     max_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
@@ -133,9 +145,10 @@ def _unsupported(param: str, message: str) -> UnsupportedParameter:
     return UnsupportedParameter(param, f"{param}: {message}")
 
 
+# a batch of prompts parses too, so that _one_prompt can say that one prompt per request is supported
 Prompt = (Annotated[StrictStr, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-          | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)]
-          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
+          | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
+          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
 
 
 class CompletionRequest(SamplingFields):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 
 from orbitflow.config import (
     ClusterConfig,
@@ -36,6 +37,7 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None
 
     server = server or ServerConfig()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _check_port_free(server.host, server.port)  # before a minute of loading and profiling, not after
     llm = LLM(config, profile="measure")  # the SLO derives from this machine's measured decode step
     model_name = server.served_model_name or config.model.name
     app = build_app(llm, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
@@ -68,6 +70,21 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("stopped")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise ConfigError naming --host/--port when the address cannot be bound (in use, or not this machine's)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,0 +1,31 @@
+"""`orbitflow serve` start-up: a port it cannot listen on is an error naming the flag, before the model loads."""
+
+import socket
+
+import pytest
+
+from orbitflow.cli import main
+from orbitflow.config import ConfigError
+from orbitflow.serve import server
+
+
+def test_a_port_in_use_is_named_before_anything_loads(monkeypatch, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port}"):
+            server._check_port_free("127.0.0.1", port)
+
+        def no_loading(*args, **kwargs):
+            raise AssertionError("the model was loaded before the port was checked")
+
+        monkeypatch.setattr("orbitflow.llm.LLM", no_loading)
+        assert main(["serve", "--port", str(port)]) == 2
+        assert f"--port {port}" in capsys.readouterr().err
+    server._check_port_free("127.0.0.1", port)  # free again
+
+
+def test_an_unknown_host_is_named():
+    with pytest.raises(ConfigError, match="--host"):
+        server._check_port_free("no-such-host.invalid", 8000)
