@@ -435,8 +435,9 @@ def explain(what: str) -> str:
                 "stream already meets the SLO on most tokens, and the misses left are long single gaps (a 12K-token "
                 "prefill), so the gain is smaller than the paper's.")
     if "planner share" in w:
-        return ("the planner is pure Python/NumPy (the paper uses a compiled ILP solver on a server CPU), and "
-                "its wall time on this shared 2-core machine is charged in full.")
+        return ("the planner's measured wall time on this 2-core machine (compiled branch and bound, one thread) is "
+                "charged in full, where the paper's Gurobi runs on a server CPU; either way it is under a tenth of a "
+                "percent of serving time.")
     if "highest rate" in w or "around 50%" in w:
         return "absolute attainments depend on the length mix, which stands in for the paper's ShareGPT-derived one."
     return "see the sections above."
@@ -488,25 +489,28 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
     points = list(dict.fromkeys(p for pts in studies.values() for p in pts))
     cache_path = out_dir / "sim_runs.jsonl"
     done: dict = {}
+    made_by: set[str] = set()  # the commits whose runs were reused (each cached run records its own)
     if args.resume and cache_path.exists():
         by_key = {}
         for line in cache_path.read_text().splitlines():
             rec = json.loads(line)
-            by_key[rec["key"]] = rec["metrics"]
+            by_key[rec["key"]] = rec
         for p in points:
             for s in range(setup.first_seed, setup.first_seed + setup.seeds):
                 k = _key(p, s, setup)
                 if k in by_key:
-                    done[(p, s)] = by_key[k]
+                    done[(p, s)] = by_key[k]["metrics"]
+                    made_by.add(by_key[k].get("commit", "unknown"))
     elif cache_path.exists():
         cache_path.unlink()
     reused = len(done)
     total = len(points) * setup.seeds
     seeds = range(setup.first_seed, setup.first_seed + setup.seeds)
     bar = tqdm(total=total, initial=len(done), desc="simulate", unit="run")
+    commit = _commit()
     with cache_path.open("a") as cache:
         def on_result(p, s, metrics):
-            cache.write(json.dumps({"key": _key(p, s, setup), "metrics": metrics}) + "\n")
+            cache.write(json.dumps({"key": _key(p, s, setup), "metrics": metrics, "commit": commit}) + "\n")
             cache.flush()
 
         # the points a --reduced page needs first, so that an interrupted run can still be assembled from the cache
@@ -540,7 +544,7 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
         json.dump({"config": cfg, "summary": summary,
                    "runs": [{k: v for k, v in r.items() if k != "_point"} | {"point": r["_point"]} for r in runs]},
                   fh, indent=None)
-    info = {"runs": len(runs), "points": len(points), "reused": reused,
+    info = {"runs": len(runs), "points": len(points), "reused": reused, "made_by": sorted(made_by),
             "run_s": sum(r.get("wall_s") or 0.0 for r in runs)}
     return md + reproduction_md(claims) + losses_md(res, rates), info
 
@@ -600,8 +604,8 @@ def main() -> None:
             f"{elapsed / 60:.1f} min on {platform.machine()} ({_cpus()} cores"
             f"{', shared with other jobs' if args.shared else ''})"
             + (f": {info['runs']} simulator runs ({info['points']} points x seeds)" if info else "")
-            + (f", {info['reused']} of them reused from the cache of an earlier, interrupted invocation "
-               f"(`--resume`), so the time above is this invocation's only" if info.get("reused") else "") + ". "
+            + (f", {info['reused']} of them reused from the cache of an earlier invocation (`--resume`), so the "
+               f"time above is this invocation's only" if info.get("reused") else "") + ". "
             "`--stages all` also re-runs the planner, engine-vs-HF and simulator-fidelity benchmarks whose fragments "
             "(`docs/results/<name>.md`) are included below; `--resume` continues an interrupted run from "
             "`docs/results/sim_runs.jsonl`. `orbitflow simulate` with no flags runs the headline grid alone.", ""]
@@ -620,14 +624,21 @@ def main() -> None:
 def _provenance(info: dict, elapsed_s: float) -> str:
     """The simulator section's first line: which code made it, so a page re-assembled later (`--stages none`)
     still says so."""
+    reused = info.get("reused", 0)
+    return (f"> **Which code made the simulator section.** `python benchmarks/make_results.py` at commit "
+            f"{_commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {info.get('runs', '?')} runs in "
+            f"{elapsed_s / 60:.1f} min"
+            + (f"; {reused} of them reused from `docs/results/sim_runs.jsonl` (`--resume`) as the code at commit "
+               f"{', '.join(info.get('made_by') or ['unknown'])} ran them." if reused else "."))
+
+
+def _commit() -> str:
+    """This checkout's short commit hash ("unknown" outside git)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return (f"> **Which code made the simulator section.** `python benchmarks/make_results.py` at commit {commit}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {info.get('runs', '?')} runs in "
-            f"{elapsed_s / 60:.1f} min.")
+        return "unknown"
 
 
 def _cpus() -> int:
