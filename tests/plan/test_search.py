@@ -122,24 +122,38 @@ def test_a_deadline_stops_every_thread_with_a_certified_bound(splits):
 
 
 def test_a_search_stopped_as_it_splits_certifies_every_subtree_it_left(monkeypatch, splits):
-    # the deadline passes the moment the search splits: the paused thread stops inside its subtree, the others at
-    # the root of the first task each takes, and the tasks left are never started; the bound must cover them all
+    # the deadline has passed for the threads the split starts: each stops at the root of the first task it takes
+    # (the first one to ask gets one), the tasks left are never started, and the paused search finishes its own
+    # subtree; the bound must cover every task
     split = search.BranchAndBound._search_parallel
 
     def late(self, state, tasks):
-        self.deadline = self.improve_deadline = time.perf_counter() - 1.0
-        state[1][cc.DEADLINE] = state[1][cc.LATE_DEADLINE] = 0.0  # on the kernels' clock: long past
+        self.deadline = self.improve_deadline = time.perf_counter() - 1.0  # what the new threads' states read
         return split(self, state, tasks)
+
+    work = search.BranchAndBound._work
+
+    def after_a_take(self, state, shared, resume):  # the paused search goes on once another thread took a task
+        deadline = time.monotonic() + 5
+        while resume and shared.next == 0 and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        work(self, state, shared, resume)
+
+    monkeypatch.setattr(search.BranchAndBound, "_work", after_a_take)
 
     monkeypatch.setattr(search.BranchAndBound, "_search_parallel", late)
     collect = search.BranchAndBound._collect
-    left = []  # per split: the least bound of the tasks taken (and stopped at), of those not, the certified bound
+    left = []  # per split: the least bound of the tasks stopped at their root, of those never taken, the certificate
 
     def collected(self, states, shared):
         collect(self, states, shared)
-        if shared is not None and shared.tasks:  # every task counts: those taken stopped at their root
-            left.append((min(lb for _, lb in shared.tasks[: shared.next] or [(None, math.inf)]),
-                         min(lb for _, lb in shared.tasks[shared.next:] or [(None, math.inf)]), self.open_lb))
+        if shared is None:
+            return
+        bound = dict(shared.tasks)  # each task's subtree, by its prefix, and its bound
+        at_root = [bound[tuple(int(c) for c in args[4][: ist[cc.PREFIX]])] for ist, _, _, args in states
+                   if ist[cc.DONE] and ist[cc.DEPTH] == 0 and ist[cc.PHASE] == cc.ENTER]
+        left.append((min(at_root, default=math.inf), min((lb for _, lb in shared.tasks[shared.next:]),
+                                                         default=math.inf), self.open_lb))
 
     monkeypatch.setattr(search.BranchAndBound, "_collect", collected)
     rng = np.random.default_rng(21)
