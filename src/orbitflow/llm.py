@@ -50,11 +50,9 @@ class LLM:
         loaded=None,
     ):
         from orbitflow.model.loader import load_model
-        from orbitflow.runtime.profiler import profile_executor
 
         self.config = config or EngineConfig()
         cfg = self.config
-        cache = cfg.cache
         tp = cfg.parallel.tensor_parallel_size
         self.policy = policy or make_policy(cfg.planner.policy)  # a mistyped --policy fails before the loading
         # With tensor parallelism the ranks load their own shards; this process needs config and tokenizer.
@@ -68,32 +66,13 @@ class LLM:
         if profile == "measure":
             log.info("loaded in %.1f s; measuring this machine's decode step and link (the SLO and the planner's "
                      "cost model come from it)", time.perf_counter() - started)
-            started = time.perf_counter()
-        if isinstance(profile, HardwareProfile):
-            self.profile = profile
-        elif profile == "measure" and tp > 1:
-            self.profile = self.executor.measure_profile(name=f"{cfg.model.name}@this-machine")
-        elif profile == "measure":
-            self.profile = profile_executor(self.executor, name=f"{cfg.model.name}@this-machine")
-        else:  # "rough": enough to evaluate a fixed placement, no measurement
-            self.profile = HardwareProfile(
-                name="rough", num_layers=mc.num_layers,
-                kv_bytes_per_token_per_layer=self.kv.device_pool.bytes_per_block // cache.block_size,
-                decode_a=0.0, decode_b=1e-3 * mc.num_layers,
-                link_bytes_per_s=cfg.parallel.rank_link_bytes_per_s(cache.link_bytes_per_s) or 10e9,
-                device_kv_blocks=cache.device_kv_blocks, host_kv_blocks=cache.host_kv_blocks,
-                block_size=cache.block_size,
-            )
+        self.profile = self._profile(profile, mc)
         for pool in (self.kv.device_pool, self.kv.host_pool):
             pool.reset_peak()
         # Everything loaded so far lives as long as the engine: move it out of the cyclic GC's sight, so a
         # collection (which the executor also keeps out of its steps) never walks the model's objects.
         gc.collect()
         gc.freeze()
-        if profile == "measure":
-            log.info("measured in %.1f s: decode step %.1f ms + %.3f ms per 1K tokens, link %.2f GB/s",
-                     time.perf_counter() - started, 1e3 * self.profile.decode_b, 1e6 * self.profile.decode_a,
-                     self.profile.link_bytes_per_s / 1e9)
         self.clock = WallClock()
         max_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
         ctx = PlanContext.from_profile(cfg, self.profile, self.policy)
@@ -103,6 +82,32 @@ class LLM:
             default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
         )
         self._ids = itertools.count()
+
+    def _profile(self, profile: HardwareProfile | str, mc) -> HardwareProfile:
+        """The hardware profile the engine plans with: the one given, this machine's measured ("measure"), or a
+        rough one that is enough to evaluate a fixed placement ("rough")."""
+        from orbitflow.runtime.profiler import profile_executor
+
+        cfg, cache = self.config, self.config.cache
+        if isinstance(profile, HardwareProfile):
+            return profile
+        if profile == "measure":
+            started = time.perf_counter()
+            name = f"{cfg.model.name}@this-machine"
+            tp = cfg.parallel.tensor_parallel_size
+            measured = self.executor.measure_profile(name=name) if tp > 1 else profile_executor(self.executor, name)
+            log.info("measured in %.1f s: decode step %.1f ms + %.3f ms per 1K tokens, link %.2f GB/s",
+                     time.perf_counter() - started, 1e3 * measured.decode_b, 1e6 * measured.decode_a,
+                     measured.link_bytes_per_s / 1e9)
+            return measured
+        return HardwareProfile(
+            name="rough", num_layers=mc.num_layers,
+            kv_bytes_per_token_per_layer=self.kv.device_pool.bytes_per_block // cache.block_size,
+            decode_a=0.0, decode_b=1e-3 * mc.num_layers,
+            link_bytes_per_s=cfg.parallel.rank_link_bytes_per_s(cache.link_bytes_per_s) or 10e9,
+            device_kv_blocks=cache.device_kv_blocks, host_kv_blocks=cache.host_kv_blocks,
+            block_size=cache.block_size,
+        )
 
     def _build_executor(self, mc):
         """One ModelExecutor over this process's KV pools, or (--tensor-parallel-size N > 1) the driver of N

@@ -217,3 +217,21 @@ def test_admission_limit_charges_the_policys_prefetch_depth(tiny_llama):
         assert ok.finish_reason == "length" and llm.kv.usage() == (0, 0)
     finally:
         llm.close()
+
+
+def test_a_request_no_split_of_its_layers_fits_is_refused_at_once(tiny_llama):
+    """Both pools together hold 4 blocks x (6 layers + 1 of prefetch) = 28 blocks = 13 + 15, but a layer's blocks
+    live in one pool: the 15-block host holds 3 layers, the 13-block device 2 beside the buffer, and 3 + 2 < 6. The
+    engine refuses it when it arrives (the server's 400 naming max_tokens), not after it ran out of room."""
+    from orbitflow.runtime.engine import RequestRejected
+
+    llm = make_llm(tiny_llama, profile=tiny_profile(device_kv_blocks=13), device_kv_blocks=13, host_kv_blocks=15)
+    try:
+        with pytest.raises(RequestRejected, match="no split of its 6 layers"):
+            llm.engine.add_request("x", list(range(3, 43)), SamplingParams(max_tokens=24))
+        ok = llm.engine.add_request("y", list(range(3, 43)), SamplingParams(max_tokens=8))  # 3 blocks a layer fit
+        while llm.engine.has_work():
+            llm.engine.step()
+        assert ok.finish_reason == "length" and llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()

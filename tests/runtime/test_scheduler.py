@@ -174,3 +174,78 @@ def test_an_expiry_is_solved_ahead_for_the_batch_as_it_will_be_then():
         assert req.status is Status.RUNNING
     finally:
         controller.close()
+
+
+def serve_alone(sched: Scheduler, req: Request, steps: int = 200) -> list:
+    """Run the scheduler until `req` ends, finishing it at `max_tokens` as the engine's stop check would; the
+    outputs of the steps it ran in."""
+    outs = []
+    for _ in range(steps):
+        if req.finished:
+            return outs
+        out = sched.schedule()
+        if out.seqs:
+            run(sched, out)
+            outs.append(out)
+        if not req.finished and req.remaining_tokens == 0:
+            sched.finish_requests([req.request_id], "length")
+    raise AssertionError(f"{req.request_id} did not finish in {steps} steps")
+
+
+def orbitflow_scheduler(device_blocks: int, host_blocks: int) -> Scheduler:
+    """The scheduler with OrbitFlow's own planner (pruned space) at the serving default alpha = 0.5, whose
+    steps take 4 ms whatever the placement."""
+    from dataclasses import replace
+
+    from orbitflow.policies.orbitflow import OrbitFlowPolicy
+
+    sched = make_scheduler(OrbitFlowPolicy(), device_blocks=device_blocks, host_blocks=host_blocks)
+    sched.controller = Controller(OrbitFlowPolicy(), replace(sched.controller.ctx, alpha=0.5), background=False)
+    return sched
+
+
+def add_with_slo(sched: Scheduler, rid: str, prompt: int, max_tokens: int, slo_s: float) -> Request:
+    req = Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens), 0.0, slo_s,
+                  TokenDeposit(slo_s))
+    sched.add_request(req)
+    return req
+
+
+def test_a_lone_request_whose_slo_no_placement_meets_runs_best_effort():
+    """Nothing can be paused for a lone request: an SLO it cannot meet costs SLO misses, not an error."""
+    sched = orbitflow_scheduler(device_blocks=64, host_blocks=64)
+    req = add_with_slo(sched, "a", prompt=16, max_tokens=24, slo_s=1e-4)  # every step takes 4 ms
+    serve_alone(sched, req)
+    assert req.finish_reason == "length" and req.error is None and len(req.output_ids) == 24
+    assert all(r.feasible and r.predicted_step_s > 1e-4 for r in sched.controller.records)  # every step misses
+
+
+def test_a_lone_request_that_only_a_placement_outside_the_pruned_space_holds_completes():
+    """The reviewer's 500 in small: with 4 layers the pruned space offloads 0, 1, 2 or all 4 layers. Grown to 2
+    blocks per layer the request fits a 5-block device budget only with at most 1 layer there (2 + 2 of prefetch
+    buffer), and a 6-block host pool only with 1 layer kept on the device: 3 offloaded, which the pruned space does
+    not hold. Its SLO is out of reach too. Admission rightly let it in (10 blocks of 11, and 3 + 1 layers fit);
+    it used to end mid-way with 'does not fit the device KV budget even fully offloaded'."""
+    sched = orbitflow_scheduler(device_blocks=5, host_blocks=6)
+    req = add_with_slo(sched, "a", prompt=16, max_tokens=16, slo_s=1e-4)
+    outs = serve_alone(sched, req)
+    assert req.error is None and req.finish_reason == "length" and len(req.output_ids) == 16
+    grown = [o.placement["a"] for o in outs if o.placement and sched.kv.blocks_for(o.seqs[0].start_pos) == 2]
+    assert sum(row.count(True) for row in grown[-1:]) == 1  # the one placement that holds it: 1 layer on device
+    assert sched.kv.usage() == (0, 0)
+
+
+def test_a_request_no_layer_split_holds_is_rejected_before_it_runs():
+    """Both pools together hold its 3 blocks x (4 layers + 1 of prefetch) = 15 blocks, but a layer's blocks live in
+    one pool: the 7-block device holds 1 layer beside the buffer, the 8-block host 2 layers, and 1 + 2 < 4. It used
+    to run until its KV grew and then end with an error; now it ends before its first step, naming the limit."""
+    sched = orbitflow_scheduler(device_blocks=7, host_blocks=8)
+    req = add_with_slo(sched, "big", prompt=16, max_tokens=32, slo_s=1.0)
+    ok = add_with_slo(sched, "ok", prompt=16, max_tokens=8, slo_s=1.0)
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["ok"] and req.finish_reason == "error" and not req.output_ids
+    assert "max_tokens (32)" in req.error and "--host-kv-blocks" in req.error
+    assert [r.request_id for r in sched.take_finished()] == ["big"] and "big" not in sched.kv.tables
+    run(sched, out)
+    serve_alone(sched, ok)
+    assert ok.error is None and len(ok.output_ids) == 8

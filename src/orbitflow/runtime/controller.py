@@ -34,7 +34,7 @@ from types import MappingProxyType
 import numpy as np
 
 from orbitflow.plan import Placement, Plan, PlanRequest, warm_up
-from orbitflow.policies.base import PlanContext, Policy
+from orbitflow.policies.base import PlanContext, Policy, uniform_count_plans
 from orbitflow.runtime.background_planner import BackgroundPlanner, ClockedPlanner, resolve_mode
 
 log = logging.getLogger(__name__)
@@ -166,10 +166,23 @@ class Controller:
             plan = self.policy.plan(requests, self.ctx)
         if not plan.feasible and (len(requests) == 1 or not self.policy.pause_resume):
             # Nothing to pause (or a policy without Pause-Resume): settle for the fastest plan that fits
-            # the device, SLO cap or not. This holds for a plan solved ahead on the planner thread too.
-            plan, inline = self.policy.plan(requests, replace(self.ctx, alpha=math.inf)), True
+            # memory, SLO cap or not. This holds for a plan solved ahead on the planner thread too.
+            plan, inline = self._settle(requests), True
         inline_s = time.perf_counter() - start if inline else None
         return self._install(plan, ids, step, trigger, ahead_s, inline_s, background)
+
+    def _settle(self, requests: list[PlanRequest]) -> Plan:
+        """The plan when nobody can be paused: the policy's fastest that fits memory, SLO cap or not (the request
+        runs and misses its SLO rather than fail). A lone request the policy's space cannot place gets the fastest
+        layer count that fits both pools: OrbitFlow's pruned counts jump from all layers offloaded to half of them,
+        and a request too big for the host pool alone and for the device beyond a few layers fits neither, though
+        admission (`Scheduler.fits_alone`) saw that some count holds it."""
+        plan = self.policy.plan(requests, replace(self.ctx, alpha=math.inf))
+        if plan.feasible or len(requests) > 1:
+            return plan
+        counts = uniform_count_plans(requests, self.ctx, range(self.ctx.num_layers + 1))
+        fitting = [p for _, p in counts if p.feasible]
+        return min(fitting, key=lambda p: (p.predicted_step_s, p.host_blocks), default=plan)
 
     def _ahead_result(self, future: Future) -> tuple[Plan | None, float | None]:
         """The background solve's plan and seconds, or None (then the caller solves inline) if it failed."""

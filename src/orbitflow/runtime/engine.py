@@ -185,6 +185,8 @@ class Engine:
                 f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
                 "raise --host-kv-blocks or lower max_tokens"
             )
+        if not self.scheduler.fits_alone(req):  # the sum fits, but no split of the layers between the pools does
+            raise RequestRejected(self.scheduler.no_fit_reason(req))
 
     def num_queued(self) -> int:
         """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe,

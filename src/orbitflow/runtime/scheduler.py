@@ -4,7 +4,8 @@ Each step, `schedule()` decides in three phases and returns a `ScheduleOutput`:
 1. `_schedule_waiting`: resume paused requests, then admit waiting ones, while the policy (through the
    controller) finds a feasible plan for the bigger batch; when none is, the policy's victim is paused.
    A new request whose KV the pools could not hold to its last token beside the admitted ones waits, in
-   order, until one finishes (`KVManager.can_allocate`).
+   order, until one finishes (`KVManager.can_allocate`); one that no placement could hold even alone ends at
+   `add_request`, before it runs (`fits_alone`).
 2. `_schedule_running`: re-plan when the controller says so (batch change, expiry, mismatch), pausing
    victims until the plan is feasible.
 3. `_schedule_batch`: install the plan (the KV manager allocates new requests and moves only layers whose
@@ -27,17 +28,21 @@ import logging
 import math
 from collections.abc import Callable
 
+import numpy as np
+
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Plan, PlanRequest
-from orbitflow.plan.placement import most_blocks
+from orbitflow.plan.placement import memory_blocks, most_blocks
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
 from orbitflow.runtime.request import Request, Status
 
 log = logging.getLogger("orbitflow.engine")
 
-NO_FIT = "request does not fit the device KV budget even fully offloaded"
+# Only once even the controller's lone-request fallback (any layer count, SLO or not) found no placement: the
+# request's KV does not fit the device budget and the host KV left to it, whatever the split.
+NO_FIT = "request's KV does not fit the device KV budget and the host pool left to it at any layer placement"
 
 
 class Scheduler:
@@ -66,7 +71,11 @@ class Scheduler:
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue `req`, or end it at once (before it runs) when no placement could ever hold it alone."""
         self.requests[req.request_id] = req
+        if not self.fits_alone(req):
+            self._finish(req, "error", error=self.no_fit_reason(req))
+            return
         self.waiting.append(req)
         self._batch_version += 1
 
@@ -233,6 +242,27 @@ class Scheduler:
         admitted = self.running + self.paused + list(ahead) + [cand]
         needed = most_blocks(sum(self.final_blocks(r) for r in admitted), self.num_layers, self.prefetch_slots)
         return self.kv.can_allocate(needed, [r.request_id for r in admitted])
+
+    def fits_alone(self, req: Request) -> bool:
+        """Whether some layer count holds `req` alone to its last token: that many layers in the host pool, the
+        others plus the prefetch buffer in the device budget. A layer's blocks live in one pool, so the sum check
+        (`kv_fits`, the engine's `most_blocks`) can pass for a request that no split holds; one that this passes,
+        the controller's lone-request fallback can always place."""
+        blocks = np.array([[self.final_blocks(req)]], dtype=float)
+        device, host = self.controller.ctx.capacity_blocks, self.kv.host_pool.num_blocks
+        for offloaded in range(self.num_layers + 1):
+            on_host = (np.arange(self.num_layers) < offloaded)[None, :]  # which layers does not change the sum
+            if offloaded * blocks[0, 0] <= host and memory_blocks(on_host, blocks, self.prefetch_slots)[0] <= device:
+                return True
+        return False
+
+    def no_fit_reason(self, req: Request) -> str:
+        """The rejection of a request `fits_alone` refuses, naming what to change."""
+        return (f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) needs "
+                f"{self.final_blocks(req)} KV blocks per layer, and no split of its {self.num_layers} layers fits "
+                f"the device KV budget ({self.controller.ctx.capacity_blocks} blocks, prefetch buffer included) "
+                f"and the host pool ({self.kv.host_pool.num_blocks} blocks); lower max_tokens or the prompt, or "
+                "raise --device-kv-blocks or --host-kv-blocks")
 
     # ---- re-planning and Pause-Resume (phase 2) ---------------------------------------------------
     def _schedule_running(self) -> None:
