@@ -594,10 +594,16 @@ def main() -> None:
     cmd = "python benchmarks/make_results.py" + ("" if args.stages == "sim" else f" --stages {args.stages}")
     if args.reduced:
         cmd += f" --reduced --reduced-requests {args.reduced_requests} --reduced-rates {args.reduced_rates}"
-    made = ("Everything on this page, tables, `docs/results/a5000.json` and the plots, comes from one command:"
-            if stages else "This page was re-assembled from the fragments in `docs/results/` by the command below "
-            "(nothing re-run; each section says which run made it); `python benchmarks/make_results.py` re-runs the "
-            "simulator section:")
+    if "sim" in stages:
+        made = "Everything on this page, tables, `docs/results/a5000.json` and the plots, comes from one command:"
+    elif stages:
+        made = (f"The command below re-ran the {', '.join(stages)} benchmark{'s' if len(stages) > 1 else ''} and "
+                "re-assembled this page; the other sections come from the runs they name, and "
+                "`python benchmarks/make_results.py` re-runs the simulator section:")
+    else:
+        made = ("This page was re-assembled from the fragments in `docs/results/` by the command below (nothing "
+                "re-run; each section says which run made it); `python benchmarks/make_results.py` re-runs the "
+                "simulator section:")
     page = ["# Results: the paper's evaluation on the simulator, and the project's benchmarks", "",
             made, "", "```bash", cmd, "```", "",
             f"Last regenerated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in "
