@@ -101,14 +101,22 @@ def _brute_force(pl, reqs, n_layers):
     return best
 
 
+def brute_force_case(rng, min_req=1, min_layers=2, **planner):
+    """A batch small enough for brute force (up to 5 requests; 16 layers up to 3 requests, else 8) and its Planner
+    (``planner``: extra arguments); returns (planner, requests, layers)."""
+    n_req = int(rng.integers(min_req, 6))
+    n_layers = int(rng.integers(min_layers, 17)) if n_req <= 3 else int(rng.integers(min_layers, 9))
+    cm, cap, reqs = random_case(rng, n_req, n_layers)
+    pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False, **planner)
+    return pl, reqs, n_layers
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_pruned_search_is_exact_vs_brute_force(seed, impl):
     rng = np.random.default_rng(100 + seed)
     for _ in range(5):
-        n_req = int(rng.integers(1, 6))
-        n_layers = int(rng.integers(2, 17)) if n_req <= 3 else int(rng.integers(2, 9))
-        cm, cap, reqs = random_case(rng, n_req, n_layers)
-        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False)
+        pl, reqs, n_layers = brute_force_case(rng)
+        n_req = len(reqs)
         got, best = plan_matches_brute_force(pl, reqs, n_layers)
         if best is not None:
             again = pl.evaluate(got.placement, reqs)

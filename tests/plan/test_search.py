@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from plan.test_planner import plan_matches_brute_force, random_case
+from plan.test_planner import brute_force_case, plan_matches_brute_force, random_case
 
 import orbitflow.plan.search as search
 from orbitflow.plan import Planner
@@ -67,12 +67,9 @@ def _key(plan, reqs):
 @pytest.mark.parametrize("seed", range(4))
 def test_parallel_search_is_exact_vs_brute_force(seed, splits):
     rng = np.random.default_rng(700 + seed)
-    for _ in range(8):
-        n_req = int(rng.integers(3, 6))
-        n_layers = int(rng.integers(6, 17)) if n_req <= 3 else int(rng.integers(6, 9))
-        cm, cap, reqs = random_case(rng, n_req, n_layers)
-        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False,
-                     compiled=True, node_limit=None, threads=int(rng.integers(2, 4)))
+    for threads in rng.integers(2, 4, 8):
+        pl, reqs, n_layers = brute_force_case(rng, min_req=3, min_layers=6, compiled=True, node_limit=None,
+                                              threads=int(threads))
         got, _ = plan_matches_brute_force(pl, reqs, n_layers)
         assert got.stats.exact
     assert splits  # some of them went on with threads

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -74,22 +75,38 @@ def test_d2_a_non_streaming_request_is_aborted_when_its_client_disconnects(serve
     assert kv_empty(server.llm)
 
 
+@contextmanager
+def engine_steps(server, step):
+    """Meanwhile the engine's executor runs ``step(real_step, seqs)`` for each of its steps."""
+    executor = server.llm.executor
+    real_step = executor.step
+    executor.step = lambda seqs: step(real_step, seqs)
+    try:
+        yield
+    finally:
+        executor.step = real_step
+
+
+def submit_running(pool, http, server):
+    """Send GOOD from the pool; returns its future once the engine runs it."""
+    future = pool.submit(http.post, "/v1/completions", json=GOOD)
+    while not server.llm.engine.running:
+        time.sleep(0.01)
+    return future
+
+
 def test_d3_overflow_of_the_queue_gets_503_with_retry_after(http, server):
     """With the engine stuck in a step, requests queue up to --max-queue-len (8); the next gets 503 at once
     with Retry-After. /health turns 503 too (D6's watchdog), and both recover when the engine moves again."""
-    executor = server.llm.executor
-    real_step, release = executor.step, threading.Event()
+    release = threading.Event()
 
-    def stuck_step(seqs):
+    def stuck_step(real_step, seqs):
         release.wait(30)
         return real_step(seqs)
 
-    executor.step = stuck_step
     try:
-        with ThreadPoolExecutor(9) as pool:
-            running = pool.submit(http.post, "/v1/completions", json=GOOD)
-            while not server.llm.engine.running:
-                time.sleep(0.01)
+        with engine_steps(server, stuck_step), ThreadPoolExecutor(9) as pool:
+            running = submit_running(pool, http, server)
             queued = [pool.submit(http.post, "/v1/completions", json=GOOD) for _ in range(8)]
             while server.llm.engine.num_queued() < 8:
                 time.sleep(0.01)
@@ -102,7 +119,6 @@ def test_d3_overflow_of_the_queue_gets_503_with_retry_after(http, server):
             release.set()
             assert all(f.result().status_code == 200 for f in [running, *queued])
     finally:
-        executor.step = real_step
         release.set()
     assert http.get("/health").json() == {"status": "ok"}
     wait_until_idle(server.llm)
@@ -112,29 +128,22 @@ def test_d3_overflow_of_the_queue_gets_503_with_retry_after(http, server):
 def test_a_long_step_that_advances_layer_by_layer_is_not_a_stall(http, server):
     """A step that takes several watchdog periods but starts a layer every so often (a long prefill on a CPU)
     keeps /health at ok: the watchdog reads the executor's layer progress, not only the loop's turns."""
-    executor = server.llm.executor
-    real_step, checked = executor.step, []
+    checked = []
 
-    def long_step(seqs):
+    def long_step(real_step, seqs):
         for _ in range(12):  # 1.2 s: more than twice the test server's watchdog, a layer every 0.1 s
-            executor.progress_at = time.monotonic()
+            server.llm.executor.progress_at = time.monotonic()
             time.sleep(0.1)
             if not checked:
                 time.sleep(0.6)  # ... except once, where it waits past the watchdog: that is a stall
                 checked.append(http.get("/health").status_code)
         return real_step(seqs)
 
-    executor.step = long_step
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(http.post, "/v1/completions", json=GOOD)
-            while not server.llm.engine.running:
-                time.sleep(0.01)
-            time.sleep(0.9)
-            during = http.get("/health")
-            assert reply.result().status_code == 200
-    finally:
-        executor.step = real_step
+    with engine_steps(server, long_step), ThreadPoolExecutor(1) as pool:
+        reply = submit_running(pool, http, server)
+        time.sleep(0.9)
+        during = http.get("/health")
+        assert reply.result().status_code == 200
     assert checked == [503]
     assert during.status_code == 200, during.text
 
