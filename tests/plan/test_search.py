@@ -2,6 +2,7 @@
 bound when a deadline stops it, and the serial path wherever it does not apply."""
 
 import math
+import threading
 import time
 
 import numpy as np
@@ -192,3 +193,39 @@ def test_no_feasible_plan_is_proven_by_threads_too():
     one, two = (_solve(cm, 1.0, reqs, threads) for threads in (1, 2))  # a device budget of 1 block fits nothing
     assert not one.feasible and not two.feasible
     assert two.stats.exact and two.victims == one.victims
+
+
+def _solve_into(box: dict, *args) -> None:
+    """``_solve(*args)``, its RuntimeError kept in ``box["error"]`` (run on a thread that the test can time out)."""
+    try:
+        _solve(*args)
+    except RuntimeError as exc:
+        box["error"] = exc
+
+
+def test_a_thread_that_fails_stops_the_others_and_the_error_reaches_the_caller(monkeypatch, splits):
+    rng = np.random.default_rng(800)
+    work = search.BranchAndBound._work
+
+    def failing(self, state, shared, resume):
+        if resume:  # the search that split fails; the others wait for tasks once theirs are done
+            raise RuntimeError("kernel failed")
+        work(self, state, shared, resume)
+
+    monkeypatch.setattr(search.BranchAndBound, "_work", failing)
+    failed = 0
+    for _ in range(6):
+        cm, cap, reqs = random_case(rng, 7, 20)
+        before = len(splits)
+        box = {}
+        runner = threading.Thread(target=_solve_into, args=(box, cm, cap, reqs, 3), daemon=True)
+        runner.start()
+        runner.join(30)
+        assert not runner.is_alive(), "the solve hangs: a thread waits for a task that will never come"
+        error = box.get("error")
+        if error is None:
+            assert len(splits) == before  # it ended before it split: nothing to fail
+            continue
+        assert str(error) == "kernel failed" and len(splits) > before
+        failed += 1
+    assert failed

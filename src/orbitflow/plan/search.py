@@ -683,8 +683,16 @@ class BranchAndBound:
         states = [state] + [self._worker_state() for _ in range(self.threads - 1)]
         for other, *_ in states[1:]:  # the first dive is done: budgets apply to the new threads from their first node
             other[cc.DIVE_START] = other[cc.NODES] - self.n_req - 2
+
+        def work(i: int) -> None:
+            try:
+                self._work(states[i], shared, resume=i == 0)
+            except BaseException:
+                shared.halt()  # the threads waiting for a task must not wait for this one forever
+                raise
+
         with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="orbitflow-bb") as pool:
-            list(pool.map(lambda i: self._work(states[i], shared, resume=i == 0), range(self.threads)))
+            list(pool.map(work, range(self.threads)))
         return states, shared
 
     def _donate(self, state: tuple) -> list[tuple[tuple[int, ...], float]]:
