@@ -117,6 +117,7 @@ def test_error_message_names_the_real_cause(http, case):
 @pytest.mark.parametrize("path, body", [
     _completion(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, seed=None, stop=None),
     _chat(temperature=None, top_p=None, frequency_penalty=None, stream=None, logprobs=None, max_tokens=2),
+    _chat(stream_options={"include_usage": None}, max_tokens=2),
 ])
 def test_null_parameters_take_their_defaults(http, path, body):
     reply = http.post(path, json=body, headers=AUTH)

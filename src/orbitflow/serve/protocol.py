@@ -56,23 +56,26 @@ def _range(lo: float, hi: float, default: float, doc: str, *, gt: bool = False) 
     return Field(default=default, le=hi, description=doc, **bounds)
 
 
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = Field(False, description="send a last chunk with the usage of the request")
-
-
-class SamplingFields(BaseModel):
-    """Parameters shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
+class NullIsDefault(BaseModel):
+    """A body whose parameters sent as null take their defaults, as OpenAI's API and vLLM read them (clients send
+    nulls for every parameter they leave unset)."""
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        """A parameter sent as null takes its default, as OpenAI's API and vLLM read it (clients send nulls for
-        every parameter they leave unset)."""
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
+
+class StreamOptions(NullIsDefault):
+    include_usage: StrictBool = Field(False, description="send a last chunk with the usage of the request")
+
+
+class SamplingFields(NullIsDefault):
+    """Parameters shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = Field(None, description="must be the served model's name when given")
     max_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
