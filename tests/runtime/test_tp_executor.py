@@ -38,6 +38,7 @@ def tp2(tiny_llama):
 
 
 def test_tp2_token_identical_to_tp1_under_every_placement(tiny_llama, tp2):
+    started = time.monotonic()
     for placement in PLACEMENTS:
         one = make_llm(tiny_llama, policy=FixedPlacementPolicy(placement), max_num_seqs=3, compute_threads=1)
         expected = [r.output_ids for r in one.generate(PROMPTS, SAMPLING)]
@@ -54,6 +55,7 @@ def test_tp2_token_identical_to_tp1_under_every_placement(tiny_llama, tp2):
             assert moved[0] == moved[1] > 0, placement
         else:
             assert moved == [0, 0]
+    assert started < tp2.executor.progress_at < time.monotonic()  # what /health reads: rank 0's last layer
 
 
 def test_shadow_kv_replay_reaches_the_same_state():

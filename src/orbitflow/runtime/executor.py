@@ -51,6 +51,7 @@ class ModelExecutor(Executor):
         # cannot know about (refcounting still frees nearly everything; cycles wait for the next step).
         self.hold_gc = True
         self.progress_at = 0.0  # time.monotonic() when the last layer started (read by the server's watchdog)
+        self.progress_cell = None  # a tensor-parallel rank also writes it here (shared with its driver)
 
     def _decode_writes(self, seqs: list[SeqInput], tables) -> list[tuple | None]:
         """Per layer, for a decode step: the rows whose KV of that layer is on the device and the (block,
@@ -143,7 +144,9 @@ class ModelExecutor(Executor):
         consumed: list[tuple[int, int]] = []  # fetched layers whose slot frees when the next layer starts
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.progress_at = time.monotonic()  # the server's watchdog: a long step is busy, not stalled
+            self.progress_at = now = time.monotonic()  # the server's watchdog: a long step is busy, not stalled
+            if self.progress_cell is not None:
+                self.progress_cell.value = now
             transfer.clock.enter(layer)
             # The previous layer has run: its prefetch slots free up (RELEASE) and those requests' next
             # fetches may start. (Releasing right after attention would overlap more, but the planner's

@@ -251,12 +251,14 @@ def _serve_rank(rank: int, spec: _WorkerSpec, conn, executor, local) -> None:
             return
 
 
-def _worker_main(rank: int, spec: _WorkerSpec, conn) -> None:
+def _worker_main(rank: int, spec: _WorkerSpec, conn, progress) -> None:
     import torch.distributed as dist
 
     executor = None
     try:
         executor, local = _start_rank(rank, spec)
+        if rank == 0:  # the ranks run the layers in step: rank 0's tell the driver's watchdog that a step advances
+            executor.progress_cell = progress
         conn.send(("ok", _rank_stats(rank, executor.kv)))
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which fails cleanly
         conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
@@ -318,10 +320,11 @@ class TensorParallelExecutor(Executor):
         ctx = mp.get_context("spawn")
         self._conns = []
         self._procs = []
+        self._progress = ctx.Value("d", 0.0, lock=False)  # time.monotonic() when rank 0 last started a layer
         for rank in range(size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"orbitflow-tp-rank{rank}",
-                               daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, spec, child, self._progress),
+                               name=f"orbitflow-tp-rank{rank}", daemon=True)
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -332,6 +335,12 @@ class TensorParallelExecutor(Executor):
             shutil.rmtree(self._store_dir, ignore_errors=True)
             raise ModelLoadError(str(exc)) from exc
         self.rank_stats: list[RankStats] = [reply[1] for reply in replies]
+
+    @property
+    def progress_at(self) -> float:
+        """``time.monotonic()`` when rank 0 last started a layer (the server's watchdog: a long step advances);
+        the monotonic clock is the machine's, so the ranks' readings compare with this process's."""
+        return float(self._progress.value)
 
     @property
     def failure(self) -> str | None:
