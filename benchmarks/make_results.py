@@ -594,8 +594,12 @@ def main() -> None:
     cmd = "python benchmarks/make_results.py" + ("" if args.stages == "sim" else f" --stages {args.stages}")
     if args.reduced:
         cmd += f" --reduced --reduced-requests {args.reduced_requests} --reduced-rates {args.reduced_rates}"
-    if "sim" in stages:
+    if set(stages) >= {"sim", *OTHER_STAGES}:
         made = "Everything on this page, tables, `docs/results/a5000.json` and the plots, comes from one command:"
+    elif "sim" in stages:
+        made = ("The command below re-ran the simulator section (its tables, `docs/results/a5000.json` and the plots) "
+                "and re-assembled this page; the other sections come from the runs they name (`--stages all` "
+                "re-runs them too):")
     elif stages:
         made = (f"The command below re-ran the {', '.join(stages)} benchmark{'s' if len(stages) > 1 else ''} and "
                 "re-assembled this page; the other sections come from the runs they name, and "

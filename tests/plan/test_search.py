@@ -170,6 +170,37 @@ def test_a_search_stopped_as_it_splits_certifies_every_subtree_it_left(monkeypat
     assert all(open_lb <= min(taken, rest) for taken, rest, open_lb in left)
 
 
+def test_without_a_kernel_clock_each_thread_checks_the_deadline_within_a_few_nodes(monkeypatch, splits):
+    """Where the kernels cannot read the clock, each thread pauses to look at it: the first time after
+    ``PACED_FIRST`` nodes, then as often as ``paced_chunk`` says (not every ``SYNC_NODES``: at (16, 80) that ran a
+    50 ms budget 45% over). The deadline passes as the search splits; no thread runs far past it. It pauses from the
+    first dive on, but splits only past ``PARALLEL_AFTER`` nodes, as with a clock."""
+    monkeypatch.setattr(cc, "HAVE_CLOCK", False)
+    monkeypatch.setattr(search, "SYNC_NODES", 1024)
+    monkeypatch.setattr(search, "PARALLEL_AFTER", 20)
+    split, collect, ran = search.BranchAndBound._search_parallel, search.BranchAndBound._collect, []
+
+    def late(self, state, tasks):
+        self.deadline = self.improve_deadline = time.perf_counter() - 1.0
+        self.split_nodes = int(state[0][cc.NODES])
+        assert self.split_nodes - self.nodes >= search.PARALLEL_AFTER  # paused earlier, it splits no earlier
+        return split(self, state, tasks)
+
+    def collected(self, states, shared):
+        if shared is not None:  # nodes each thread ran after the split
+            ran.append([int(states[0][0][cc.NODES]) - self.split_nodes]
+                       + [int(ist[cc.NODES]) - self.nodes for ist, *_ in states[1:]])
+        collect(self, states, shared)
+
+    monkeypatch.setattr(search.BranchAndBound, "_search_parallel", late)
+    monkeypatch.setattr(search.BranchAndBound, "_collect", collected)
+    rng = np.random.default_rng(4)
+    for _ in range(8):
+        cm, cap, reqs = random_case(rng, 8, 24)
+        _solve(cm, cap, reqs, 3, time_limit_s=30.0)
+    assert ran and all(n <= search.PACED_FIRST + 8 + 3 for nodes in ran for n in nodes), ran
+
+
 def test_threads_leave_a_node_budgeted_search_serial(splits):
     rng = np.random.default_rng(11)
     cm, cap, reqs = random_case(rng, 6, 16)
@@ -187,12 +218,13 @@ def test_threads_must_be_a_positive_integer(bad):
         Planner(cm, cap, threads=bad)
 
 
-def test_no_feasible_plan_is_proven_by_threads_too():
-    rng = np.random.default_rng(5)
-    cm, _, reqs = random_case(rng, 5, 8)
-    one, two = (_solve(cm, 1.0, reqs, threads) for threads in (1, 2))  # a device budget of 1 block fits nothing
-    assert not one.feasible and not two.feasible
+def test_no_feasible_plan_is_proven_by_threads_too(splits):
+    cm, cap, reqs = random_case(np.random.default_rng(149), 6, 12)  # no plan is feasible, and proving it takes a search
+    one, two = (Planner(cm, cap * 0.5, alpha=0.0, window=(2, 10), check_better=False, compiled=True, node_limit=None,
+                        threads=threads).plan(reqs) for threads in (1, 2))
+    assert not one.feasible and not two.feasible and one.stats.nodes > 30
     assert two.stats.exact and two.victims == one.victims
+    assert splits  # the second search did go on with threads
 
 
 def _solve_into(box: dict, *args) -> None:

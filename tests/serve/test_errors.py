@@ -97,6 +97,8 @@ def test_bad_request(http, case):
 MESSAGES = {
     "negative token id": (*_completion(prompt=[1, -5]), "prompt.1", "greater than or equal to 0"),
     "two prompts": (*_completion(prompt=["a", "b"]), "prompt", "one prompt per request"),
+    "a number among strings": (*_completion(prompt=["a", 5]), "prompt", "none of the types it accepts"),
+    "a string among token lists": (*_completion(prompt=[[1], "a"]), "prompt", "none of the types it accepts"),
     "two token prompts": (*_completion(prompt=[[1], [2]]), "prompt", "one prompt per request"),
     "temperature not a number": (*_completion(temperature="hot"), "temperature", "should be a number"),
     "image content": (*_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
@@ -123,6 +125,13 @@ def test_null_parameters_take_their_defaults(http, path, body):
     reply = http.post(path, json=body, headers=AUTH)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_max_tokens_null_means_the_rest_of_the_context(http):
+    """As vLLM reads it (OpenAI's default for completions is 16, but null is "no limit")."""
+    reply = http.post("/v1/completions", json={**GOOD, "max_tokens": None, "ignore_eos": True}, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] > 16
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]"])

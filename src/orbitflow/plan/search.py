@@ -95,6 +95,7 @@ PROBE_SHARE = 0.1  # of the time left to a deadline: the most the root's probes 
 PROBE_S = 6e-9  # seconds per K * R^2 * L the root's probes take (measured: 3.5-6 ns, (4, 32) to (16, 80))
 PARALLEL_AFTER = 4096  # nodes a search that may use threads runs alone first (most searches end before)
 SYNC_NODES = 1024  # nodes a thread of a parallel search runs between two looks at the shared incumbent
+PACED_FIRST = 16  # ... its first chunk where the kernels have no clock (then paced_chunk, at most SYNC_NODES)
 
 
 def paced_chunk(now: float, since: float, units: int, deadline: float) -> int:
@@ -614,15 +615,14 @@ class BranchAndBound:
         state = self._worker_state()
         ist, fst, best_k, args = state
         paced = self.deadline is not None and not cc.HAVE_CLOCK
-        split = self._parallel()
         never = 1 << 62
-        if split:
-            ist[cc.CHUNK_STOP] = min(int(ist[cc.CHUNK_STOP]), self.nodes + PARALLEL_AFTER)
+        split_at = self.nodes + PARALLEL_AFTER if self._parallel() else never
+        ist[cc.CHUNK_STOP] = min(int(ist[cc.CHUNK_STOP]), split_at)
         states, shared = [state], None
         since, done = time.perf_counter(), self.nodes
         while cc.bb_search(*args) == cc.PAUSED:
             now, nodes = time.perf_counter(), int(ist[cc.NODES])
-            tasks = self._donate(state) if split else []
+            tasks = self._donate(state) if nodes >= split_at else []
             if tasks:
                 states, shared = self._search_parallel(state, tasks)
                 break
@@ -630,7 +630,7 @@ class BranchAndBound:
             if paced and now > end:
                 ist[cc.TIMED_OUT] = 1
             ist[cc.CHUNK_STOP] = min(nodes + paced_chunk(now, since, nodes - done, end) if paced else never,
-                                     nodes + PARALLEL_AFTER if split else never)
+                                     split_at if nodes < split_at else nodes + SYNC_NODES)
             since, done = now, nodes
         self._collect(states, shared)
 
@@ -729,8 +729,8 @@ class BranchAndBound:
         first), then tasks in turn until every thread waits for one, or the budget is spent."""
         ist, fst, best_k, args = state
         choice = args[4]
-        paced = not cc.HAVE_CLOCK and self.deadline is not None
-        task_lb = math.inf
+        paced = not cc.HAVE_CLOCK and self.deadline is not None  # no clock in the kernels: this thread checks it
+        task_lb, chunk = math.inf, PACED_FIRST if paced else SYNC_NODES
         while True:
             if not resume:
                 task = shared.take()
@@ -741,15 +741,19 @@ class BranchAndBound:
                 ist[cc.DEPTH], ist[cc.PHASE], ist[cc.PREFIX] = 0, cc.ENTER, len(prefix)
             resume = False
             while True:
-                shared.swap(fst, best_k)
-                ist[cc.CHUNK_STOP] = ist[cc.NODES] + SYNC_NODES
+                shared.swap(fst, best_k, ist)
+                since, done = time.perf_counter(), int(ist[cc.NODES])
+                ist[cc.CHUNK_STOP] = done + chunk
                 if cc.bb_search(*args) != cc.PAUSED:
                     break
-                if paced and time.perf_counter() > (self.improve_deadline if ist[cc.GAINED] else self.deadline):
-                    ist[cc.TIMED_OUT] = 1
+                if paced:
+                    now, end = time.perf_counter(), self.improve_deadline if ist[cc.GAINED] else self.deadline
+                    if now > end:
+                        ist[cc.TIMED_OUT] = 1
+                    chunk = min(SYNC_NODES, paced_chunk(now, since, int(ist[cc.NODES]) - done, end))
                 if shared.hungry():
                     shared.give(self._donate(state))
-            shared.swap(fst, best_k)
+            shared.swap(fst, best_k, ist)
             if ist[cc.DONE]:  # the budget is spent: OPEN_LB holds what this thread left open, ...
                 if ist[cc.DEPTH] == 0 and ist[cc.PHASE] == cc.ENTER:  # ... but a task stopped before its root
                     fst[cc.OPEN_LB] = min(fst[cc.OPEN_LB], task_lb)
@@ -943,6 +947,7 @@ class _Shared:
         self.waiting = 0
         self.finished = False  # every thread waits and no task is left: the tree is searched
         self.stop = False  # the budget stopped a thread: the others stop too
+        self.gained = False  # some thread found a better plan than the first dive's (compiled.GAINED)
         self.best_key = best_key
         self.best_k = best_k.copy()
 
@@ -977,12 +982,16 @@ class _Shared:
             self.stop = True
             self.wake.notify_all()
 
-    def swap(self, fst: np.ndarray, best_k: np.ndarray) -> None:
+    def swap(self, fst: np.ndarray, best_k: np.ndarray, ist: np.ndarray) -> None:
         """Publish a thread's incumbent (``fst``'s, its candidates in ``best_k``) if it beats the shared one, else
-        give the thread the shared one (only its key: what its search prunes with)."""
+        give the thread the shared one (only its key: what its search prunes with). A search still finding better
+        plans than its first dive's (``compiled.GAINED``: it searches on to the plan's own deadline) is one search:
+        once a thread has gained, every thread has."""
         with self.lock:
             mine = (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED]))
             if better(mine, self.best_key):
                 self.best_key, self.best_k = mine, best_k.copy()
             else:
                 fst[cc.BEST_LAT], fst[cc.BEST_MOVED] = self.best_key
+            self.gained = self.gained or bool(ist[cc.GAINED])
+            ist[cc.GAINED] = int(self.gained)

@@ -246,8 +246,9 @@ class Scheduler:
     def fits_alone(self, req: Request) -> bool:
         """Whether some layer count holds `req` alone to its last token: that many layers in the host pool, the
         others plus the prefetch buffer in the device budget. A layer's blocks live in one pool, so the sum check
-        (`kv_fits`, the engine's `most_blocks`) can pass for a request that no split holds; one that this passes,
-        the controller's lone-request fallback can always place."""
+        (`kv_fits`, the engine's `most_blocks`) can pass for a request that no split holds. One that this passes,
+        the controller's lone-request fallback can place while no paused request holds host blocks (it plans with
+        the host pool left to the batch)."""
         blocks = np.array([[self.final_blocks(req)]], dtype=float)
         device, host = self.controller.ctx.capacity_blocks, self.kv.host_pool.num_blocks
         for offloaded in range(self.num_layers + 1):

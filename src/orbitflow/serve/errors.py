@@ -45,17 +45,22 @@ def unavailable(message: str, retry_after_s: int = 1) -> APIError:
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first pydantic error, with its location in the body as `param` (e.g. "messages.0.role"). A value that
     fits no member of a union gets one error per member; the first that is not a plain type mismatch names the
-    member the value was meant as (a token id below 0 in a list of ids, not "should be a string")."""
+    member the value was meant as (a token id below 0 in a list of ids, not "should be a string"); when every
+    member's error is a type mismatch, the message says the value has none of the union's types."""
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
-    err = next((e for e in errors if not _mismatch(e.get("type", ""))), errors[0])
+    err = next((e for e in errors if not _mismatch(e.get("type", ""))), None)
+    if err is None and len(errors) > 1:
+        union = _common_prefix([_param_loc(e) for e in errors])
+        if union:
+            param = ".".join(union)
+            return bad_request(f"{param}: has none of the types it accepts (see /openapi.json)", param=param)
+    err = err or errors[0]
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, UnsupportedParameter):
         return bad_request(str(cause), param=cause.param)
-    loc = [str(part) for part in err.get("loc", ()) if not _is_union_tag(part)]
-    if loc[:1] == ["body"]:
-        loc = loc[1:]
+    loc = _param_loc(err)
     if err.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
     if not loc:
@@ -64,6 +69,21 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"request body: {_message(err)}")
     param = ".".join(loc)
     return bad_request(f"{param}: {_message(err)}", param=param)
+
+
+def _param_loc(err: dict) -> list[str]:
+    """The error's location in the body, without pydantic's union member tags."""
+    loc = [str(part) for part in err.get("loc", ()) if not _is_union_tag(part)]
+    return loc[1:] if loc[:1] == ["body"] else loc
+
+
+def _common_prefix(locs: list[list[str]]) -> list[str]:
+    out: list[str] = []
+    for parts in zip(*locs):
+        if len(set(parts)) > 1:
+            break
+        out.append(parts[0])
+    return out
 
 
 def _mismatch(kind: str) -> bool:

@@ -9,7 +9,7 @@ than silently ignored. Checks that need the model (context length, vocabulary) a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -33,16 +34,17 @@ MAX_N = 16
 _INT64 = (-(2**63), 2**63 - 1)
 
 def _json_number(value: Any) -> Any:
-    """A JSON number: 7 or 0.5, never "7" or true (pydantic's lax float would take both)."""
+    """A JSON number: 7 or 0.5, never "7" or true (pydantic's lax float would take both). A type error, so that a
+    union reports the member the value was meant as (serve/errors.py)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("Input should be a number")
+        raise PydanticCustomError("float_type", "Input should be a number")
     return value
 
 
 def _json_integer(value: Any) -> Any:
-    """JSON Schema's integer: 7 and 7.0, never "7" or true (pydantic's lax int would take both)."""
+    """JSON Schema's integer: 7 and 7.0, never "7" or true (pydantic's lax int would take both); a type error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("Input should be a valid integer")
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
     return value
 
 
@@ -58,14 +60,20 @@ def _range(lo: float, hi: float, default: float, doc: str, *, gt: bool = False) 
 
 class NullIsDefault(BaseModel):
     """A body whose parameters sent as null take their defaults, as OpenAI's API and vLLM read them (clients send
-    nulls for every parameter they leave unset)."""
+    nulls for every parameter they leave unset); a parameter that takes null (``max_tokens``: the rest of the
+    context) keeps it."""
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+            return {k: v for k, v in data.items() if v is not None or k not in _not_nullable(cls)}
         return data
+
+
+def _not_nullable(cls: type[BaseModel]) -> set[str]:
+    """The fields of ``cls`` whose type does not admit None."""
+    return {name for name, f in cls.model_fields.items() if type(None) not in get_args(f.annotation)}
 
 
 class StreamOptions(NullIsDefault):
