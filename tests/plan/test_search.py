@@ -261,3 +261,17 @@ def test_a_thread_that_fails_stops_the_others_and_the_error_reaches_the_caller(m
         assert str(error) == "kernel failed" and len(splits) > before
         failed += 1
     assert failed
+
+
+def test_threads_share_their_incumbent_and_whether_the_search_still_gains():
+    shared = search._Shared([], (1.0, 5.0), np.zeros(2, dtype=np.int64), threads=2)
+    a_ist, b_ist = np.zeros(cc.N_IST, dtype=np.int64), np.zeros(cc.N_IST, dtype=np.int64)
+    a_fst, b_fst = np.zeros(cc.N_FST), np.zeros(cc.N_FST)
+    a_fst[cc.BEST_LAT], a_fst[cc.BEST_MOVED] = 0.5, 9.0  # thread a found a faster plan, after its first dive
+    a_ist[cc.GAINED] = 1
+    shared.swap(a_fst, np.array([3, 4]), a_ist)
+    assert shared.best_key == (0.5, 9.0) and shared.best_k.tolist() == [3, 4]
+    b_fst[cc.BEST_LAT], b_fst[cc.BEST_MOVED] = 0.9, 1.0  # thread b's own is slower: it takes a's key
+    shared.swap(b_fst, np.array([7, 7]), b_ist)
+    assert (b_fst[cc.BEST_LAT], b_fst[cc.BEST_MOVED]) == (0.5, 9.0) and shared.best_k.tolist() == [3, 4]
+    assert b_ist[cc.GAINED] == 1  # ... and searches on to the plan's deadline with it
