@@ -612,7 +612,7 @@ class BranchAndBound:
         itself; where the kernels have no clock (``compiled.HAVE_CLOCK``) it hands back control every
         :func:`paced_chunk` nodes instead. A search that may use threads (:meth:`_parallel`) and is still running
         after ``PARALLEL_AFTER`` nodes goes on with them (:meth:`_search_parallel`)."""
-        state = self._worker_state()
+        state = self._worker_state(own_scratch=False)  # this thread's: the window rule's scratch and clock it has
         ist, fst, best_k, args = state
         paced = self.deadline is not None and not cc.HAVE_CLOCK
         never = 1 << 62
@@ -626,13 +626,19 @@ class BranchAndBound:
             if tasks:
                 states, shared = self._search_parallel(state, tasks)
                 break
-            end = self.improve_deadline if ist[cc.GAINED] else self.deadline
-            if paced and now > end:
-                ist[cc.TIMED_OUT] = 1
-            ist[cc.CHUNK_STOP] = min(nodes + paced_chunk(now, since, nodes - done, end) if paced else never,
-                                     split_at if nodes < split_at else nodes + SYNC_NODES)
+            chunk = self._pace(ist, now, since, done) if paced else never
+            ist[cc.CHUNK_STOP] = min(nodes + chunk, split_at if nodes < split_at else nodes + SYNC_NODES)
             since, done = now, nodes
         self._collect(states, shared)
+
+    def _pace(self, ist: np.ndarray, now: float, since: float, done: int) -> int:
+        """Where the kernels have no clock, a paused search looks at it for them: past its deadline (the plan's own
+        once it has ``GAINED``) it is timed out; returns the nodes to run before the next look (:func:`paced_chunk`,
+        ``done`` nodes having run at ``since``)."""
+        end = self.improve_deadline if ist[cc.GAINED] else self.deadline
+        if now > end:
+            ist[cc.TIMED_OUT] = 1
+        return paced_chunk(now, since, int(ist[cc.NODES]) - done, end)
 
     def _collect(self, states: list[tuple], shared: _Shared | None) -> None:
         """What the compiled search's states (one, or one per thread) found and spent, into this search's."""
@@ -711,17 +717,19 @@ class BranchAndBound:
                 return [((*prefix, k), float(lat_lb[level, k])) for k in ks]
         return []
 
-    def _worker_state(self) -> tuple:
-        """One compiled search's state ``(ist, fst, best_k, args of compiled.bb_search)``: its own scratch, window-rule
-        scratch and clock (the kernels write into them), the tables shared read-only."""
+    def _worker_state(self, own_scratch: bool = True) -> tuple:
+        """One compiled search's state ``(ist, fst, best_k, args of compiled.bb_search)``: its own search scratch, the
+        tables shared read-only. ``own_scratch``: also its own window-rule scratch and clock (the kernels write into
+        them), for a thread beside the one that owns this search's (its seeds and local improvement use them)."""
         ist, fst = self._compiled_state()
         best_k = np.zeros(self.n_req, dtype=np.int64)
-        feas = self._feas()
-        feas = feas[:-1] + (tuple(np.empty_like(a) for a in feas[-1]),)
+        feas, clock = self._feas(), self.clock
+        if own_scratch:
+            feas, clock = feas[:-1] + (tuple(np.empty_like(a) for a in feas[-1]),), cc.clock_scratch()
         t, n_cand = self.tables, len(self.counts)
         args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
             feas, best_k, tuple(self.cover), np.zeros((self.n_req, n_cand)), self.dp_depth, t.least_t,
-            np.zeros(n_cand), np.zeros(t.mats_t.shape[1:]), self.root_probe, cc.clock_scratch())
+            np.zeros(n_cand), np.zeros(t.mats_t.shape[1:]), self.root_probe, clock)
         return ist, fst, best_k, args
 
     def _work(self, state: tuple, shared: _Shared, resume: bool) -> None:
@@ -747,10 +755,7 @@ class BranchAndBound:
                 if cc.bb_search(*args) != cc.PAUSED:
                     break
                 if paced:
-                    now, end = time.perf_counter(), self.improve_deadline if ist[cc.GAINED] else self.deadline
-                    if now > end:
-                        ist[cc.TIMED_OUT] = 1
-                    chunk = min(SYNC_NODES, paced_chunk(now, since, int(ist[cc.NODES]) - done, end))
+                    chunk = min(SYNC_NODES, self._pace(ist, time.perf_counter(), since, done))
                 if shared.hungry():
                     shared.give(self._donate(state))
             shared.swap(fst, best_k, ist)
