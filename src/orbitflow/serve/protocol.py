@@ -9,6 +9,7 @@ than silently ignored. Checks that need the model (context length, vocabulary) a
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -71,9 +72,10 @@ class NullIsDefault(BaseModel):
         return data
 
 
-def _not_nullable(cls: type[BaseModel]) -> set[str]:
-    """The fields of ``cls`` whose type does not admit None."""
-    return {name for name, f in cls.model_fields.items() if type(None) not in get_args(f.annotation)}
+@cache
+def _not_nullable(cls: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``cls`` whose type does not admit None (once per body class, not per request)."""
+    return frozenset(name for name, f in cls.model_fields.items() if type(None) not in get_args(f.annotation))
 
 
 class StreamOptions(NullIsDefault):
