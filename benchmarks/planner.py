@@ -59,12 +59,13 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def _solve(cm, cap, reqs, compiled: bool, **kwargs):
-    """One plan() call: (wall seconds, this thread's CPU seconds, plan)."""
+def _solve(cm, cap, reqs, compiled: bool, cpu=time.thread_time, **kwargs):
+    """One plan() call: (wall seconds, CPU seconds by ``cpu``: this thread's, or every thread's with
+    ``time.process_time``, plan)."""
     pl = Planner(cm, cap, alpha=1.0, window=(4, 16), compiled=compiled, **kwargs)
-    w, c = time.perf_counter(), time.thread_time()
+    w, c = time.perf_counter(), cpu()
     p = pl.plan(reqs)
-    return time.perf_counter() - w, time.thread_time() - c, p
+    return time.perf_counter() - w, cpu() - c, p
 
 
 IMPLS = {"compiled": True, "reference": False}
@@ -139,12 +140,11 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                 elif opt is not None:
                     r["lost"] += 1  # out of budget before any plan: reported infeasible though one exists
             if threads > 1:
-                w, c = time.perf_counter(), time.process_time()
-                p = Planner(cm, cap, alpha=1.0, window=(4, 16), compiled=True, threads=threads,
-                            time_limit_s=exact_cap_s, **EXACT).plan(reqs)
+                w, c, p = _solve(cm, cap, reqs, True, cpu=time.process_time, threads=threads,
+                                 time_limit_s=exact_cap_s, **EXACT)
                 r = rec.setdefault(par, {"ew": [], "ec": [], "opt": [], "open": 0})
-                r["ew"].append(time.perf_counter() - w)
-                r["ec"].append(time.process_time() - c)
+                r["ew"].append(w)
+                r["ec"].append(c)
                 r["open"] += not p.stats.exact
                 r["opt"].append(p.predicted_step_s if p.feasible and p.stats.exact else None)
         both = [(a, b) for a, b in zip(rec["compiled"]["opt"], rec["reference"]["opt"])
