@@ -35,6 +35,7 @@ class Request:
     num_pauses: int = 0
     paused_at_step: int | None = None
     completions_at_pause: int = 0  # the engine's finished-request count when this request was paused
+    outputs_at_start: int = 0  # its output tokens when it last started running (admitted or resumed)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     finished_s: float | None = None

@@ -17,6 +17,10 @@ needed), so it sits in its own `paused` queue rather than back in `waiting` as a
 vLLM, and it comes back under its own gate: only after some in-flight request has completed (the paper's
 rule: without it, measurement noise flips feasibility and requests thrash), and only when a plan holds it
 without pausing anyone. Paused requests come before new ones, most-paused first, so none starves.
+A layer's blocks live in one pool, so a lone request can outgrow every split of its layers between the device
+budget and the host KV the paused requests leave, though the pools hold everyone (admission's check): it is then
+paused too, and a paused request runs in its place (`_blocked_by_paused`); a request ends for it only when no
+paused one can run beside the others' KV.
 
 Order of new requests: FCFS admits in arrival order; SRTF the one with the fewest remaining output tokens
 (known from `max_tokens`) first.
@@ -176,8 +180,24 @@ class Scheduler:
         if self._admission_blocked_at == self._batch_version:
             return  # nothing changed since admission last found no room: do not re-solve every step
         self._admission_blocked_at = None
+        self._admit()
+        if not self.running and self.paused:
+            # Nobody runs, and every paused request needs host KV that another paused request holds (and no new one
+            # could start): end the first in line, or nothing would ever run again. Only the split of layers between
+            # the pools brings this about (admission saw that the pools together hold them all).
+            first = self.candidates()[0]
+            log.warning("request %s ends: it cannot run beside the KV the paused requests hold", first.request_id)
+            self._finish(first, "error", error=NO_FIT)
+
+    def _admit(self) -> None:
+        """Resume and admit candidates in order until one must wait."""
         for cand in self.candidates():
-            if not self.fits(cand) or not self._may_try(cand) or not self._plan_with(cand):
+            if not self.fits(cand) or not self._may_try(cand):
+                return
+            placed = self._plan_with(cand)
+            if placed is None:
+                continue  # it cannot run alone beside the paused requests' KV: the next one may
+            if not placed:
                 return
             if cand.finished:
                 continue
@@ -187,6 +207,7 @@ class Scheduler:
             else:
                 self.waiting.remove(cand)
             cand.status = Status.RUNNING
+            cand.outputs_at_start = len(cand.output_ids)
             self.running.append(cand)
 
     def _may_try(self, cand: Request) -> bool:
@@ -204,9 +225,11 @@ class Scheduler:
             self._admission_blocked_at = self._batch_version
         return ok
 
-    def _plan_with(self, cand: Request) -> bool:
+    def _plan_with(self, cand: Request) -> bool | None:
         """Find a feasible plan for the running batch plus `cand`, pausing the policy's victims; False when
-        `cand` must keep waiting (it would be the victim, or it is a paused request and someone would be)."""
+        `cand` must keep waiting (it would be the victim, or it is a paused request and someone would be); None
+        when it cannot run even alone while other paused requests hold the host KV it needs (`_blocked_by_paused`:
+        the next candidate may run instead)."""
         resuming = cand.status is Status.PAUSED
         while True:
             trial = self.running + [cand]
@@ -214,6 +237,9 @@ class Scheduler:
             if plan.feasible:
                 return True
             if len(trial) == 1:
+                if self._blocked_by_paused(cand):
+                    self.controller.forget()
+                    return None
                 self._finish(cand, "error", error=NO_FIT)
                 return True
             victim = self._victim(plan, trial)
@@ -276,9 +302,24 @@ class Scheduler:
             if plan.feasible:
                 return
             if len(self.running) == 1:
-                self._finish(self.running[0], "error", error=NO_FIT)
+                lone = self.running[0]
+                if self._blocked_by_paused(lone) and len(lone.output_ids) > lone.outputs_at_start:
+                    # It grew past what the pools hold beside the paused requests' KV: it steps aside and they run
+                    # (it has made progress since it started, so two requests cannot swap forever without any)
+                    log.info("request %s is paused: no split of its layers fits beside the paused requests' KV",
+                             lone.request_id)
+                    self._pause_request(lone)
+                else:
+                    self._finish(lone, "error", error=NO_FIT)
             else:
                 self._pause_request(self._victim(plan, self.running))
+
+    def _blocked_by_paused(self, req: Request) -> bool:
+        """Whether `req`, which no plan places alone, might be placed once the other paused requests are gone:
+        some of them hold KV, and it fits the empty pools (`fits_alone`). A layer's blocks live in one pool, so
+        the pools can hold everyone's blocks together (admission's check) while no split of `req`'s layers fits
+        what the paused requests leave."""
+        return any(p is not req and p.request_id in self.kv.tables for p in self.paused) and self.fits_alone(req)
 
     def _victim(self, plan: Plan, batch: list[Request]) -> Request:
         """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a
