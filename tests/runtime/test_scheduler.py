@@ -251,6 +251,16 @@ def test_a_request_no_layer_split_holds_is_rejected_before_it_runs():
     assert ok.error is None and len(ok.output_ids) == 8
 
 
+def run_and_end_at_max_tokens(sched: Scheduler, out, reqs: list[Request]) -> None:
+    """Play the executor for `out`, then end the running requests that reached max_tokens, as the engine's stop
+    check would."""
+    if out.seqs:
+        run(sched, out)
+    for r in reqs:
+        if not r.finished and r.status is Status.RUNNING and r.remaining_tokens == 0:
+            sched.finish_requests([r.request_id], "length")
+
+
 def serve_all(sched: Scheduler, arrivals: list[tuple[str, int, int, int]], slo_s: float, steps: int = 300):
     """Add `(id, prompt, max_tokens, step)` requests at their steps and run until every one ends (at max_tokens,
     as the engine's stop check would); the requests, each step's output and the step each request ended at."""
@@ -260,11 +270,8 @@ def serve_all(sched: Scheduler, arrivals: list[tuple[str, int, int, int]], slo_s
                  if at == step]
         out = sched.schedule()
         outs.append(out)
-        if out.seqs:
-            run(sched, out)
+        run_and_end_at_max_tokens(sched, out, reqs)
         for r in reqs:
-            if not r.finished and r.status is Status.RUNNING and r.remaining_tokens == 0:
-                sched.finish_requests([r.request_id], "length")
             if r.finished:
                 ended.setdefault(r.request_id, step)
         if len(reqs) == len(arrivals) and all(r.finished for r in reqs):
@@ -351,17 +358,10 @@ def test_random_small_pools_end_every_admitted_request_and_leak_no_block(first_s
                 victim = str(rng.choice(sorted(sched.requests)))
                 aborted.add(victim)
                 sched.finish_requests([victim], "abort")
-            out = sched.schedule()
-            if out.seqs:
-                run(sched, out)
-            for r in reqs:
-                if not r.finished and r.status is Status.RUNNING and r.remaining_tokens == 0:
-                    sched.finish_requests([r.request_id], "length")
-            held = [0, 0]
-            for table in sched.kv.tables.values():
-                for blocks, on_device in zip(table.blocks, table.on_device):
-                    held[0 if on_device else 1] += len(blocks)
-            assert sched.kv.usage() == tuple(held), (seed, step)
+            run_and_end_at_max_tokens(sched, sched.schedule(), reqs)
+            host = sum(table.host_blocks() for table in sched.kv.tables.values())
+            held = sum(len(blocks) for table in sched.kv.tables.values() for blocks in table.blocks)
+            assert sched.kv.usage() == (held - host, host), (seed, step)
             if len(reqs) == len(arrivals) and not sched.has_work():
                 break
         assert not sched.has_work(), seed
