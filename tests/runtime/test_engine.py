@@ -235,3 +235,35 @@ def test_a_request_no_split_of_its_layers_fits_is_refused_at_once(tiny_llama):
         assert ok.finish_reason == "length" and llm.kv.usage() == (0, 0)
     finally:
         llm.close()
+
+
+def test_a_request_whose_kv_is_dropped_while_paused_computes_it_again_and_gives_the_same_tokens(tiny_llama,
+                                                                                              monkeypatch):
+    """Recompute preemption on the real model: b steps aside for a (no plan holds it beside a's KV), then neither can
+    run beside the other's KV, so b gives up its KV; once a ends, b prefills its prompt and outputs again and decodes
+    on. Both are token-identical to transformers, and nothing leaks."""
+    from scripted_policies import CrowdedPolicy
+
+    ps = prompts(2, 40, seed=9)
+    reference = [hf_greedy(tiny_llama.hf, p, 24) for p in ps]
+    policy = CrowdedPolicy(cap=1, victim="a", layers=6)
+    llm = make_llm(tiny_llama, policy=policy, profile=tiny_profile(), max_num_seqs=2)
+    engine = llm.engine
+    policy.scheduler = engine.scheduler
+    monkeypatch.setattr(engine.controller, "_settle", lambda requests: policy.plan(requests, engine.controller.ctx))
+    try:
+        sampling = SamplingParams(max_tokens=24, ignore_eos=False)  # as transformers' generate stops
+        a = engine.add_request("a", ps[0], sampling)
+        engine.step()
+        b = engine.add_request("b", ps[1], sampling)
+        for _ in range(6):  # a is paused for b, which prefills and decodes 5 tokens
+            engine.step()
+        assert a.num_pauses == 1 and len(a.output_ids) == 1 and len(b.output_ids) == 6
+        policy.crowded, policy.victim = {"a", "b"}, None
+        engine.controller.forget()
+        engine.run_until_done()
+        assert engine.stats.recomputes == 1 and b.num_recomputes == 1 and b.num_pauses == 1
+        assert [a.output_ids, b.output_ids] == reference and a.finished_s < b.finished_s
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()

@@ -4,10 +4,11 @@ executor's part with hand-made StepResults and checks queues, Pause-Resume and t
 from __future__ import annotations
 
 import pytest
+from scripted_policies import CapPolicy, CrowdedPolicy
 
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
-from orbitflow.plan import CostModel, Placement, Plan
+from orbitflow.plan import CostModel
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.clock import VirtualClock
 from orbitflow.runtime.controller import Controller
@@ -18,25 +19,6 @@ from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.runtime.scheduler import NO_FIT, Scheduler
 
 LAYERS, BS = 4, 16
-
-
-class CapPolicy(Policy):
-    """Feasible while the batch has at most `cap` requests (everything on the device); otherwise the
-    victim is the request named `victim` if present, else the last one."""
-
-    name = "cap"
-    pause_resume = True
-
-    def __init__(self, cap: int, victim: str | None = None):
-        self.cap, self.victim = cap, victim
-
-    def plan(self, requests, ctx) -> Plan:
-        ids = tuple(r.request_id for r in requests)
-        if len(requests) <= self.cap:
-            placement = Placement.from_distances(LAYERS, [None] * len(requests))
-            return Plan(ids, placement, (None,) * len(ids), True, 8, None, 0.01)
-        victims = tuple(i for i in ids if i == self.victim) or ids[-1:]
-        return Plan(ids, None, None, False, 8, None, float("inf"), victims=victims)
 
 
 def make_scheduler(policy: Policy, device_blocks: int = 64, host_blocks: int = 64, **config):
@@ -294,25 +276,13 @@ def test_a_lone_request_that_outgrows_the_room_paused_requests_leave_steps_aside
     assert sched.kv.usage() == (0, 0) and not sched.has_work()
 
 
-class StuckPolicy(CapPolicy):
-    """CapPolicy, except that no plan holds a batch with a request of `stuck` in it, even alone."""
-
-    def __init__(self, cap: int, victim: str | None = None):
-        super().__init__(cap, victim)
-        self.stuck: set[str] = set()
-
-    def plan(self, requests, ctx) -> Plan:
-        ids = tuple(r.request_id for r in requests)
-        if self.stuck & set(ids):
-            return Plan(ids, None, None, False, 8, None, float("inf"), victims=ids[-1:])
-        return super().plan(requests, ctx)
-
-
-def test_paused_requests_that_no_plan_holds_beside_each_other_end_one_at_a_time(monkeypatch):
+def test_paused_requests_that_cannot_run_beside_each_others_kv_recompute_instead_of_ending(monkeypatch):
     """The deadlock the step-aside rule could leave: nobody runs, and no paused request can run beside the others'
-    KV. One ends per step (the first in line), so the engine never spins on them, and no block leaks."""
-    policy = StuckPolicy(cap=1, victim="a")
+    KV. The last in line gives up its KV (it used to end with NO_FIT), the first runs to its end, then the other
+    prefills its prompt and outputs again and decodes on from its last output; no block leaks."""
+    policy = CrowdedPolicy(cap=1, victim="a")
     sched = make_scheduler(policy)
+    policy.scheduler = sched
     # the controller's lone-request fallback (any uniform layer count) finds no placement either
     monkeypatch.setattr(sched.controller, "_settle", lambda requests: policy.plan(requests, sched.controller.ctx))
     a = add(sched, "a", max_tokens=8)
@@ -320,16 +290,46 @@ def test_paused_requests_that_no_plan_holds_beside_each_other_end_one_at_a_time(
     b = add(sched, "b", max_tokens=8)
     out = sched.schedule()  # the batch of two holds no plan: the policy pauses a, which keeps its KV
     assert out.paused_ids == ["a"] and [s.req_id for s in out.seqs] == ["b"]
-    run(sched, out)
-    run(sched, sched.schedule())  # b decodes a token
-    policy.stuck = {"a", "b"}  # now no plan holds either of them, alone or not
+    run(sched, out, token=5)
+    run(sched, sched.schedule(), token=6)  # b decodes a token
+    policy.crowded, policy.victim = {"a", "b"}, None
     sched.controller.forget()
     out = sched.schedule()  # b has run a token since it started: it steps aside for a rather than end
     assert out.paused_ids == ["b"] and not out.seqs and not out.finished_ids and ids(sched.paused) == ["a", "b"]
-    out = sched.schedule()  # a first (paused earlier), then b: each needs what the other holds, so a ends
-    assert out.finished_ids == ["a"] and a.error == NO_FIT and not out.seqs and ids(sched.paused) == ["b"]
-    out = sched.schedule()  # b alone now: no plan holds it and no other request holds KV
-    assert out.finished_ids == ["b"] and b.error == NO_FIT
+    out = sched.schedule()  # a first (paused earlier), then b: each needs what the other holds, so b gives up its KV
+    assert out.recomputed_ids == ["b"] and out.resumed_ids == ["a"] and [s.req_id for s in out.seqs] == ["a"]
+    assert not out.finished_ids and b.status is Status.WAITING and "b" not in sched.kv.tables
+    assert b.output_ids == [5, 6] and b.num_recomputes == 1 and a.num_recomputes == 0
+    outs = []
+    while not b.finished:
+        out = sched.schedule()
+        outs.append(out)
+        run_and_end_at_max_tokens(sched, out, [a, b])
+    first = next(o for o in outs if [s.req_id for s in o.seqs] == ["b"])
+    assert a.finished  # b waits until a ends (the pair holds no plan), then computes its KV again:
+    (seq,) = first.seqs  # its prompt and every output but the last, sampling nothing
+    assert (seq.token_ids, seq.start_pos, seq.sample) == (b.prompt_ids + [5], 0, False)
+    (seq,) = outs[outs.index(first) + 1].seqs  # then it decodes on from its last output
+    assert (seq.token_ids, seq.start_pos, seq.sample) == ([6], 21, True)
+    assert [(r.finish_reason, r.error, len(r.output_ids)) for r in (a, b)] == [("length", None, 8)] * 2
+    assert sched.kv.usage() == (0, 0) and not sched.has_work()
+
+
+def test_a_request_no_plan_holds_alone_ends_with_no_fit_when_no_paused_request_holds_kv(monkeypatch):
+    """Where nobody else's KV is in the way, a request that no plan (nor the controller's lone-request fallback)
+    holds alone ends with NO_FIT: a new one at admission, a running one once it outgrows every plan."""
+    policy = CapPolicy(cap=1)
+    sched = make_scheduler(policy)
+    monkeypatch.setattr(sched.controller, "_settle", lambda requests: policy.plan(requests, sched.controller.ctx))
+    a = add(sched, "a", max_tokens=8)
+    run(sched, sched.schedule())
+    policy.cap = 0  # from now on no plan holds any batch
+    sched.controller.forget()
+    out = sched.schedule()
+    assert out.finished_ids == ["a"] and a.error == NO_FIT and not out.paused_ids and not out.seqs
+    b = add(sched, "b", max_tokens=8)
+    out = sched.schedule()
+    assert out.finished_ids == ["b"] and b.error == NO_FIT and not out.seqs and not b.output_ids
     assert sched.kv.usage() == (0, 0) and not sched.has_work()
 
 

@@ -62,6 +62,7 @@ class EngineStats:
     prefill_steps: int = 0
     pauses: int = 0
     resumes: int = 0
+    recomputes: int = 0
     busy_s: float = 0.0
     stall_s: float = 0.0
     bytes_h2d: int = 0
@@ -218,6 +219,7 @@ class Engine:
         out = self.scheduler.schedule()
         self.stats.pauses += len(out.paused_ids)
         self.stats.resumes += len(out.resumed_ids)
+        self.stats.recomputes += len(out.recomputed_ids)
         self._publish_finished()
         if out.is_empty:
             return None

@@ -59,6 +59,7 @@ class ScheduleOutput:
     placement: dict[object, list[bool]] = field(default_factory=dict)
     paused_ids: list = field(default_factory=list)  # requests paused while scheduling this step (Pause-Resume)
     resumed_ids: list = field(default_factory=list)  # paused requests brought back into the running batch
+    recomputed_ids: list = field(default_factory=list)  # paused requests whose KV was dropped, to be computed again
     finished_ids: list = field(default_factory=list)  # requests ended while scheduling (an error; their KV is freed)
     plan: Any = None  # the Plan in force for the running batch (None: no feasible plan installed)
     # The cost model's latency for this decode step's batch and placement, the batch's total tokens and which

@@ -33,6 +33,7 @@ class Request:
     generated_s: list[float] = field(default_factory=list)
     delivered_s: list[float] = field(default_factory=list)
     num_pauses: int = 0
+    num_recomputes: int = 0  # times its KV was dropped while paused, to be computed again (Scheduler._recompute)
     paused_at_step: int | None = None
     completions_at_pause: int = 0  # the engine's finished-request count when this request was paused
     outputs_at_start: int = 0  # its output tokens when it last started running (admitted or resumed)
@@ -49,8 +50,14 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """Tokens whose KV the prefill computes: the prompt, or (its KV dropped by a recompute) the prompt and every
+        output but the last, which the next decode step feeds as usual."""
+        return max(self.num_prompt, self.num_tokens - 1)
+
+    @property
     def prefilled(self) -> bool:
-        return self.num_cached >= self.num_prompt
+        return self.num_cached >= self.prefill_end
 
     @property
     def max_output_tokens(self) -> int:
@@ -70,10 +77,13 @@ class Request:
         return self.status is Status.FINISHED
 
     def next_input(self, chunk: int | None) -> tuple[list[int], int, bool]:
-        """Tokens to feed next, where they start, and whether a token is sampled after them."""
+        """Tokens to feed next, where they start, and whether a token is sampled after them (not after a recompute's
+        prefill: its next token comes from the decode step that feeds the last output)."""
         if not self.prefilled:
-            end = self.num_prompt if chunk is None else min(self.num_prompt, self.num_cached + chunk)
-            return self.prompt_ids[self.num_cached:end], self.num_cached, end == self.num_prompt
+            target = self.prefill_end
+            end = target if chunk is None else min(target, self.num_cached + chunk)
+            source = self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+            return source[self.num_cached:end], self.num_cached, end == target and not self.output_ids
         return [self.output_ids[-1]], self.num_cached, True
 
     def check_stop(self, token: int) -> str | None:

@@ -19,8 +19,9 @@ rule: without it, measurement noise flips feasibility and requests thrash), and 
 without pausing anyone. Paused requests come before new ones, most-paused first, so none starves.
 A layer's blocks live in one pool, so a lone request can outgrow every split of its layers between the device
 budget and the host KV the paused requests leave, though the pools hold everyone (admission's check): it is then
-paused too, and a paused request runs in its place (`_blocked_by_paused`); a request ends for it only when no
-paused one can run beside the others' KV.
+paused too, and a paused request runs in its place (`_blocked_by_paused`). When no paused request can run beside
+the others' KV and nothing else runs, the last in line gives up its KV and waits to compute it again (`_recompute`,
+vLLM's recompute preemption), so no admitted request ends for lack of room.
 
 Order of new requests: FCFS admits in arrival order; SRTF the one with the fewest remaining output tokens
 (known from `max_tokens`) first.
@@ -181,13 +182,14 @@ class Scheduler:
             return  # nothing changed since admission last found no room: do not re-solve every step
         self._admission_blocked_at = None
         self._admit()
-        if not self.running and self.paused:
+        while not self.running and (holders := [p for p in self.candidates()[:len(self.paused)]
+                                                if p.request_id in self.kv.tables]):
             # Nobody runs, and every paused request needs host KV that another paused request holds (and no new one
-            # could start): end the first in line, or nothing would ever run again. Only the split of layers between
-            # the pools brings this about (admission saw that the pools together hold them all).
-            first = self.candidates()[0]
-            log.warning("request %s ends: it cannot run beside the KV the paused requests hold", first.request_id)
-            self._finish(first, "error", error=NO_FIT)
+            # could start); only the split of layers between the pools brings this about (admission saw that the pools
+            # together hold them all). The last in line that holds KV gives it up, to compute it again once admitted,
+            # and the others try again. Scheduling allocates no KV, so this ends within len(holders) rounds.
+            self._recompute(holders[-1])
+            self._admit()
 
     def _admit(self) -> None:
         """Resume and admit candidates in order until one must wait."""
@@ -345,6 +347,21 @@ class Scheduler:
         if req.request_id in self.kv.tables:
             self.kv.pause(req.request_id)
         self.controller.forget()
+
+    def _recompute(self, req: Request) -> None:
+        """The one place a paused request gives up its KV (vLLM's recompute preemption): it waits again, in its
+        arrival order, and once admitted its prompt and outputs so far prefill again (`Request.next_input`); its
+        outputs, deposit and pause count stay, so its client sees only the delay."""
+        log.warning("request %s gives up its KV: it and the other paused requests cannot run beside each other's KV; "
+                    "it computes its %d tokens again once admitted", req.request_id, req.num_tokens)
+        self.paused.remove(req)
+        self.kv.free(req.request_id)
+        req.num_cached = 0
+        req.num_recomputes += 1
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        self._batch_version += 1
+        self._out.recomputed_ids.append(req.request_id)
 
     def _plan_requests(self, reqs: list[Request], ahead: int = 0) -> list[PlanRequest]:
         """The batch as the planner sees it; also tells the planner how much of the host pool is left to

@@ -49,6 +49,8 @@ class _EngineCollector:
              stats.generated_violations),
             ("orbitflow:pauses", "Requests paused to make the plan feasible", stats.pauses),
             ("orbitflow:resumes", "Paused requests resumed", stats.resumes),
+            ("orbitflow:recomputes", "Paused requests whose KV was dropped, to be computed again",
+             stats.recomputes),
             ("orbitflow:engine_steps", "Engine steps run", stats.steps),
         )
         for name, doc, value in counters:

@@ -1,0 +1,43 @@
+"""Policies whose feasibility a test scripts (shared by the scheduler's and the engine's tests)."""
+
+from __future__ import annotations
+
+from orbitflow.plan import Placement, Plan
+from orbitflow.policies.base import Policy
+
+
+class CapPolicy(Policy):
+    """Feasible while the batch has at most `cap` requests (everything on the device); otherwise the
+    victim is the request named `victim` if present, else the last one."""
+
+    name = "cap"
+    pause_resume = True
+
+    def __init__(self, cap: int, victim: str | None = None, layers: int = 4):
+        self.cap, self.victim, self.layers = cap, victim, layers
+
+    def plan(self, requests, ctx) -> Plan:
+        ids = tuple(r.request_id for r in requests)
+        if len(requests) <= self.cap:
+            placement = Placement.from_distances(self.layers, [None] * len(requests))
+            return Plan(ids, placement, (None,) * len(ids), True, 8, None, 0.01)
+        victims = tuple(i for i in ids if i == self.victim) or ids[-1:]
+        return Plan(ids, None, None, False, 8, None, float("inf"), victims=victims)
+
+
+class CrowdedPolicy(CapPolicy):
+    """CapPolicy, except that no plan holds a batch with a request of `crowded` in it while a paused request outside
+    the batch holds KV (`scheduler` set): what a layer split that fits only the empty pools looks like to the
+    scheduler."""
+
+    def __init__(self, cap: int, victim: str | None = None, layers: int = 4):
+        super().__init__(cap, victim, layers)
+        self.crowded: set[str] = set()
+        self.scheduler = None
+
+    def plan(self, requests, ctx) -> Plan:
+        ids = tuple(r.request_id for r in requests)
+        kv, paused = self.scheduler.kv, self.scheduler.paused
+        if self.crowded & set(ids) and any(p.request_id not in ids and p.request_id in kv.tables for p in paused):
+            return Plan(ids, None, None, False, 8, None, float("inf"), victims=ids[-1:])
+        return super().plan(requests, ctx)
