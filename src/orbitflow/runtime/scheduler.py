@@ -318,10 +318,11 @@ class Scheduler:
 
     def _blocked_by_paused(self, req: Request) -> bool:
         """Whether `req`, which no plan places alone, might be placed once the other paused requests are gone:
-        some of them hold KV, and it fits the empty pools (`fits_alone`). A layer's blocks live in one pool, so
-        the pools can hold everyone's blocks together (admission's check) while no split of `req`'s layers fits
-        what the paused requests leave."""
-        return any(p is not req and p.request_id in self.kv.tables for p in self.paused) and self.fits_alone(req)
+        some of them hold KV. It fits the empty pools: `add_request` checked `fits_alone`, whose inputs (its last
+        token, the device budget, the host pool) never change. A layer's blocks live in one pool, so the pools can
+        hold everyone's blocks together (admission's check) while no split of `req`'s layers fits what the paused
+        requests leave."""
+        return any(p is not req and p.request_id in self.kv.tables for p in self.paused)
 
     def _victim(self, plan: Plan, batch: list[Request]) -> Request:
         """Whom to set aside: the policy's victim, or (without Pause-Resume) the newest request, as a
