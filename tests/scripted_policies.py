@@ -1,9 +1,14 @@
-"""Policies whose feasibility a test scripts (shared by the scheduler's and the engine's tests)."""
+"""Policies whose feasibility (or timing) a test scripts (shared by the scheduler's, the engine's and the background
+planner's tests)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+
 from orbitflow.plan import Placement, Plan
 from orbitflow.policies.base import Policy
+from orbitflow.policies.orbitflow import OrbitFlowPolicy
 
 
 class CapPolicy(Policy):
@@ -40,4 +45,18 @@ class CrowdedPolicy(CapPolicy):
         kv, paused = self.scheduler.kv, self.scheduler.paused
         if self.crowded & set(ids) and any(p.request_id not in ids and p.request_id in kv.tables for p in paused):
             return Plan(ids, None, None, False, 8, None, float("inf"), victims=ids[-1:])
+        return super().plan(requests, ctx)
+
+
+class StallsInPlannerProcess(OrbitFlowPolicy):
+    """OrbitFlow's policy, except that in the planner process a batch with a request named ``stall`` never comes
+    back (the solve sleeps an hour): a test can kill the process while that solve is surely in flight."""
+
+    name = "stalls-in-planner-process"
+
+    def plan(self, requests, ctx) -> Plan:
+        if multiprocessing.current_process().name == "orbitflow-planner" and any(
+            r.request_id == "stall" for r in requests
+        ):
+            time.sleep(3600)
         return super().plan(requests, ctx)

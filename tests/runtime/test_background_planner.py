@@ -9,6 +9,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
+from scripted_policies import StallsInPlannerProcess
 
 from orbitflow.plan import CostModel, PlanRequest
 from orbitflow.policies.base import PlanContext, Policy
@@ -96,17 +97,25 @@ def test_a_failing_solve_raises_in_the_engine_and_the_process_lives_on():
 
 
 def test_controller_solves_ahead_in_a_process_and_survives_its_death():
-    controller = Controller(OrbitFlowPolicy(), context(), background="process")
+    """The process dies with a solve in flight: the step solves inline, and a thread solves ahead from then on.
+    The solve is written while the process lives and never answered (it stalls there), so the read sees the death
+    however the OS schedules the kill
+    (a death the write sees: test_a_process_that_died_between_solves_costs_no_step)."""
+    controller = Controller(StallsInPlannerProcess(), context(), background="process")
     try:
         now = controller.solve(batch(), step=0, trigger="batch")
         controller.solve_ahead(batch(1), step_next=1)
         ahead = controller.solve(batch(1), step=1, trigger="expiry")
         assert controller.records[-1].background and ahead.feasible
         assert ahead.distances == OrbitFlowPolicy().plan(batch(1), controller.ctx).distances
-        os.kill(controller._background._pool.pid, signal.SIGKILL)  # the planner process dies
-        controller.solve_ahead(batch(2), step_next=2)
-        after = controller.solve(batch(2), step=2, trigger="expiry")
+        stalled = [replace(r, request_id="stall") if r.request_id == "a" else r for r in batch(2)]
+        controller.solve_ahead(stalled, step_next=2)  # written: the process lives until the kill below
+        proc = controller._background._pool._proc
+        os.kill(proc.pid, signal.SIGKILL)  # the planner process dies in that solve
+        proc.join(timeout=30)
+        after = controller.solve(stalled, step=2, trigger="expiry")
         assert after.feasible and not controller.records[-1].background  # solved inline instead
+        assert after.distances == OrbitFlowPolicy().plan(stalled, controller.ctx).distances
         assert controller._background.mode == "thread"  # and on a thread from now on
         controller.solve_ahead(batch(3), step_next=3)
         controller.solve(batch(3), step=3, trigger="expiry")
