@@ -1,6 +1,7 @@
 """Sampling: penalties, logit bias and logprobs as documented; one request's bad parameters never raise."""
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -36,6 +37,21 @@ def test_extreme_parameters_neither_raise_nor_fail():
         assert drawn.error is None and 0 <= drawn.token < len(LOGITS)
     assert sample(LOGITS, SamplingParams(temperature=1e-300)).token == 4  # a vanishing temperature is greedy
     assert sample(LOGITS, SamplingParams(temperature=1.0, top_p=5e-324)).token == 4  # the top token stays
+
+
+def test_logits_pushed_past_the_float_range_sample_among_those_tokens():
+    """A repetition_penalty near 0 divides the seen tokens' positive logits past float32's range (then inf), and a
+    small temperature can do the same to a large finite one: the limit of the softmax, uniform over those tokens,
+    not a 'degenerate distribution' error (the API allows any penalty in (0, 2])."""
+    seen = [0, 1]  # positive logits 2.0 and 1.0; token 4 (3.0) is not seen
+    for params, tokens in ((SamplingParams(temperature=1.0, repetition_penalty=1e-300), {0, 1}),
+                           # 2e38 and 1e38 are finite; / 0.5, only token 0's overflows
+                           (SamplingParams(temperature=0.5, repetition_penalty=1e-38), {0})):
+        drawn = [sample(LOGITS, replace(params, seed=s), seen, ()) for s in range(40)]
+        assert all(d.error is None for d in drawn)
+        assert {d.token for d in drawn} == tokens
+    # greedy: the first of the saturated tokens (argmax of equal infinities)
+    assert sample(LOGITS, SamplingParams(repetition_penalty=1e-300), seen, ()).token == 0
 
 
 def test_a_failure_comes_back_as_an_error_not_an_exception():

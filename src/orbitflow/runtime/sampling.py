@@ -93,6 +93,9 @@ def _draw(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
+    top = torch.isposinf(logits)
+    if bool(top.any()):  # past float32's range (a repetition_penalty near 0, a temperature near GREEDY_BELOW): the
+        logits = torch.where(top, 0.0, float("-inf"))  # limit of the softmax is uniform over those tokens
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
