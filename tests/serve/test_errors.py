@@ -4,6 +4,8 @@ import httpx
 import pytest
 from serve.live import MODEL_NAME, live_server, make_server_llm
 
+from orbitflow.serve.protocol import MAX_TOKEN_IDS
+
 KEY = "sk-orbitflow-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, "temperature": 0}
@@ -139,6 +141,31 @@ def test_malformed_body(http, body):
     headers = {**AUTH, "Content-Type": "application/json"}
     reply = http.post("/v1/chat/completions", content=body, headers=headers)
     assert_error(reply, 400, None)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("path, param", [("/tokenize", "prompt"), ("/v1/completions", "prompt"),
+                                         ("/v1/chat/completions", "messages")])
+def test_text_with_a_lone_surrogate(http, path, param):
+    """JSON lets a string carry half of a UTF-16 pair; that is no text to tokenize (/tokenize answered 500)."""
+    field = b'"messages": [{"role": "user", "content": "orbit \\ud800"}]' if param == "messages" else \
+        b'"prompt": "orbit \\ud800"'
+    reply = http.post(path, content=b'{"max_tokens": 2, ' + field + b"}",
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert_error(reply, 400, param)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {**GOOD, "prompt": [5] * (MAX_TOKEN_IDS + 1)}, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [[5] * (MAX_TOKEN_IDS + 1)]}, "prompt.0"),
+    ("/detokenize", {"tokens": [5] * (MAX_TOKEN_IDS + 1)}, "tokens"),
+])
+def test_token_id_lists_past_the_cap(http, path, body, param):
+    """Every id of a list is checked on the event loop before any handler runs, so the lists are capped (below the
+    body cap's 4M ids, which held every other request for seconds)."""
+    error = assert_error(http.post(path, json=body, headers=AUTH), 400, param)
+    assert str(MAX_TOKEN_IDS) in error["message"]
     assert_still_serving(http)
 
 

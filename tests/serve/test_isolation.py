@@ -3,6 +3,7 @@ return to empty (issue 13's "Done means")."""
 
 import json
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -81,3 +82,33 @@ def test_hostile_requests_leave_normal_streams_untouched(server):
     wait_until_idle(server.llm)
     assert kv_empty(server.llm)
     assert server.llm.engine.kv.host_pool.num_used == server.llm.engine.kv.device_pool.num_used == 0
+
+
+def test_a_prompt_being_tokenized_holds_no_other_request(server, monkeypatch):
+    """Tokenizing runs off the event loop (an 8 MB prompt takes seconds): while one prompt's encode is held, /health
+    and a request with token ids are answered. On the event loop, /health would wait for the encode."""
+    tokenizer = server.llm.tokenizer
+    real_encode = tokenizer.encode
+    entered, release = threading.Event(), threading.Event()
+
+    def held_encode(text, add_special_tokens=True):
+        if "held" in text:
+            entered.set()
+            release.wait(120)
+        return real_encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", held_encode)
+    with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=server.url, timeout=30) as http:
+        try:
+            held = [pool.submit(http.post, "/v1/completions", json={**NORMAL[0], "prompt": "held prompt"}),
+                    pool.submit(http.post, "/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "held chat"}], "max_tokens": 4})]
+            assert entered.wait(60)
+            assert http.get("/health").status_code == 200
+            assert http.post("/v1/completions", json={**NORMAL[1], "prompt": [5, 6, 7]}).status_code == 200
+            assert not any(f.done() for f in held)  # both still in their encode
+        finally:
+            release.set()
+        assert [f.result().status_code for f in held] == [200, 200]
+    wait_until_idle(server.llm)
+    assert kv_empty(server.llm)

@@ -63,7 +63,9 @@ class Tokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: a megabyte prompt would stop every other
+        # thread, the engine's step loop and the server's event loop included, for about a second); same ids.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -83,9 +83,19 @@ class OpenAIServer:
         if bad:
             raise bad_request(f"{param}: token id {bad[0]} is not in the vocabulary (size {self.vocab_size})", param)
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids; text that is not Unicode (a lone surrogate) is a 400 naming ``param``. A long text
+        takes seconds: the handlers run this off the event loop (and the tokenizer releases the GIL)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise bad_request(f"{param}: not valid Unicode text ({exc.reason} at character {exc.start})",
+                              param) from exc
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = await asyncio.to_thread(self.encode_text, prompt, "prompt")
         else:
             self.check_token_ids(prompt, "prompt")
             ids = list(prompt)
@@ -93,10 +103,11 @@ class OpenAIServer:
             raise bad_request("prompt: the prompt encodes to no tokens", "prompt")
         return ids
 
-    def chat_prompt_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         turns = [{"role": m.role, "content": m.text} for m in messages]
-        try:
-            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+        try:  # off the event loop, as encode_text
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, turns,
+                                           add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # no template, or the template refuses these messages
             raise bad_request(f"messages: cannot apply the chat template: {exc}", "messages") from exc
 
@@ -456,9 +467,9 @@ def _add_token_routes(app: FastAPI, server: OpenAIServer, auth: tuple[int, ...])
     async def tokenize(req: p.TokenizeRequest) -> p.TokenizeResponse:
         server.check_model(req.model)
         if req.messages is not None:
-            ids = server.chat_prompt_ids(req.messages, req.add_generation_prompt)
+            ids = await server.chat_prompt_ids(req.messages, req.add_generation_prompt)
         else:
-            ids = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(server.encode_text, req.prompt, "prompt", req.add_special_tokens)
         return p.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=server.max_len)
 
     @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_errors(400, *auth, 404, 413))
@@ -476,7 +487,7 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer, generation_errors
               responses={**generation_errors, **_streamed(p.CompletionResponse, p.CompletionResponse)})
     async def completions(req: p.CompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
-        prompt_ids = server.prompt_ids(req.prompt)
+        prompt_ids = await server.prompt_ids(req.prompt)
         sampling = server.sampling(req, prompt_ids, req.max_tokens, req.logprobs)
         request_id, deltas = server.choices("cmpl", prompt_ids, sampling, req.n, req.stop_strings)
         created = int(time.time())
@@ -526,7 +537,7 @@ def _add_chat_routes(app: FastAPI, server: OpenAIServer, generation_errors: dict
               responses={**generation_errors, **_streamed(p.ChatCompletionResponse, p.ChatCompletionChunk)})
     async def chat_completions(req: p.ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
-        prompt_ids = server.chat_prompt_ids(req.messages)
+        prompt_ids = await server.chat_prompt_ids(req.messages)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sampling = server.sampling(req, prompt_ids, req.token_limit, logprobs)
         request_id, deltas = server.choices("chatcmpl", prompt_ids, sampling, req.n, req.stop_strings)
