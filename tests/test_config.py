@@ -1,6 +1,7 @@
 """config.py: one dataclass per concern, flat build/replace, errors naming the flag, flags from the fields."""
 
 import argparse
+import math
 from dataclasses import fields
 
 import pytest
@@ -45,11 +46,25 @@ def test_a_bad_value_names_its_flag(flat, flag):
         EngineConfig.build(**flat)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("flat, flag", [
+    ("link_gbps", "--link-gbps"), ("alpha", "--alpha"), ("slo_ms", "--slo-ms"), ("slo_scale", "--slo-scale"),
+    ("plan_time_limit_ms", "--plan-time-limit-ms"), ("ewma", "--ewma"),
+])
+def test_a_value_that_is_not_finite_names_its_flag(flat, flag, bad):
+    """NaN passes every `<= 0` check (it compares False), so it got through and failed deep inside the run."""
+    with pytest.raises(ConfigError, match=f"{flag} must be a finite number"):
+        EngineConfig.build(**{flat: bad})
+
+
 def test_server_config_checks():
     with pytest.raises(ConfigError, match="--port"):
         ServerConfig(port=70000)
     with pytest.raises(ConfigError, match="--watchdog-s"):
         ServerConfig(watchdog_s=0)
+    for flag, name in (("--watchdog-s", "watchdog_s"), ("--shutdown-timeout", "shutdown_timeout")):
+        with pytest.raises(ConfigError, match=f"{flag} must be a finite number"):
+            ServerConfig(**{name: math.nan})
 
 
 def test_flags_come_from_the_fields_once_with_their_defaults():

@@ -6,7 +6,9 @@
 - `SchedulerConfig`: admission and batching (batch caps, order, chunked prefill, context and queue length).
 - `PlannerConfig`: SLO and placement control (policy, SLO, alpha, windows, re-planning, victims, budgets,
   Token-Deposit).
+- `ParallelConfig`: tensor parallelism (ranks, how they share the host link, the collective timeout).
 - `ServerConfig`: the HTTP front end of `orbitflow serve`.
+- `ClusterConfig`: replicas of `orbitflow serve` on a Ray cluster.
 
 `EngineConfig` composes the engine's concerns; `EngineConfig.build(**flat)` and `replace(**flat)` take flat
 flag names (``device_kv_blocks=512``) for tests and scripts. A new concern (tensor parallelism, a cluster) is a
@@ -18,6 +20,7 @@ the flag, and `add_config_args` builds the flags from the same place (one defini
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields
@@ -69,6 +72,8 @@ def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any
     if check in ("positive?", "count?") and value is None:
         return
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if check in ("positive", "positive?", "nonneg", "unit") and is_number and not math.isfinite(value):
+        raise ConfigError(f"{flag} must be a finite number, got {value!r}")  # NaN passes every comparison below
     if check in ("positive", "positive?") and (not is_number or value <= 0):
         raise ConfigError(f"{flag} must be a positive number, got {value!r}")
     if check == "count?" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -79,6 +84,23 @@ def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any
         raise ConfigError(f"{flag} must be in (0, 1], got {value!r}")
     if choices is not None and value not in choices:
         raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_output_path(path: str | None, flag: str, directory: bool = False) -> None:
+    """Raise ConfigError naming ``flag`` unless ``path`` (a file, or with ``directory`` a folder that may not exist
+    yet) can be written: checked before a long run, not after it."""
+    if path is None:
+        return
+    p = os.path.abspath(path)
+    if os.path.isdir(p) != directory and os.path.exists(p):
+        raise ConfigError(f"{flag}: {path} is {'not ' if directory else ''}a directory")
+    parent = os.path.dirname(p)
+    while directory and not os.path.exists(parent):  # write_plots makes the missing folders
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag}: {os.path.dirname(p)} is not an existing directory")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag}: cannot write in {parent}")
 
 
 class _Validated:
@@ -196,18 +218,14 @@ class ServerConfig(_Validated):
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
     served_model_name: str | None = option(None, "model name clients send (default: --model)")
     shutdown_timeout: float = option(10.0, "on SIGTERM, let requests in flight finish for S seconds, then abort "
-                                           "them", type=float, metavar="S")
-    max_body_bytes: int = option(8 * 1024 * 1024, "larger request bodies get 413", type=int)
+                                           "them", type=float, check="positive", metavar="S")
+    max_body_bytes: int = option(8 * 1024 * 1024, "larger request bodies get 413", type=int, check="positive")
     watchdog_s: float = option(60.0, "/health answers 503 when the engine loop has not advanced for S seconds "
-                                     "with work pending", type=float, metavar="S")
+                                     "with work pending", type=float, check="positive", metavar="S")
 
     def _cross_check(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
-        for flag, value in (("--shutdown-timeout", self.shutdown_timeout), ("--max-body-bytes", self.max_body_bytes),
-                            ("--watchdog-s", self.watchdog_s)):
-            if value <= 0:
-                raise ConfigError(f"{flag} must be positive, got {value}")
 
 
 ROUTER_CHOICES = ("slo-aware", "least-loaded", "round-robin")
@@ -221,7 +239,7 @@ class ClusterConfig(_Validated):
         None, "serve N engine replicas behind this API on Ray Serve (default: one engine in this process)",
         type=int, check="count?", metavar="N")
     ray_address: str | None = option(
-        None, "join this Ray cluster (e.g. 'auto' or 'ray://head:10001'); default: start Ray on this machine")
+        None, "join this Ray cluster (e.g. 'auto' or 'ray://head:10001') (default: start Ray on this machine)")
     router: str = option(
         "slo-aware", "how requests pick a replica: slo-aware (power of two choices by the replicas' planned SLO "
                      "headroom, else least loaded), least-loaded, or round-robin", choices=ROUTER_CHOICES)
