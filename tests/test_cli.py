@@ -144,3 +144,90 @@ def test_simulate_uses_a_measured_profiles_step_jitter_unless_told(tmp_path, cap
     assert main(argv) == 0
     capsys.readouterr()
     assert json.loads(out.read_text())["config"]["noise_cv"] == 0.031
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--request", "tokens=100,left=-3"], "tokens_left must be >= 0"),
+    (["plan", "--request", "tokens=100,slo_ms=0"], "slo_s must be > 0"),
+    (["plan", "--request", "tokens=nan"], "tokens must be a finite number"),
+    (["plan", "--request", "tokens=inf"], "tokens must be a finite number"),
+    (["plan", "--request", "tokens=100.7"], "tokens must be a whole number"),
+    (["plan", "--request", "tokens=1000", "--alpha", "nan"], "--alpha must be a finite number"),
+    (["plan", "--request", "tokens=1000", "--slo-ms", "nan"], "--slo-ms must be a finite number"),
+    (["plan", "--request", "tokens=1000", "--device-kv-blocks", "0"], "--device-kv-blocks must be a positive"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be a number >= 0"),
+    (["generate", "--prompt", "hi", "--max-num-seqs", "0"], "--max-num-seqs must be a positive"),
+    (["generate", "--prompt", "hi", "--link-gbps", "nan"], "--link-gbps must be a finite number"),
+    (["serve", "--watchdog-s", "nan"], "--watchdog-s must be a finite number"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite number"),
+    (["profile", "--out", "/nonexistent-dir/p.json"], "--out: /nonexistent-dir is not an existing directory"),
+    (["simulate", "--policies", ","], "--policies: no policy named"),
+    (["simulate", "--device-kv-fraction", "20"], "--device-kv-fraction must list fractions in (0, 10]"),
+    (["simulate", "--link-gbps", "nan"], "--link-gbps must list positive numbers"),
+    (["simulate", "--alpha", "nan"], "--alpha must be a finite number"),
+    (["simulate", "--window-min", "9", "--window-max", "8"], "--window-min"),
+    (["simulate", "--json", "/nonexistent-dir/x.json"], "--json: /nonexistent-dir is not an existing directory"),
+    (["bench", "--url", "http://127.0.0.1:99999", "--generate", "2", "--slo-ms", "50"], "Port out of range"),
+    (["bench", "--generate", "2", "--slo-ms", "50", "--timeout", "-1"], "--timeout must be a positive number"),
+    (["bench", "--generate", "2", "--slo-ms", "nan"], "--slo-ms must be a positive number"),
+    (["bench", "--generate", "3", "--slo-ms", "50", "--max-requests", "0"], "--max-requests must be >= 1"),
+    (["bench", "--generate", "2", "--slo-ms", "50", "--save-trace", "/nonexistent-dir/t.json"],
+     "--save-trace: /nonexistent-dir is not an existing directory"),
+])
+def test_a_user_mistake_is_one_line_naming_the_flag_not_a_traceback(argv, says, capsys):
+    """Found by a review of the CLI: each of these raised a traceback, ran on silently, or failed after the work."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["simulate", "bench"])
+@pytest.mark.parametrize("kind", ["directory", "binary"])
+def test_a_trace_that_is_not_a_text_file_is_named(command, kind, tmp_path, capsys):
+    path = str(tmp_path) if kind == "directory" else _write(tmp_path / "t.json", bytes(range(256)))
+    extra = ["--slo-ms", "50"] if command == "bench" else []
+    assert main([command, "--trace", path, *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"--trace: {path}: cannot read it as a text file" in err, err
+
+
+def test_simulate_names_a_profile_path_that_is_a_directory(tmp_path, capsys):
+    assert main(["simulate", "--profile", str(tmp_path)]) == 2
+    assert "--preset/--profile: " in capsys.readouterr().err
+
+
+def test_simulate_shows_rejected_requests_and_writes_strict_json(tmp_path, capsys):
+    """A budget no request fits: attainment over nothing reads 1.000, so the table must say that both were rejected,
+    and the JSON must stay strict (percentiles of no samples were bare NaN)."""
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
+                 "--num-requests", "2", "--workers", "1", "--solver-time", "off", "--device-kv-blocks", "100",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("orbitflow"))
+    assert "Rejected" in table and row.endswith("2.0 ± 0.0")
+    data = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert data["summary"][0]["rejected"]["mean"] == 2.0
+
+
+def test_simulate_refuses_an_empty_trace(tmp_path, capsys):
+    assert main(["simulate", "--trace", _write(tmp_path / "t.json", b'{"requests": []}')]) == 2
+    assert "the trace has no requests" in capsys.readouterr().err
+
+
+def test_simulate_takes_the_planner_flags_the_docs_name(tmp_path, capsys):
+    """docs/architecture.md: '--alpha 1 restores the paper'; simulate, the paper's reproduction, did not take it."""
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
+                 "--num-requests", "2", "--workers", "1", "--solver-time", "off", "--alpha", "1",
+                 "--plan-node-limit", "none", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["engine_overrides"] == {"alpha": 1.0, "plan_node_limit": None}
+    assert main(["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
+                 "--num-requests", "2", "--workers", "1", "--solver-time", "off", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["engine_overrides"] == {}  # not given: the engine's own

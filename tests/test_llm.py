@@ -30,3 +30,12 @@ def test_cpu_runs_on_the_cpu_even_with_a_gpu(tiny_llama):  # noqa: F811
         assert llm.kv.device_pool.storage.device.type == "cpu"
     finally:
         llm.close()
+
+
+def test_max_model_len_past_the_models_context_names_the_flag(tiny_llama):  # noqa: F811
+    """As vLLM: positions past the model's own context were never trained (before, the flag was taken as given)."""
+    limit = tiny_llama.config.max_position_embeddings
+    with pytest.raises(ConfigError, match=f"--max-model-len {limit + 1} exceeds tiny's context of {limit}"):
+        make_llm(tiny_llama, max_model_len=limit + 1)
+    llm = make_llm(tiny_llama, max_model_len=limit)
+    llm.close()

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import fields
 
 from orbitflow.config import (
     SERVING_ONLY,
     VICTIM_CHOICES,
     CacheConfig,
     ConfigError,
+    EngineConfig,
     HelpFormatter,
     ModelRunConfig,
     PlannerConfig,
     SchedulerConfig,
     add_config_args,
     add_engine_args,
+    check_output_path,
     engine_config,
 )
 
@@ -36,8 +40,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # NaN fails the comparison too
+        raise CLIError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
     policy = FixedPlacementPolicy(args.placement) if args.placement else None
-    config = engine_config(args, max_num_seqs=args.max_num_seqs or len(args.prompt))
+    config = engine_config(args, max_num_seqs=len(args.prompt) if args.max_num_seqs is None else args.max_num_seqs)
     llm = LLM(config, policy=policy, profile="rough" if policy else "measure")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                               ignore_eos=args.ignore_eos)
@@ -79,14 +85,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from orbitflow.llm import LLM
 
+    check_output_path(args.output, "--out")  # before the measuring, not after it
     llm = LLM(engine_config(args), profile="measure")
     profile = llm.profile
     llm.close()
-    text = profile.to_json()
+    print(profile.to_json())
     if args.output:
         profile.save(args.output)
         print(f"wrote {args.output}", file=sys.stderr)
-    print(text)
     return 0
 
 
@@ -96,7 +102,7 @@ def _floats(text: str, flag: str) -> list[float]:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise CLIError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
+    if not values or not all(v > 0 and math.isfinite(v) for v in values):
         raise CLIError(f"{flag} must list positive numbers, got {text!r}")
     return values
 
@@ -120,12 +126,14 @@ def fmt_ci(cell: dict | None, fmt: str = ".3f", scale: float = 1.0) -> str:
 
 def simulate_points(args: argparse.Namespace, profile) -> list:
     from orbitflow.policies import ABLATIONS, BASELINES, policy_names
-    from orbitflow.sim.sweep import grid
+    from orbitflow.sim.sweep import MAX_DEVICE_KV_FRACTION, grid
 
     if args.policies == "all":
         policies = ["orbitflow", *BASELINES]
     else:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        if not policies:
+            raise CLIError(f"--policies: no policy named in {args.policies!r} ('all' or a comma list)")
         unknown = [p for p in policies if p not in policy_names()]
         if unknown:
             raise CLIError(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(policy_names())})")
@@ -142,6 +150,9 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
     fractions = [None]  # None: the setup's budget (0.5 of the largest batch, or a trace file's own)
     if args.device_kv_fraction is not None and not args.device_kv_blocks:
         fractions = _floats(args.device_kv_fraction, "--device-kv-fraction")
+        if max(fractions) > MAX_DEVICE_KV_FRACTION:
+            raise CLIError(f"--device-kv-fraction must list fractions in (0, {MAX_DEVICE_KV_FRACTION:g}], got "
+                           f"{args.device_kv_fraction!r}")
     links = [None] if args.link_gbps is None else _floats(args.link_gbps, "--link-gbps")
     slots = [None] if args.prefetch_slots == "policy" else _ints(args.prefetch_slots, "--prefetch-slots")
     deposit = (True, False) if args.no_deposit_runs else (True,)
@@ -154,6 +165,9 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
     return points
 
 
+SIMULATE_PLANNER_FLAGS = ("alpha", "window_min", "window_max", "plan_node_limit", "plan_time_limit_ms")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -163,14 +177,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     try:
         profile = resolve_profile(args.profile or args.preset)
-    except (ProfileError, FileNotFoundError, KeyError, ValueError) as exc:
+    except (ProfileError, OSError, KeyError, ValueError) as exc:
         raise CLIError(f"--preset/--profile: {exc}") from None
+    check_output_path(args.json, "--json")  # before the sweep, not after it
+    check_output_path(args.plots, "--plots", directory=True)
     if args.trace:
         try:
-            load_trace_file(args.trace, step_s=args.step_s)
+            loaded = load_trace_file(args.trace, step_s=args.step_s)
         except TraceError as exc:
             raise CLIError(f"--trace: {exc}") from None
+        if not len(loaded.trace):
+            raise CLIError(f"--trace: {args.trace}: the trace has no requests")
     points = simulate_points(args, profile)
+    planner = {k: getattr(args, k) for k in SIMULATE_PLANNER_FLAGS if hasattr(args, k)}  # the flags given
+    EngineConfig.build(**planner)  # a bad value names its flag now, not inside a worker
     try:
         setup = SimSetup(
             device_kv_blocks=args.device_kv_blocks,
@@ -178,6 +198,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             first_seed=args.seed,
             num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, trace_path=args.trace, step_s=args.step_s,
+            engine=planner,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -188,8 +209,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = config_record(profile, setup, points)
     print_simulate_tables(summary, config)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"config": config, "summary": summary, "runs": runs}, fh, indent=1)
+        with open(args.json, "w") as fh:  # strict JSON: a statistic of nothing (NaN) is null
+            json.dump(_no_nan({"config": config, "summary": summary, "runs": runs}), fh, indent=1, allow_nan=False)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
         from orbitflow.bench.plots import write_plots
@@ -199,13 +220,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_nan(value):
+    """``value`` with every non-finite float (a percentile of no samples) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def print_simulate_tables(summary: list[dict], config: dict) -> None:
     from orbitflow.bench.metrics import format_table
 
     columns = [("label", "Policy"), ("rate_scale", "Rate x"), ("dep", "Deposit"), ("blocks", "Budget"),
                ("link", "GB/s"), ("tbt", "TBT att"), ("tpot", "TPOT att"), ("p95", "P95 TBT s"),
                ("p99", "P99 TBT s"), ("ttft", "TTFT s"), ("e2e", "E2E s"), ("rpm", "req/min"), ("tps", "tok/s"),
-               ("mem", "Dev mem"), ("pauses", "Pauses")]
+               ("mem", "Dev mem"), ("pauses", "Pauses"), ("rejected", "Rejected")]
     for s in sorted({r["slo_scale"] for r in summary}):
         rows = [{"label": r["label"], "rate_scale": r["rate_scale"], "dep": "on" if r["token_deposit"] else "off",
                  "blocks": r["device_kv_blocks"], "link": round(r["link_gbps"], 2),
@@ -213,7 +245,7 @@ def print_simulate_tables(summary: list[dict], config: dict) -> None:
                  "p95": fmt_ci(r["p95_tbt_s"]), "p99": fmt_ci(r["p99_tbt_s"]), "ttft": fmt_ci(r["ttft_mean_s"], ".1f"),
                  "e2e": fmt_ci(r["e2e_mean_s"], ".0f"), "rpm": fmt_ci(r["throughput_rpm"], ".2f"),
                  "tps": fmt_ci(r["tokens_per_s"], ".1f"), "mem": fmt_ci(r["device_mem_util"], ".2f"),
-                 "pauses": fmt_ci(r["num_pauses"], ".1f")}
+                 "pauses": fmt_ci(r["num_pauses"], ".1f"), "rejected": fmt_ci(r["rejected"], ".1f")}
                 for r in summary if r["slo_scale"] == s]
         work = f"trace {config['trace']}" if config["trace"] else f"{config['num_requests']} requests"
         print(format_table(rows, columns, title=f"{config['preset']} | SLO scale {s} | mean ± 95% CI over "
@@ -235,12 +267,20 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
             fields[key.strip()] = float(value)
         except ValueError:
             raise CLIError(f"--request {text!r}: {key} must be a number") from None
+        if not math.isfinite(fields[key.strip()]):
+            raise CLIError(f"--request {text!r}: {key} must be a finite number")
     if "tokens" not in fields or fields["tokens"] < 1:
         raise CLIError(f"--request {text!r}: tokens=N (N >= 1) is required")
+    for key in ("tokens", "left"):
+        if key in fields and not fields[key].is_integer():
+            raise CLIError(f"--request {text!r}: {key} must be a whole number of tokens")
     tokens = int(fields["tokens"])
-    return PlanRequest(f"r{index}", -(-tokens // block_size), tokens,
-                       int(fields["left"]) if "left" in fields else None, fields.get("deposit", 0.0),
-                       fields["slo_ms"] / 1000 if "slo_ms" in fields else slo_s)
+    try:
+        return PlanRequest(f"r{index}", -(-tokens // block_size), tokens,
+                           int(fields["left"]) if "left" in fields else None, fields.get("deposit", 0.0),
+                           fields["slo_ms"] / 1000 if "slo_ms" in fields else slo_s)
+    except ValueError as exc:  # PlanRequest's own checks (left >= 0, slo > 0, ...)
+        raise CLIError(f"--request {text!r}: {exc}") from None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -249,10 +289,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         profile = resolve_profile(args.profile or args.preset)
-    except (ProfileError, FileNotFoundError, KeyError, ValueError) as exc:
+    except (ProfileError, OSError, KeyError, ValueError) as exc:
         raise CLIError(f"--preset/--profile: {exc}") from None
-    config = engine_config(args, block_size=profile.block_size,
-                           device_kv_blocks=args.device_kv_blocks or profile.device_kv_blocks)
+    budget = profile.device_kv_blocks if args.device_kv_blocks is None else args.device_kv_blocks
+    config = engine_config(args, block_size=profile.block_size, device_kv_blocks=budget)
     slo_s = args.slo_ms / 1000 if args.slo_ms else config.planner.slo_scale * profile.base_slo_s()
     requests = [_plan_request(t, i, profile.block_size, slo_s) for i, t in enumerate(args.request)]
     plan = PlanContext.from_profile(config, profile).planner(space=args.space).plan(requests)
@@ -337,10 +377,11 @@ def _add_simulate_parser(sub) -> None:
                    help="runs per point, seeds --seed.. (each its own trace and noise); tables show mean ± 95%% CI")
     add_config_args(p, ModelRunConfig, only=("seed",), helps={"seed": "first seed"})
     add_config_args(p, SchedulerConfig, only=("max_num_seqs", "max_num_batched_tokens"))
+    _add_simulate_planner_args(p)
     p.add_argument("--device-kv-fraction", default=None, metavar="F[,F...]",
                    help=f"device KV budget as a fraction of the largest batch's KV (max-num-batched-tokens, every "
-                        f"layer); default {DEFAULT_DEVICE_KV_FRACTION}, the paper's setup (about 16K of 32K tokens), "
-                        f"or a --trace file's own GPU block budget; a comma list sweeps it")
+                        f"layer); a comma list sweeps it (default: {DEFAULT_DEVICE_KV_FRACTION}, the paper's setup, "
+                        f"about 16K of 32K tokens, or a --trace file's own GPU block budget)")
     add_config_args(p, CacheConfig, only=("device_kv_blocks",), defaults={"device_kv_blocks": None},
                     helps={"device_kv_blocks": "device KV budget in layer-blocks (overrides --device-kv-fraction "
                                                "and a trace's own)"})
@@ -366,6 +407,15 @@ def _add_simulate_parser(sub) -> None:
                    help="write {config, summary (mean and ci95 per metric), runs (one per seed)} as JSON")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots mirroring paper Figs. 9-13")
     p.set_defaults(func=cmd_simulate)
+
+
+def _add_simulate_planner_args(p) -> None:
+    """The planner flags of simulate: absent unless given (then the engine's defaults hold, as before)."""
+    add_config_args(p, PlannerConfig, "planner (every policy that plans; default: the engine's, shown)",
+                    only=SIMULATE_PLANNER_FLAGS, defaults=dict.fromkeys(SIMULATE_PLANNER_FLAGS, argparse.SUPPRESS),
+                    helps={f.name: f.metadata["help"] + ("" if "(default:" in f.metadata["help"] else
+                                                          f" (engine default: {f.default})")
+                           for f in fields(PlannerConfig) if f.name in SIMULATE_PLANNER_FLAGS})
 
 
 def _add_plan_parser(sub) -> None:

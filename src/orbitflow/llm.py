@@ -61,6 +61,9 @@ class LLM:
             log.info("loading %s%s", cfg.model.name, f" on {tp} tensor-parallel ranks" if tp > 1 else "")
         self.loaded = loaded or load_model(cfg.model.name, weights=tp == 1)
         mc = self.loaded.config
+        if (cfg.scheduler.max_model_len or 0) > mc.max_position_embeddings:  # as vLLM: positions past it are untrained
+            raise ConfigError(f"--max-model-len {cfg.scheduler.max_model_len} exceeds {cfg.model.name}'s context of "
+                              f"{mc.max_position_embeddings} tokens")
         self.executor = self._build_executor(mc)
         self.kv = self.executor.kv
         if profile == "measure":

@@ -26,10 +26,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_summary
 from orbitflow.bench.workload import Trace, TraceError, TraceRequest, generate_trace, load_trace_file, scale_trace
-from orbitflow.config import HelpFormatter, ServerConfig, add_config_args
+from orbitflow.config import ConfigError, HelpFormatter, ServerConfig, add_config_args, check_output_path
 
 # Token ids for prompts given as lengths: inside every real vocabulary, clear of the special tokens.
 _PROMPT_ID_RANGE = (100, 1000)
@@ -150,6 +151,10 @@ async def replay(url: str, trace: Trace, model: str | None = None, api_key: str 
     import openai
     from tqdm import tqdm
 
+    try:
+        urlsplit(url).port  # noqa: B018  (raises on a port outside 0..65535, which httpx reports as an OverflowError)
+    except ValueError as exc:
+        raise BenchError(f"--url {url!r}: {exc}") from None
     base_url = url.rstrip("/")
     if not base_url.endswith("/v1"):
         base_url += "/v1"
@@ -214,14 +219,16 @@ def build_trace(args: argparse.Namespace) -> Trace:
     if len(trace) == 0:
         raise BenchError("the trace has no requests")
     if args.max_requests is not None:
+        if args.max_requests < 1:
+            raise BenchError(f"--max-requests must be >= 1, got {args.max_requests}")
         trace = Trace(trace.requests[: args.max_requests])
     return trace
 
 
 def run_slo(args: argparse.Namespace, trace: Trace) -> float | None:
     if args.slo_ms is not None:
-        if args.slo_ms <= 0:
-            raise BenchError(f"--slo-ms must be > 0, got {args.slo_ms}")
+        if not (args.slo_ms > 0 and math.isfinite(args.slo_ms)):
+            raise BenchError(f"--slo-ms must be a positive number, got {args.slo_ms}")
         return args.slo_ms / 1000.0
     missing = [r.request_id for r in trace if r.slo_s is None]
     if missing:
@@ -232,6 +239,13 @@ def run_slo(args: argparse.Namespace, trace: Trace) -> float | None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
+        if not (args.timeout > 0 and math.isfinite(args.timeout)):
+            raise BenchError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        for flag, path in (("--json", args.json), ("--save-trace", args.save_trace)):
+            try:
+                check_output_path(path, flag)
+            except ConfigError as exc:
+                raise BenchError(str(exc)) from None
         trace = build_trace(args)
         slo_s = run_slo(args, trace)
         if args.save_trace:

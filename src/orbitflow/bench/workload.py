@@ -358,6 +358,8 @@ def load_trace_file(path: str | Path, step_s: float | None = None) -> LoadedTrac
         text = path.read_text()
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        raise TraceError(f"{path}: cannot read it as a text file ({type(exc).__name__}: {exc})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -31,6 +31,7 @@ DEFAULT_NOISE_CV = 0.07
 DEFAULT_SEEDS = 5
 DEFAULT_NUM_REQUESTS = 64
 DEFAULT_DEVICE_KV_FRACTION = 0.5
+MAX_DEVICE_KV_FRACTION = 10  # of the largest batch's KV: past it the budget holds every batch many times over
 
 RUN_KEYS = ("policy", "slo_scale", "rate_scale", "tbt_attainment", "tpot_attainment", "tbt_attainment_no_deposit",
             "p95_tbt_s", "p99_tbt_s", "p95_tpot_s", "throughput_rpm", "tokens_per_s", "e2e_mean_s",
@@ -40,7 +41,7 @@ RUN_KEYS = ("policy", "slo_scale", "rate_scale", "tbt_attainment", "tpot_attainm
 SUMMARY_METRICS = ("tbt_attainment", "tpot_attainment", "p95_tbt_s", "p99_tbt_s", "p95_tpot_s", "p99_tpot_s",
                    "ttft_mean_s", "p95_ttft_s", "e2e_mean_s", "p95_e2e_s", "throughput_rpm", "tokens_per_s",
                    "device_mem_util", "num_pauses", "solver_calls", "solver_time_s", "solver_charged_s",
-                   "num_finished")
+                   "num_finished", "rejected")
 HIGHER_IS_BETTER = {"tbt_attainment": True, "tpot_attainment": True, "throughput_rpm": True, "tokens_per_s": True,
                     "p95_tbt_s": False, "p99_tbt_s": False, "p95_tpot_s": False, "p99_tpot_s": False,
                     "ttft_mean_s": False, "e2e_mean_s": False, "p95_e2e_s": False, "p95_ttft_s": False}
@@ -70,8 +71,9 @@ class SimSetup:
     engine: dict = field(default_factory=dict)  # further EngineConfig overrides (alpha, victim, ...)
 
     def __post_init__(self) -> None:
-        if not 0 < self.device_kv_fraction <= 10:
-            raise ValueError(f"--device-kv-fraction must be in (0, 10], got {self.device_kv_fraction}")
+        if not 0 < self.device_kv_fraction <= MAX_DEVICE_KV_FRACTION:
+            raise ValueError(f"--device-kv-fraction must be in (0, {MAX_DEVICE_KV_FRACTION:g}], got "
+                             f"{self.device_kv_fraction}")
         if self.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
         if self.num_requests < 1:
