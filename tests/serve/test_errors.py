@@ -158,7 +158,8 @@ def test_text_with_a_lone_surrogate(http, path, param):
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {**GOOD, "prompt": [5] * (MAX_TOKEN_IDS + 1)}, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": [[5] * (MAX_TOKEN_IDS + 1)]}, "prompt.0"),
+    ("/v1/completions", {**GOOD, "prompt": [[5] * (MAX_TOKEN_IDS + 1)]}, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": ["a"] * (MAX_TOKEN_IDS + 1)}, "prompt"),
     ("/detokenize", {"tokens": [5] * (MAX_TOKEN_IDS + 1)}, "tokens"),
 ])
 def test_token_id_lists_past_the_cap(http, path, body, param):
@@ -166,6 +167,18 @@ def test_token_id_lists_past_the_cap(http, path, body, param):
     body cap's 4M ids, which held every other request for seconds)."""
     error = assert_error(http.post(path, json=body, headers=AUTH), 400, param)
     assert str(MAX_TOKEN_IDS) in error["message"]
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ([-1] * 1000, "item 0 (-1) is not a token id"),
+    ([5] * 999 + ["a"], "item 999 ('a') is not a token id"),
+    ([[5] * 999 + [2**31]], "item 999 (2147483648) is not a token id"),
+])
+def test_a_long_bad_token_list_gets_one_error_naming_its_first_bad_item(http, prompt, says):
+    """Item by item, each member of the prompt's union built an error per item (131K bad ids: 2 s of event loop)."""
+    error = assert_error(http.post("/v1/completions", json={**GOOD, "prompt": prompt}, headers=AUTH), 400, "prompt")
+    assert says in error["message"], error["message"]
     assert_still_serving(http)
 
 

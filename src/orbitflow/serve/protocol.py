@@ -54,7 +54,8 @@ def _json_integer(value: Any) -> Any:
 
 Number = Annotated[float, BeforeValidator(_json_number)]
 Int = Annotated[int, BeforeValidator(_json_integer)]
-TokenId = Annotated[Int, Field(ge=0, le=2**31 - 1)]
+TOKEN_ID_MAX = 2**31 - 1
+TokenId = Annotated[Int, Field(ge=0, le=TOKEN_ID_MAX)]
 
 
 def _range(lo: float, hi: float, default: float, doc: str, *, gt: bool = False) -> Any:
@@ -162,10 +163,45 @@ def _unsupported(param: str, message: str) -> UnsupportedParameter:
 
 
 # a batch of prompts parses too, so that _one_prompt can say that one prompt per request is supported
+_DETAILED_UP_TO = 256  # items of a prompt list whose errors the union below reports item by item
+
+
+def _is_token_id(x: Any) -> bool:
+    whole = (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, float) and x.is_integer())
+    return whole and 0 <= x <= TOKEN_ID_MAX
+
+
+def _prompt_list_checked(value: Any) -> Any:
+    """A long prompt list gets one pass and at most one error before the union below sees it: each member of the
+    union that fails builds an error per item (4M ids under the body cap held the event loop for a minute, 131K bad
+    ones for 2 s). Past MAX_TOKEN_IDS it is refused; a long list that is neither token ids nor strings is refused
+    at its first bad item; a short one keeps the union's item-by-item errors."""
+    if not isinstance(value, list):
+        return value
+    inner = value[0] if len(value) == 1 and isinstance(value[0], list) else value
+    n = max(len(value), len(inner))
+    if n > MAX_TOKEN_IDS:
+        raise PydanticCustomError("too_long", "a prompt holds at most {cap} token ids (or one prompt), got {n}",
+                                  {"cap": MAX_TOKEN_IDS, "n": n})
+    if not all(isinstance(x, str) for x in inner):
+        _long_ids_checked(inner)
+    return value
+
+
+def _long_ids_checked(value: Any) -> Any:
+    """A long list of token ids: one pass, and one error at its first bad item (pydantic would build one per item)."""
+    if isinstance(value, list) and len(value) > _DETAILED_UP_TO:
+        bad = next((i for i, x in enumerate(value) if not _is_token_id(x)), None)
+        if bad is not None:
+            raise PydanticCustomError("token_id", "item {i} ({x}) is not a token id (an integer in [0, {top}])",
+                                      {"i": bad, "x": repr(value[bad])[:40], "top": TOKEN_ID_MAX})
+    return value
+
+
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
-Prompt = (Annotated[StrictStr, Field(min_length=1)] | TokenIds
-          | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
-          | Annotated[list[TokenIds], Field(min_length=1)])
+Prompt = Annotated[Annotated[StrictStr, Field(min_length=1)] | TokenIds
+                   | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
+                   | Annotated[list[TokenIds], Field(min_length=1)], BeforeValidator(_prompt_list_checked)]
 
 
 class CompletionRequest(SamplingFields):
@@ -293,7 +329,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    tokens: list[TokenId] = Field(max_length=MAX_TOKEN_IDS)
+    tokens: Annotated[list[TokenId], BeforeValidator(_long_ids_checked)] = Field(max_length=MAX_TOKEN_IDS)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
