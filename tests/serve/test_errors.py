@@ -171,6 +171,9 @@ def test_token_id_lists_past_the_cap(http, path, body, param):
 
 
 @pytest.mark.parametrize("prompt, says", [
+    ([[-1] * 1000] * 3, "exactly one prompt per request"),  # a batch: checked before any of its ids
+    ([[1, 2]] * 300, "exactly one prompt per request"),
+    ([[-1] * 1000, "a"], "exactly one prompt per request"),
     ([-1] * 1000, "item 0 (-1) is not a token id"),
     ([5] * 999 + ["a"], "item 999 ('a') is not a token id"),
     ([[5] * 999 + [2**31]], "item 999 (2147483648) is not a token id"),

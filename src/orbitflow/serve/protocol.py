@@ -178,6 +178,10 @@ def _prompt_list_checked(value: Any) -> Any:
     at its first bad item; a short one keeps the union's item-by-item errors."""
     if not isinstance(value, list):
         return value
+    if len(value) > 1 and any(isinstance(x, list) for x in value):  # a batch of prompts, some of them token lists:
+        nested = sum(len(x) for x in value if isinstance(x, list))  # a short one keeps the union's own errors
+        if nested > _DETAILED_UP_TO or all(isinstance(x, list) for x in value):
+            raise PydanticCustomError("one_prompt", "exactly one prompt per request is supported")
     inner = value[0] if len(value) == 1 and isinstance(value[0], list) else value
     n = max(len(value), len(inner))
     if n > MAX_TOKEN_IDS:
@@ -190,6 +194,9 @@ def _prompt_list_checked(value: Any) -> Any:
 
 def _long_ids_checked(value: Any) -> Any:
     """A long list of token ids: one pass, and one error at its first bad item (pydantic would build one per item)."""
+    if isinstance(value, list) and len(value) > MAX_TOKEN_IDS:  # (max_length would say so after checking them all)
+        raise PydanticCustomError("too_long", "at most {cap} token ids, got {n}",
+                                  {"cap": MAX_TOKEN_IDS, "n": len(value)})
     if isinstance(value, list) and len(value) > _DETAILED_UP_TO:
         bad = next((i for i, x in enumerate(value) if not _is_token_id(x)), None)
         if bad is not None:
