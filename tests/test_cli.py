@@ -1,6 +1,7 @@
 """CLI surfaces that need no model: plan and simulate (generate is covered in test_generate_smollm2.py)."""
 
 import json
+import os
 
 import pytest
 
@@ -179,6 +180,8 @@ def _write(path, data: bytes):
     (["bench", "--generate", "3", "--slo-ms", "50", "--max-requests", "0"], "--max-requests must be >= 1"),
     (["bench", "--generate", "2", "--slo-ms", "50", "--save-trace", "/nonexistent-dir/t.json"],
      "--save-trace: /nonexistent-dir is not an existing directory"),
+    (["simulate", "--plots", "/etc/hostname"], "--plots: /etc/hostname is not a directory"),
+    (["simulate", "--json", "/"], "--json: / is a directory"),
 ])
 def test_a_user_mistake_is_one_line_naming_the_flag_not_a_traceback(argv, says, capsys):
     """Found by a review of the CLI: each of these raised a traceback, ran on silently, or failed after the work."""
@@ -231,3 +234,20 @@ def test_simulate_takes_the_planner_flags_the_docs_name(tmp_path, capsys):
     assert main(["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
                  "--num-requests", "2", "--workers", "1", "--solver-time", "off", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["config"]["engine_overrides"] == {}  # not given: the engine's own
+
+
+def test_output_paths_are_checked_on_the_target_when_it_exists(tmp_path, capsys):
+    """An existing file that cannot be written is refused up front; one that can (in a folder that may not be
+    writable, as /dev/null) is fine; '' means no output."""
+    from orbitflow.config import ConfigError, check_output_path
+
+    locked = tmp_path / "locked.json"
+    locked.write_text("{}")
+    locked.chmod(0o444)
+    if not os.access(locked, os.W_OK):  # (root may write anyway)
+        with pytest.raises(ConfigError, match="--json: cannot write"):
+            check_output_path(str(locked), "--json")
+    check_output_path(os.devnull, "--json")
+    check_output_path("", "--json")
+    check_output_path("relative.json", "--json")
+    check_output_path(str(tmp_path / "new" / "nested"), "--plots", directory=True)

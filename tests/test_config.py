@@ -65,6 +65,9 @@ def test_server_config_checks():
     for flag, name in (("--watchdog-s", "watchdog_s"), ("--shutdown-timeout", "shutdown_timeout")):
         with pytest.raises(ConfigError, match=f"{flag} must be a finite number"):
             ServerConfig(**{name: math.nan})
+    assert ServerConfig(watchdog_s=math.inf).watchdog_s == math.inf  # the watchdog off, as before
+    with pytest.raises(ConfigError, match="--shutdown-timeout must be a finite number"):
+        ServerConfig(shutdown_timeout=math.inf)  # threading.Timer cannot wait that long
 
 
 def test_flags_come_from_the_fields_once_with_their_defaults():

@@ -51,8 +51,9 @@ def optional_int(text: str) -> int | None:
 def option(default: Any, help: str = "", *, type: Callable | None = None, flag: str | None = None,
            check: str | None = None, choices: tuple | None = None, metavar: str | None = None,
            group: str | None = None, cli: bool = True) -> Any:
-    """A config field with its CLI flag. ``check``: 'positive', 'positive?' (None allowed), 'count?' (an int
-    >= 1 or None), 'nonneg' or 'unit' (in (0, 1]); ``choices`` are checked too. ``group``: flags of one group
+    """A config field with its CLI flag. ``check``: 'positive', 'positive?' (None allowed), 'positive|inf' (inf
+    allowed: never), 'count?' (an int >= 1 or None), 'nonneg' or 'unit' (in (0, 1]); NaN fails every check, inf
+    all but 'positive|inf'; ``choices`` are checked too. ``group``: flags of one group
     are mutually exclusive. ``cli=False``: a knob for the Python API only."""
     meta = {"help": help, "type": type, "flag": flag, "check": check, "choices": choices, "metavar": metavar,
             "exclusive": group, "cli": cli}
@@ -72,9 +73,11 @@ def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any
     if check in ("positive?", "count?") and value is None:
         return
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if check in ("positive", "positive?", "nonneg", "unit") and is_number and not math.isfinite(value):
+    if check == "positive|inf" and value == math.inf:
+        return
+    if check in ("positive", "positive?", "positive|inf", "nonneg", "unit") and is_number and not math.isfinite(value):
         raise ConfigError(f"{flag} must be a finite number, got {value!r}")  # NaN passes every comparison below
-    if check in ("positive", "positive?") and (not is_number or value <= 0):
+    if check in ("positive", "positive?", "positive|inf") and (not is_number or value <= 0):
         raise ConfigError(f"{flag} must be a positive number, got {value!r}")
     if check == "count?" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
@@ -89,11 +92,15 @@ def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any
 def check_output_path(path: str | None, flag: str, directory: bool = False) -> None:
     """Raise ConfigError naming ``flag`` unless ``path`` (a file, or with ``directory`` a folder that may not exist
     yet) can be written: checked before a long run, not after it."""
-    if path is None:
+    if not path:  # None, or '' (the flags' "do not write")
         return
     p = os.path.abspath(path)
-    if os.path.isdir(p) != directory and os.path.exists(p):
-        raise ConfigError(f"{flag}: {path} is {'not ' if directory else ''}a directory")
+    if os.path.exists(p):
+        if os.path.isdir(p) != directory:
+            raise ConfigError(f"{flag}: {path} is {'not ' if directory else ''}a directory")
+        if not os.access(p, os.W_OK):
+            raise ConfigError(f"{flag}: cannot write {path}")
+        return
     parent = os.path.dirname(p)
     while directory and not os.path.exists(parent):  # write_plots makes the missing folders
         parent = os.path.dirname(parent)
@@ -221,7 +228,7 @@ class ServerConfig(_Validated):
                                            "them", type=float, check="positive", metavar="S")
     max_body_bytes: int = option(8 * 1024 * 1024, "larger request bodies get 413", type=int, check="positive")
     watchdog_s: float = option(60.0, "/health answers 503 when the engine loop has not advanced for S seconds "
-                                     "with work pending", type=float, check="positive", metavar="S")
+                                     "with work pending (inf: never)", type=float, check="positive|inf", metavar="S")
 
     def _cross_check(self) -> None:
         if not 0 < self.port < 65536:

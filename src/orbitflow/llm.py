@@ -61,9 +61,12 @@ class LLM:
             log.info("loading %s%s", cfg.model.name, f" on {tp} tensor-parallel ranks" if tp > 1 else "")
         self.loaded = loaded or load_model(cfg.model.name, weights=tp == 1)
         mc = self.loaded.config
-        if (cfg.scheduler.max_model_len or 0) > mc.max_position_embeddings:  # as vLLM: positions past it are untrained
-            raise ConfigError(f"--max-model-len {cfg.scheduler.max_model_len} exceeds {cfg.model.name}'s context of "
-                              f"{mc.max_position_embeddings} tokens")
+        # Past the model's context: allowed, as transformers allows it (benchmarks/engine_vs_hf.py decodes past 8192
+        # tokens beside it), but said, since vLLM refuses it by default.
+        if (cfg.scheduler.max_model_len or 0) > mc.max_position_embeddings:
+            log.warning("--max-model-len %d exceeds %s's context of %d tokens: positions past it were never trained, "
+                        "and the output may degrade", cfg.scheduler.max_model_len, cfg.model.name,
+                        mc.max_position_embeddings)
         self.executor = self._build_executor(mc)
         self.kv = self.executor.kv
         if profile == "measure":
