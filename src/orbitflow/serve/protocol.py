@@ -178,15 +178,15 @@ def _prompt_list_checked(value: Any) -> Any:
     at its first bad item; a short one keeps the union's item-by-item errors."""
     if not isinstance(value, list):
         return value
+    inner = value[0] if len(value) == 1 and isinstance(value[0], list) else value
+    n = max(len(value), len(inner))
+    if n > MAX_TOKEN_IDS:  # first: the scans below are then bounded by the cap
+        raise PydanticCustomError("too_long", "a prompt holds at most {cap} token ids (or one prompt), got {n}",
+                                  {"cap": MAX_TOKEN_IDS, "n": n})
     if len(value) > 1 and any(isinstance(x, list) for x in value):  # a batch of prompts, some of them token lists:
         nested = sum(len(x) for x in value if isinstance(x, list))  # a short one keeps the union's own errors
         if nested > _DETAILED_UP_TO or all(isinstance(x, list) for x in value):
             raise PydanticCustomError("one_prompt", "exactly one prompt per request is supported")
-    inner = value[0] if len(value) == 1 and isinstance(value[0], list) else value
-    n = max(len(value), len(inner))
-    if n > MAX_TOKEN_IDS:
-        raise PydanticCustomError("too_long", "a prompt holds at most {cap} token ids (or one prompt), got {n}",
-                                  {"cap": MAX_TOKEN_IDS, "n": n})
     if not all(isinstance(x, str) for x in inner):
         _long_ids_checked(inner)
     return value
