@@ -241,18 +241,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         if not (args.timeout > 0 and math.isfinite(args.timeout)):
             raise BenchError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-        for flag, path in (("--json", args.json), ("--save-trace", args.save_trace)):
-            try:
-                check_output_path(path, flag)
-            except ConfigError as exc:
-                raise BenchError(str(exc)) from None
+        check_output_path(args.json, "--json")
+        check_output_path(args.save_trace, "--save-trace")
         trace = build_trace(args)
         slo_s = run_slo(args, trace)
         if args.save_trace:
             trace.save(args.save_trace)
         result = asyncio.run(replay(args.url, trace, model=args.model, api_key=args.api_key, seed=args.seed,
                                     progress=sys.stderr.isatty() and not args.quiet, timeout_s=args.timeout))
-    except BenchError as exc:
+    except (BenchError, ConfigError) as exc:
         print(f"orbitflow bench: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
