@@ -147,6 +147,11 @@ def test_simulate_uses_a_measured_profiles_step_jitter_unless_told(tmp_path, cap
     assert json.loads(out.read_text())["config"]["noise_cv"] == 0.031
 
 
+# one policy, one point, one seed, two requests, no solve time: a sweep that takes a second
+TINY_SWEEP = ["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
+              "--num-requests", "2", "--workers", "1", "--solver-time", "off"]
+
+
 def _write(path, data: bytes):
     path.write_bytes(data)
     return str(path)
@@ -209,9 +214,7 @@ def test_simulate_shows_rejected_requests_and_writes_strict_json(tmp_path, capsy
     """A budget no request fits: attainment over nothing reads 1.000, so the table must say that both were rejected,
     and the JSON must stay strict (percentiles of no samples were bare NaN)."""
     out = tmp_path / "sim.json"
-    assert main(["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
-                 "--num-requests", "2", "--workers", "1", "--solver-time", "off", "--device-kv-blocks", "100",
-                 "--json", str(out)]) == 0
+    assert main([*TINY_SWEEP, "--device-kv-blocks", "100", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("orbitflow"))
     assert "Rejected" in table and row.endswith("2.0 ± 0.0")
@@ -227,12 +230,9 @@ def test_simulate_refuses_an_empty_trace(tmp_path, capsys):
 def test_simulate_takes_the_planner_flags_the_docs_name(tmp_path, capsys):
     """docs/architecture.md: '--alpha 1 restores the paper'; simulate, the paper's reproduction, did not take it."""
     out = tmp_path / "sim.json"
-    assert main(["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
-                 "--num-requests", "2", "--workers", "1", "--solver-time", "off", "--alpha", "1",
-                 "--plan-node-limit", "none", "--json", str(out)]) == 0
+    assert main([*TINY_SWEEP, "--alpha", "1", "--plan-node-limit", "none", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["config"]["engine_overrides"] == {"alpha": 1.0, "plan_node_limit": None}
-    assert main(["simulate", "--policies", "orbitflow", "--slo-scales", "1", "--rate-scales", "1", "--seeds", "1",
-                 "--num-requests", "2", "--workers", "1", "--solver-time", "off", "--json", str(out)]) == 0
+    assert main([*TINY_SWEEP, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["config"]["engine_overrides"] == {}  # not given: the engine's own
 
 
