@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orbitflow.serve.protocol import UnsupportedParameter
+from orbitflow.serve.protocol import NO_MEMBER, UnsupportedParameter, main_error
 
 log = logging.getLogger("orbitflow.serve")
 
@@ -43,65 +43,24 @@ def unavailable(message: str, retry_after_s: int = 1) -> APIError:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """The first pydantic error, with its location in the body as `param` (e.g. "messages.0.role"). A value that
-    fits no member of a union gets one error per member; the first that is not a plain type mismatch names the
-    member the value was meant as (a token id below 0 in a list of ids, not "should be a string"); when every
-    member's error is a type mismatch, the message says the value has none of the union's types."""
-    errors = exc.errors()
+    """The error a client should read (``protocol.main_error``), with its location in the body as `param` (e.g.
+    "messages.0.role")."""
+    errors = [{**e, "loc": tuple(e.get("loc", ()))[1:]} if tuple(e.get("loc", ()))[:1] == ("body",) else e
+              for e in exc.errors()]
     if not errors:
         return bad_request("invalid request body")
-    err = next((e for e in errors if not _mismatch(e.get("type", ""))), None)
-    if err is None and len(errors) > 1:
-        union = _common_prefix([_param_loc(e) for e in errors])
-        if union:
-            param = ".".join(union)
-            return bad_request(f"{param}: has none of the types it accepts (see /openapi.json)", param=param)
-    err = err or errors[0]
+    loc, message, err = main_error(errors)
     cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, UnsupportedParameter):
+    if isinstance(cause, UnsupportedParameter) and message != NO_MEMBER:
         return bad_request(str(cause), param=cause.param)
-    loc = _param_loc(err)
     if err.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
     if not loc:
         if err.get("type") == "missing":
             return bad_request("a JSON request body is required")
-        return bad_request(f"request body: {_message(err)}")
+        return bad_request(f"request body: {message}")
     param = ".".join(loc)
-    return bad_request(f"{param}: {_message(err)}", param=param)
-
-
-def _param_loc(err: dict) -> list[str]:
-    """The error's location in the body, without pydantic's union member tags."""
-    loc = [str(part) for part in err.get("loc", ()) if not _is_union_tag(part)]
-    return loc[1:] if loc[:1] == ["body"] else loc
-
-
-def _common_prefix(locs: list[list[str]]) -> list[str]:
-    out: list[str] = []
-    for parts in zip(*locs):
-        if len(set(parts)) > 1:
-            break
-        out.append(parts[0])
-    return out
-
-
-def _mismatch(kind: str) -> bool:
-    """A pydantic error type that says "not this type" (one per member of a union the value is not)."""
-    return kind.endswith(("_type", "_parsing"))
-
-
-def _message(err: dict) -> str:
-    """pydantic's message without its "Value error, " prefix (our validators' messages stand alone)."""
-    msg = str(err.get("msg", ""))
-    return msg.removeprefix("Value error, ")
-
-
-def _is_union_tag(part: str | int) -> bool:
-    """pydantic puts the member of a union it tried into `loc` ("str", "list[int]", "TextPart", ...)."""
-    if isinstance(part, int):
-        return False
-    return not part.isidentifier() or part in ("str", "int", "float", "bool") or part[0].isupper()
+    return bad_request(f"{param}: {message}", param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -9,6 +9,7 @@ than silently ignored. Checks that need the model (context length, vocabulary) a
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 from typing import Annotated, Any, Literal, get_args
 
@@ -20,6 +21,8 @@ from pydantic import (
     StrictBool,
     StrictStr,
     StringConstraints,
+    TypeAdapter,
+    ValidationError,
     create_model,
     field_validator,
     model_validator,
@@ -35,6 +38,10 @@ MAX_N = 16
 # token-id lists (a prompt, /detokenize): a 128k context's worth. Checking each id costs about 0.5 us on the event
 # loop, before any handler runs, so the 8 MiB body cap alone (4M ids) would hold every other request for 2 s
 MAX_TOKEN_IDS = 1 << 17
+# messages and content parts of one chat, together: a 1M context's worth of short turns. pydantic takes about 3 us per
+# message (8 us and two errors per bad part) on the event loop, so the body cap alone (500K parts in 8 MiB) held every
+# other request for 13 s
+MAX_CHAT_ITEMS = 1 << 14
 _INT64 = (-(2**63), 2**63 - 1)
 
 def _json_number(value: Any) -> Any:
@@ -118,22 +125,23 @@ class SamplingFields(NullIsDefault):
     ignore_eos: StrictBool = Field(False, description="keep generating past the end-of-sequence token")
     user: StrictStr | None = Field(None, description="accepted and ignored")
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, value: Any) -> Any:
+        return _too_many(value, MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported")
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         strings = [value] if isinstance(value, str) else value or []
-        if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         if any(len(s) > MAX_STOP_CHARS for s in strings):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _check_logit_bias(cls, value: dict | None) -> dict | None:
-        if value is not None and len(value) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are supported")
-        return value
+    def _check_logit_bias(cls, value: Any) -> Any:
+        return _too_many(value, MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} entries are supported")
 
     @model_validator(mode="after")
     def _check_best_of(self) -> SamplingFields:
@@ -205,6 +213,70 @@ def _long_ids_checked(value: Any) -> Any:
     return value
 
 
+def union_tag(part: str | int) -> bool:
+    """Whether a part of a pydantic error's ``loc`` is the member of a union it tried ("str", "list[int]",
+    "TextPart", ...) rather than a field name or an index."""
+    if isinstance(part, int):
+        return False
+    return not part.isidentifier() or part in ("str", "int", "float", "bool") or part[0].isupper()
+
+
+NO_MEMBER = "has none of the types it accepts (see /openapi.json)"
+
+
+def main_error(errors: list[dict]) -> tuple[list[str], str, dict]:
+    """The error of pydantic's ``errors`` (non-empty) that a client should read, as ``(loc, message, error)``; ``loc``
+    leaves out union member tags. A value that fits no member of a union gets one error per member: the first that
+    is not a plain type mismatch names the member the value was meant as (a token id below 0 in a list of ids, not
+    "should be a string"); when every one is a type mismatch, the message says the value has none of the union's
+    types, at the location they share."""
+    locs = [[str(part) for part in e.get("loc", ()) if not union_tag(part)] for e in errors]
+    i = next((i for i, e in enumerate(errors) if not _mismatch(e.get("type", ""))), None)
+    if i is None and len(errors) > 1:
+        shared = [parts[0] for parts in itertools.takewhile(lambda parts: len(set(parts)) == 1, zip(*locs))]
+        if shared:
+            return shared, NO_MEMBER, errors[0]
+    i = i or 0
+    return locs[i], str(errors[i].get("msg", "")).removeprefix("Value error, "), errors[i]
+
+
+def _mismatch(kind: str) -> bool:
+    """A pydantic error type that says "not this type" (one per member of a union the value is not)."""
+    return kind.endswith(("_type", "_parsing"))
+
+
+@cache
+def _adapter(item_type: Any) -> TypeAdapter:
+    return TypeAdapter(item_type)
+
+
+def _items_checked(value: Any, item_type: Any, size: int | None = None) -> Any:
+    """A long list of models (``size``: how long it counts as, its length by default): validated one item at a time
+    and refused with one error, at its first bad item (pydantic would build every item's errors, two per bad member
+    of a union). The validated items are returned, so pydantic does not validate them again. A short list keeps
+    pydantic's own item-by-item errors."""
+    if not isinstance(value, list) or (len(value) if size is None else size) <= _DETAILED_UP_TO:
+        return value
+    adapter, out = _adapter(item_type), []
+    for i, item in enumerate(value):
+        try:
+            out.append(adapter.validate_python(item))
+        except ValidationError as exc:
+            loc, message, _ = main_error(exc.errors(include_url=False))
+            at = ".".join(loc)
+            raise PydanticCustomError("bad_item", "item {i}{at}: {msg}",
+                                      {"i": i, "at": f" ({at})" if at else "", "msg": message}) from None
+    return out
+
+
+def _too_many(value: Any, cap: int, message: str) -> Any:
+    """``message`` as the error when the list or dict ``value`` has over ``cap`` entries, checked before its items
+    are (pydantic checks a dict's length, and a union's list's, only after validating every item)."""
+    if isinstance(value, (list, dict)) and len(value) > cap:
+        raise ValueError(message)
+    return value
+
+
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
 Prompt = Annotated[Annotated[StrictStr, Field(min_length=1)] | TokenIds
                    | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
@@ -254,7 +326,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Annotated[StrictStr | list[TextPart] | None,
+                       BeforeValidator(lambda value: _items_checked(value, TextPart))] = None
 
     @property
     def text(self) -> str:
@@ -263,6 +336,24 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+def _chat_checked(value: Any) -> Any:
+    """A chat's messages: at most MAX_CHAT_ITEMS messages and content parts together (counted before either is
+    validated). A chat of more than _DETAILED_UP_TO of them is validated a message at a time (``_items_checked``),
+    so at most one message's errors are built, however its parts are spread among messages."""
+    if not isinstance(value, list):
+        return value
+    n = len(value)
+    if n <= MAX_CHAT_ITEMS:
+        n += sum(len(m["content"]) for m in value if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if n > MAX_CHAT_ITEMS:
+        raise PydanticCustomError("too_long", "a chat holds at most {cap} messages and content parts together, "
+                                  "got {n}", {"cap": MAX_CHAT_ITEMS, "n": n})
+    return _items_checked(value, ChatMessage, size=n)
+
+
+Messages = Annotated[list[ChatMessage], BeforeValidator(_chat_checked)]
 
 
 class ResponseFormat(BaseModel):
@@ -279,7 +370,7 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages = Field(min_length=1, description=f"at most {MAX_CHAT_ITEMS} messages and content parts")
     max_completion_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
                                                     description="tokens to generate at most (wins over max_tokens)")
     logprobs: StrictBool = Field(False, description="return each generated token's logprob")
@@ -291,12 +382,10 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[dict[str, Any]] | None = Field(None, description="not supported (400 when non-empty)")
     function_call: StrictStr | dict[str, Any] | None = Field(None, description="only 'none'")
 
-    @field_validator("tools", "functions")
+    @field_validator("tools", "functions", mode="before")
     @classmethod
-    def _no_tools(cls, value: list | None) -> None:
-        if value:
-            raise ValueError("tool calling is not supported")
-        return None
+    def _no_tools(cls, value: Any) -> Any:
+        return _too_many(value, 0, "tool calling is not supported")  # before the list's items are validated
 
     @field_validator("tool_choice", "function_call")
     @classmethod
@@ -321,7 +410,7 @@ class TokenizeRequest(BaseModel):
 
     model: StrictStr | None = None
     prompt: StrictStr | None = Field(None, description="text to tokenize (or messages)")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat to render and tokenize")
+    messages: Messages | None = Field(None, min_length=1, description="chat to render and tokenize")
     add_special_tokens: StrictBool = Field(True, description="for prompt: add the tokenizer's special tokens")
     add_generation_prompt: StrictBool = Field(True, description="for messages: end with the assistant prefix")
 

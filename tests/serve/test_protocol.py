@@ -1,0 +1,94 @@
+"""Request bodies: a hostile body costs one error, not one per item (each error costs the event loop microseconds,
+and every other request waits for it)."""
+
+import pytest
+from pydantic import ValidationError
+
+from orbitflow.serve.protocol import (
+    MAX_CHAT_ITEMS,
+    MAX_LOGIT_BIAS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
+
+GOOD_PART = {"type": "text", "text": "a"}
+BAD_PART = {"type": "image_url"}
+
+
+def _errors(model, body) -> list[dict]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return info.value.errors()
+
+
+def _chat(messages):
+    return {"messages": messages}
+
+
+@pytest.mark.parametrize("messages, loc, says", [
+    ([{"role": "user", "content": [BAD_PART] * 5000}], ("messages",), "item 0 (content): item 0 (type)"),
+    ([{"role": "user", "content": [GOOD_PART] * 4999 + [BAD_PART]}], ("messages",),
+     "item 0 (content): item 4999 (type): Input should be 'text'"),
+    ([{"role": "user", "content": "a"}] * 4999 + [{"role": "robot"}], ("messages",), "item 4999 (role)"),
+    # short lists whose parts add up: one message's errors, not 60 x 255 x 2
+    ([{"role": "user", "content": "a"}] + [{"role": "user", "content": [BAD_PART] * 255}] * 60, ("messages",),
+     "item 1 (content.0.type): Input should be 'text'"),
+    ([{"role": "user", "content": [GOOD_PART] * 200 + [5]}] * 2, ("messages",),
+     "item 0 (content): has none of the types it accepts"),  # as a short chat's content.200 would read
+    ([{"role": "user", "content": "a"}] * MAX_CHAT_ITEMS + [{"role": "user", "content": "a"}], ("messages",),
+     f"at most {MAX_CHAT_ITEMS} messages and content parts together, got {MAX_CHAT_ITEMS + 1}"),
+    ([{"role": "user", "content": [GOOD_PART] * MAX_CHAT_ITEMS}], ("messages",),
+     f"at most {MAX_CHAT_ITEMS} messages and content parts together, got {MAX_CHAT_ITEMS + 1}"),
+    ([{"role": "user", "content": [BAD_PART] * 10**6}], ("messages",), "got 1000001"),
+])
+def test_a_long_chat_gets_one_error_naming_its_first_bad_item(messages, loc, says):
+    for model in (ChatCompletionRequest, TokenizeRequest):
+        errors = _errors(model, _chat(messages))
+        assert len(errors) == 1, errors[:3]
+        assert errors[0]["loc"] == loc
+        assert says in errors[0]["msg"], errors[0]["msg"]
+
+
+def test_a_short_chat_keeps_item_by_item_errors():
+    errors = _errors(ChatCompletionRequest, _chat([{"role": "robot"}, {"role": "user", "content": [BAD_PART]}]))
+    assert [e["loc"][:3] for e in errors] == [("messages", 0, "role"), ("messages", 1, "content")] + \
+        [("messages", 1, "content")] * (len(errors) - 2)
+
+
+def test_a_long_chat_reads_as_a_short_one():
+    """The items validated one at a time are the ones the request keeps (not validated twice, not lost)."""
+    parts = [{"type": "text", "text": str(i), "extra": 1} for i in range(3000)]
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}] * 150
+    for model in (ChatCompletionRequest, TokenizeRequest):
+        req = model.model_validate(_chat([{"role": "system", "content": parts}, *turns]))
+        assert req.messages[0].text == "".join(map(str, range(3000)))
+        assert [m.role for m in req.messages[1:]] == [t["role"] for t in turns]
+        assert [m.text for m in req.messages[1:]] == ["x", ""] * 150
+    at_cap = [{"role": "user", "content": [GOOD_PART] * (MAX_CHAT_ITEMS - 1)}]
+    assert ChatCompletionRequest.model_validate(_chat(at_cap)).messages[0].text == "a" * (MAX_CHAT_ITEMS - 1)
+
+
+@pytest.mark.parametrize("model, body, loc, says", [
+    (CompletionRequest, {"prompt": "a", "stop": [1] * 10**5}, ("stop",), "at most 16 stop strings"),
+    (CompletionRequest, {"prompt": "a", "logit_bias": {f"x{i}": "y" for i in range(10**5)}}, ("logit_bias",),
+     f"at most {MAX_LOGIT_BIAS} entries"),
+    (ChatCompletionRequest, {**_chat([{"role": "user", "content": "a"}]), "tools": [1] * 10**5}, ("tools",),
+     "tool calling is not supported"),
+    (ChatCompletionRequest, {**_chat([{"role": "user", "content": "a"}]), "functions": [1] * 10**5},
+     ("functions",), "tool calling is not supported"),
+])
+def test_a_list_past_its_cap_is_refused_before_its_items(model, body, loc, says):
+    """pydantic checks a dict's length (and a union's list's) only after every item: 1.2M errors for logit_bias."""
+    errors = _errors(model, body)
+    assert len(errors) == 1, errors[:3]
+    assert errors[0]["loc"] == loc
+    assert says in errors[0]["msg"]
+
+
+def test_lists_within_their_caps_keep_their_checks():
+    assert _errors(CompletionRequest, {"prompt": "a", "stop": ["x" * 300]})[0]["loc"] == ("stop",)
+    assert _errors(CompletionRequest, {"prompt": "a", "logit_bias": {"x": 1}})[0]["loc"][0] == "logit_bias"
+    req = CompletionRequest.model_validate({"prompt": "a", "stop": ["x"] * 16, "logit_bias": {"7": 1}})
+    assert req.stop_strings == ["x"] * 16 and req.logit_bias == {"7": 1}
+    assert ChatCompletionRequest.model_validate({**_chat([{"role": "user", "content": "a"}]), "tools": []})
