@@ -186,6 +186,10 @@ def _write(path, data: bytes):
     (["bench", "--generate", "2", "--slo-ms", "50", "--save-trace", "/nonexistent-dir/t.json"],
      "--save-trace: /nonexistent-dir is not an existing directory"),
     (["simulate", "--plots", "/etc/hostname"], "--plots: /etc/hostname is not a directory"),
+    (["simulate", "--workers", "0"], "--workers must be >= 1"),
+    (["simulate", "--workers", "-1"], "--workers must be >= 1"),
+    (["simulate", "--step-s", "0.05"], "--step-s converts the arrival_time of an artifact-format --trace; give"),
+    (["bench", "--generate", "2", "--slo-ms", "50", "--step-s", "0.05"], "--step-s converts the arrival_time"),
     (["simulate", "--json", "/"], "--json: / is a directory"),
 ])
 def test_a_user_mistake_is_one_line_naming_the_flag_not_a_traceback(argv, says, capsys):
@@ -203,6 +207,16 @@ def test_a_trace_that_is_not_a_text_file_is_named(command, kind, tmp_path, capsy
     assert main([command, "--trace", path, *extra]) == 2
     err = capsys.readouterr().err
     assert f"--trace: {path}: cannot read it as a text file" in err, err
+
+
+@pytest.mark.parametrize("command", ["simulate", "bench"])
+def test_step_s_with_a_trace_in_seconds_is_refused_not_ignored(command, tmp_path, capsys):
+    trace = {"requests": [{"id": "a", "arrival_s": 0.0, "input_tokens": 8, "output_tokens": 2}]}
+    path = _write(tmp_path / "t.json", json.dumps(trace).encode())
+    extra = ["--slo-ms", "50"] if command == "bench" else []
+    assert main([command, "--trace", path, "--step-s", "0.05", *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"--trace: {path}: --step-s converts an artifact trace's arrival_time" in err, err
 
 
 def test_simulate_names_a_profile_path_that_is_a_directory(tmp_path, capsys):

@@ -181,6 +181,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise CLIError(f"--preset/--profile: {exc}") from None
     check_output_path(args.json, "--json")  # before the sweep, not after it
     check_output_path(args.plots, "--plots", directory=True)
+    if args.workers is not None and args.workers < 1:
+        raise CLIError(f"--workers must be >= 1 (default: one per core), got {args.workers}")
+    if args.step_s is not None and not args.trace:
+        raise CLIError("--step-s converts the arrival_time of an artifact-format --trace; give --trace")
     if args.trace:
         try:
             loaded = load_trace_file(args.trace, step_s=args.step_s)

@@ -206,6 +206,8 @@ def build_trace(args: argparse.Namespace) -> Trace:
             trace = load_trace_file(args.trace, step_s=getattr(args, "step_s", None)).trace
         except TraceError as exc:
             raise BenchError(f"--trace: {exc}") from None
+    elif getattr(args, "step_s", None) is not None:
+        raise BenchError("--step-s converts the arrival_time of an artifact-format --trace; give --trace")
     elif args.generate is not None:
         if args.generate < 1:
             raise BenchError(f"--generate must be >= 1, got {args.generate}")

@@ -367,6 +367,9 @@ def load_trace_file(path: str | Path, step_s: float | None = None) -> LoadedTrac
     try:
         if isinstance(data, dict) and isinstance(data.get("requests"), dict):
             return trace_from_artifact(data, step_s)
+        if step_s is not None:  # it would be ignored: arrival_s is in seconds already
+            raise TraceError("--step-s converts an artifact trace's arrival_time (scheduler steps); this trace is in "
+                             "the project's format, whose arrival_s is in seconds: leave --step-s out")
         return LoadedTrace(Trace.from_dict(data), "orbitflow")
     except TraceError as exc:
         raise TraceError(f"{path}: {exc}") from exc
