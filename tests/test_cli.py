@@ -236,6 +236,20 @@ def test_simulate_shows_rejected_requests_and_writes_strict_json(tmp_path, capsy
     assert data["summary"][0]["rejected"]["mean"] == 2.0
 
 
+def test_simulate_takes_the_scheduler_flags(tmp_path, capsys):
+    """A 1000-token prompt prefilled 64 tokens a step reaches its first token later than in one prefill."""
+    trace = {"requests": [{"id": "a", "arrival_s": 0.0, "input_tokens": 1000, "output_tokens": 4}]}
+    argv = [*TINY_SWEEP, "--trace", _write(tmp_path / "t.json", json.dumps(trace).encode())]
+    ttft = {}
+    for name, extra in {"whole": [], "chunked": ["--chunked-prefill", "64", "--scheduling", "srtf"]}.items():
+        out = tmp_path / f"{name}.json"
+        assert main([*argv, *extra, "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        ttft[name] = data["runs"][0]["ttft_mean_s"]
+    assert data["config"]["engine_overrides"] == {"scheduling": "srtf", "chunked_prefill": 64}
+    assert ttft["chunked"] > ttft["whole"]
+
+
 def test_simulate_refuses_an_empty_trace(tmp_path, capsys):
     assert main(["simulate", "--trace", _write(tmp_path / "t.json", b'{"requests": []}')]) == 2
     assert "the trace has no requests" in capsys.readouterr().err

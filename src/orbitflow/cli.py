@@ -166,6 +166,7 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
 
 
 SIMULATE_PLANNER_FLAGS = ("alpha", "window_min", "window_max", "plan_node_limit", "plan_time_limit_ms")
+SIMULATE_SCHEDULER_FLAGS = ("scheduling", "chunked_prefill")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -193,8 +194,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if not len(loaded.trace):
             raise CLIError(f"--trace: {args.trace}: the trace has no requests")
     points = simulate_points(args, profile)
-    planner = {k: getattr(args, k) for k in SIMULATE_PLANNER_FLAGS if hasattr(args, k)}  # the flags given
-    EngineConfig.build(**planner)  # a bad value names its flag now, not inside a worker
+    engine = {k: getattr(args, k) for k in SIMULATE_PLANNER_FLAGS + SIMULATE_SCHEDULER_FLAGS
+              if hasattr(args, k)}  # the flags given
+    EngineConfig.build(**engine)  # a bad value names its flag now, not inside a worker
     try:
         setup = SimSetup(
             device_kv_blocks=args.device_kv_blocks,
@@ -202,7 +204,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             first_seed=args.seed,
             num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, trace_path=args.trace, step_s=args.step_s,
-            engine=planner,
+            engine=engine,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -381,6 +383,10 @@ def _add_simulate_parser(sub) -> None:
                    help="runs per point, seeds --seed.. (each its own trace and noise); tables show mean ± 95%% CI")
     add_config_args(p, ModelRunConfig, only=("seed",), helps={"seed": "first seed"})
     add_config_args(p, SchedulerConfig, only=("max_num_seqs", "max_num_batched_tokens"))
+    add_config_args(p, SchedulerConfig, only=SIMULATE_SCHEDULER_FLAGS,
+                    defaults=dict.fromkeys(SIMULATE_SCHEDULER_FLAGS, argparse.SUPPRESS),
+                    helps={f.name: f"{f.metadata['help']} (engine default: {f.default or 'off'})"
+                           for f in fields(SchedulerConfig) if f.name in SIMULATE_SCHEDULER_FLAGS})
     _add_simulate_planner_args(p)
     p.add_argument("--device-kv-fraction", default=None, metavar="F[,F...]",
                    help=f"device KV budget as a fraction of the largest batch's KV (max-num-batched-tokens, every "
