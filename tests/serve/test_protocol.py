@@ -7,9 +7,12 @@ from pydantic import ValidationError
 from orbitflow.serve.protocol import (
     MAX_CHAT_ITEMS,
     MAX_LOGIT_BIAS,
+    MAX_TOKEN_IDS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     TokenizeRequest,
+    token_id_cap,
 )
 
 GOOD_PART = {"type": "text", "text": "a"}
@@ -92,3 +95,32 @@ def test_lists_within_their_caps_keep_their_checks():
     req = CompletionRequest.model_validate({"prompt": "a", "stop": ["x"] * 16, "logit_bias": {"7": 1}})
     assert req.stop_strings == ["x"] * 16 and req.logit_bias == {"7": 1}
     assert ChatCompletionRequest.model_validate({**_chat([{"role": "user", "content": "a"}]), "tools": []})
+
+
+def test_the_token_id_cap_is_the_servers():
+    """A server whose model's context is longer than MAX_TOKEN_IDS takes token-id prompts that long (the static cap
+    refused a 1M-context model's long prompts given as ids, while the same text was taken)."""
+    long = [5] * (MAX_TOKEN_IDS + 1)
+    assert "at most" in _errors(CompletionRequest, {"prompt": long})[0]["msg"]
+    token = token_id_cap.set(MAX_TOKEN_IDS + 1)
+    try:
+        assert CompletionRequest.model_validate({"prompt": long}).prompt == long
+        assert DetokenizeRequest.model_validate({"tokens": long}).tokens == long
+        assert "at most 131073 token ids" in _errors(DetokenizeRequest, {"tokens": [*long, 5]})[0]["msg"]
+        assert "at most 131073 token ids" in _errors(CompletionRequest, {"prompt": [[*long, 5]]})[0]["msg"]
+    finally:
+        token_id_cap.reset(token)
+
+
+def test_the_server_sets_its_token_id_cap_per_request():
+    import asyncio
+
+    from orbitflow.serve.api import TokenIdCap
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(token_id_cap.get())
+
+    asyncio.run(TokenIdCap(app, cap=10**6)({"type": "http"}, None, None))
+    assert seen == [10**6] and token_id_cap.get() == MAX_TOKEN_IDS

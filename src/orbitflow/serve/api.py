@@ -403,7 +403,7 @@ def serve_app(server: OpenAIServer, api_key: str | None = None,
     app.openapi = _openapi(app)
     app.state.server = server
     install_error_handlers(app)
-    _add_middleware(app, api_key, max_body_bytes)
+    _add_middleware(app, server, api_key, max_body_bytes)
     auth = (401,) if api_key else ()
     _add_service_routes(app, server, auth)
     _add_token_routes(app, server, auth)
@@ -423,7 +423,23 @@ def _lifespan(server: OpenAIServer):
     return lifespan
 
 
-def _add_middleware(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
+class TokenIdCap:
+    """Sets ``protocol.token_id_cap`` for the requests of one server: the longest token-id list its bodies may hold
+    (a 128k context's worth, or its model's context where longer)."""
+
+    def __init__(self, app, cap: int) -> None:
+        self.app, self.cap = app, cap
+
+    async def __call__(self, scope, receive, send) -> None:
+        token = p.token_id_cap.set(self.cap)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            p.token_id_cap.reset(token)
+
+
+def _add_middleware(app: FastAPI, server: OpenAIServer, api_key: str | None, max_body_bytes: int) -> None:
+    app.add_middleware(TokenIdCap, cap=max(p.MAX_TOKEN_IDS, server.max_len))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

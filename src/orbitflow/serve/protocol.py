@@ -10,6 +10,7 @@ than silently ignored. Checks that need the model (context length, vocabulary) a
 from __future__ import annotations
 
 import itertools
+from contextvars import ContextVar
 from functools import cache
 from typing import Annotated, Any, Literal, get_args
 
@@ -35,9 +36,11 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
-# token-id lists (a prompt, /detokenize): a 128k context's worth. Checking each id costs about 0.5 us on the event
-# loop, before any handler runs, so the 8 MiB body cap alone (4M ids) would hold every other request for 2 s
+# token-id lists (a prompt, /detokenize): a 128k context's worth, or the served model's context where longer (the
+# server sets token_id_cap per request). Checking each id costs about 0.5 us on the event loop, before any handler
+# runs, so the 8 MiB body cap alone (4M ids) would hold every other request for 2 s
 MAX_TOKEN_IDS = 1 << 17
+token_id_cap: ContextVar[int] = ContextVar("token_id_cap", default=MAX_TOKEN_IDS)
 # messages and content parts of one chat, together: a 1M context's worth of short turns. pydantic takes about 3 us per
 # message (8 us and two errors per bad part) on the event loop, so the body cap alone (500K parts in 8 MiB) held every
 # other request for 13 s
@@ -58,6 +61,8 @@ def _json_integer(value: Any) -> Any:
         raise PydanticCustomError("int_type", "Input should be a valid integer")
     return value
 
+
+_IDS_CAP_DOC = f"at most {MAX_TOKEN_IDS} token ids, or the model's context where longer"
 
 Number = Annotated[float, BeforeValidator(_json_number)]
 Int = Annotated[int, BeforeValidator(_json_integer)]
@@ -182,15 +187,15 @@ def _is_token_id(x: Any) -> bool:
 def _prompt_list_checked(value: Any) -> Any:
     """A long prompt list gets one pass and at most one error before the union below sees it: each member of the
     union that fails builds an error per item (4M ids under the body cap held the event loop for a minute, 131K bad
-    ones for 2 s). Past MAX_TOKEN_IDS it is refused; a long list that is neither token ids nor strings is refused
-    at its first bad item; a short one keeps the union's item-by-item errors."""
+    ones for 2 s). Past the cap (token_id_cap) it is refused; a long list that is neither token ids nor strings is
+    refused at its first bad item; a short one keeps the union's item-by-item errors."""
     if not isinstance(value, list):
         return value
     inner = value[0] if len(value) == 1 and isinstance(value[0], list) else value
-    n = max(len(value), len(inner))
-    if n > MAX_TOKEN_IDS:  # first: the scans below are then bounded by the cap
+    n, cap = max(len(value), len(inner)), token_id_cap.get()
+    if n > cap:  # first: the scans below are then bounded by the cap
         raise PydanticCustomError("too_long", "a prompt holds at most {cap} token ids (or one prompt), got {n}",
-                                  {"cap": MAX_TOKEN_IDS, "n": n})
+                                  {"cap": cap, "n": n})
     if len(value) > 1 and any(isinstance(x, list) for x in value):  # a batch of prompts, some of them token lists:
         nested = sum(len(x) for x in value if isinstance(x, list))  # a short one keeps the union's own errors
         if nested > _DETAILED_UP_TO or all(isinstance(x, list) for x in value):
@@ -202,9 +207,9 @@ def _prompt_list_checked(value: Any) -> Any:
 
 def _long_ids_checked(value: Any) -> Any:
     """A long list of token ids: one pass, and one error at its first bad item (pydantic would build one per item)."""
-    if isinstance(value, list) and len(value) > MAX_TOKEN_IDS:  # (max_length would say so after checking them all)
-        raise PydanticCustomError("too_long", "at most {cap} token ids, got {n}",
-                                  {"cap": MAX_TOKEN_IDS, "n": len(value)})
+    cap = token_id_cap.get()
+    if isinstance(value, list) and len(value) > cap:  # (max_length would say so after checking them all)
+        raise PydanticCustomError("too_long", "at most {cap} token ids, got {n}", {"cap": cap, "n": len(value)})
     if isinstance(value, list) and len(value) > _DETAILED_UP_TO:
         bad = next((i for i, x in enumerate(value) if not _is_token_id(x)), None)
         if bad is not None:
@@ -277,14 +282,14 @@ def _too_many(value: Any, cap: int, message: str) -> Any:
     return value
 
 
-TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]  # at most token_id_cap ids (_prompt_list_checked)
 Prompt = Annotated[Annotated[StrictStr, Field(min_length=1)] | TokenIds
                    | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
                    | Annotated[list[TokenIds], Field(min_length=1)], BeforeValidator(_prompt_list_checked)]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt = Field(description="text or token ids (one prompt per request)")
+    prompt: Prompt = Field(description=f"text or token ids (one prompt per request; {_IDS_CAP_DOC})")
     max_tokens: Int | None = Field(16, ge=1, le=2**31 - 1,
                                          description="tokens to generate at most (OpenAI's default: 16)")
     echo: StrictBool = Field(False, description="prepend the prompt to the text (not with logprobs)")
@@ -425,7 +430,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    tokens: Annotated[list[TokenId], BeforeValidator(_long_ids_checked)] = Field(max_length=MAX_TOKEN_IDS)
+    tokens: Annotated[list[TokenId], BeforeValidator(_long_ids_checked)] = Field(description=_IDS_CAP_DOC)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
