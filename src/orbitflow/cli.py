@@ -383,11 +383,7 @@ def _add_simulate_parser(sub) -> None:
                    help="runs per point, seeds --seed.. (each its own trace and noise); tables show mean ± 95%% CI")
     add_config_args(p, ModelRunConfig, only=("seed",), helps={"seed": "first seed"})
     add_config_args(p, SchedulerConfig, only=("max_num_seqs", "max_num_batched_tokens"))
-    add_config_args(p, SchedulerConfig, only=SIMULATE_SCHEDULER_FLAGS,
-                    defaults=dict.fromkeys(SIMULATE_SCHEDULER_FLAGS, argparse.SUPPRESS),
-                    helps={f.name: f"{f.metadata['help']} (engine default: {f.default or 'off'})"
-                           for f in fields(SchedulerConfig) if f.name in SIMULATE_SCHEDULER_FLAGS})
-    _add_simulate_planner_args(p)
+    _add_simulate_engine_args(p)
     p.add_argument("--device-kv-fraction", default=None, metavar="F[,F...]",
                    help=f"device KV budget as a fraction of the largest batch's KV (max-num-batched-tokens, every "
                         f"layer); a comma list sweeps it (default: {DEFAULT_DEVICE_KV_FRACTION}, the paper's setup, "
@@ -419,8 +415,12 @@ def _add_simulate_parser(sub) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
-def _add_simulate_planner_args(p) -> None:
-    """The planner flags of simulate: absent unless given (then the engine's defaults hold, as before)."""
+def _add_simulate_engine_args(p) -> None:
+    """The scheduler and planner flags of simulate: absent unless given (then the engine's defaults hold)."""
+    add_config_args(p, SchedulerConfig, only=SIMULATE_SCHEDULER_FLAGS,
+                    defaults=dict.fromkeys(SIMULATE_SCHEDULER_FLAGS, argparse.SUPPRESS),
+                    helps={f.name: f"{f.metadata['help']} (engine default: {f.default or 'off'})"
+                           for f in fields(SchedulerConfig) if f.name in SIMULATE_SCHEDULER_FLAGS})
     add_config_args(p, PlannerConfig, "planner (every policy that plans; default: the engine's, shown)",
                     only=SIMULATE_PLANNER_FLAGS, defaults=dict.fromkeys(SIMULATE_PLANNER_FLAGS, argparse.SUPPRESS),
                     helps={f.name: f.metadata["help"] + ("" if "(default:" in f.metadata["help"] else
