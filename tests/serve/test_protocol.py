@@ -30,15 +30,15 @@ def _chat(messages):
 
 
 @pytest.mark.parametrize("messages, loc, says", [
-    ([{"role": "user", "content": [BAD_PART] * 5000}], ("messages",), "item 0 (content): item 0 (type)"),
+    ([{"role": "user", "content": [BAD_PART] * 5000}], ("messages",), "item 0.content.0.type: Input should be 'text'"),
     ([{"role": "user", "content": [GOOD_PART] * 4999 + [BAD_PART]}], ("messages",),
-     "item 0 (content): item 4999 (type): Input should be 'text'"),
-    ([{"role": "user", "content": "a"}] * 4999 + [{"role": "robot"}], ("messages",), "item 4999 (role)"),
+     "item 0.content.4999.type: Input should be 'text'"),
+    ([{"role": "user", "content": "a"}] * 4999 + [{"role": "robot"}], ("messages",), "item 4999.role: Input should be"),
     # short lists whose parts add up: one message's errors, not 60 x 255 x 2
     ([{"role": "user", "content": "a"}] + [{"role": "user", "content": [BAD_PART] * 255}] * 60, ("messages",),
-     "item 1 (content.0.type): Input should be 'text'"),
+     "item 1.content.0.type: Input should be 'text'"),
     ([{"role": "user", "content": [GOOD_PART] * 200 + [5]}] * 2, ("messages",),
-     "item 0 (content): has none of the types it accepts"),  # as a short chat's content.200 would read
+     "item 0.content: has none of the types it accepts"),  # as a short chat's content.200 would read
     ([{"role": "user", "content": "a"}] * MAX_CHAT_ITEMS + [{"role": "user", "content": "a"}], ("messages",),
      f"at most {MAX_CHAT_ITEMS} messages and content parts together, got {MAX_CHAT_ITEMS + 1}"),
     ([{"role": "user", "content": [GOOD_PART] * MAX_CHAT_ITEMS}], ("messages",),
@@ -87,6 +87,38 @@ def test_a_list_past_its_cap_is_refused_before_its_items(model, body, loc, says)
     assert len(errors) == 1, errors[:3]
     assert errors[0]["loc"] == loc
     assert says in errors[0]["msg"]
+
+
+@pytest.mark.parametrize("model, body, says", [
+    (CompletionRequest, {"prompt": [""] * MAX_TOKEN_IDS}, "exactly one prompt per request"),
+    (CompletionRequest, {"prompt": ["a"] * 300}, "exactly one prompt per request"),
+    (CompletionRequest, {"prompt": [["a"] * 300]}, "item 0 ('a') is not a token id"),
+    (ChatCompletionRequest, {**_chat([{"role": "user", "content": "a"}]),
+                             "tool_choice": {f"k{i}": 1 for i in range(10**5)}}, "only 'none'"),
+    (ChatCompletionRequest, {**_chat([{"role": "user", "content": "a"}]),
+                             "function_call": {f"k{i}": 1 for i in range(10**5)}}, "only 'none'"),
+])
+def test_other_long_bodies_get_one_error(model, body, says):
+    """A batch of 131K empty text prompts built 393K errors (5 s over HTTP); a 600K-key tool_choice was validated
+    whole before being refused."""
+    errors = _errors(model, body)
+    assert len(errors) == 1, errors[:3]
+    assert says in errors[0]["msg"], errors[0]["msg"]
+
+
+def test_a_container_of_the_wrong_kind_is_not_called_too_long():
+    assert "entries" not in _errors(CompletionRequest, {"prompt": "a", "logit_bias": ["1"] * 301})[0]["msg"]
+    stop = {str(i): "x" for i in range(17)}
+    assert "stop strings" not in _errors(CompletionRequest, {"prompt": "a", "stop": stop})[0]["msg"]
+    for model in (ChatCompletionRequest, TokenizeRequest):
+        assert _errors(model, _chat([]))[0]["msg"] == "List should have at least 1 item after validation, not 0"
+
+
+def test_nulls_take_defaults_among_many_unknown_keys():
+    body = {"prompt": "a", "temperature": None, "max_tokens": None, **{f"u{i}": None for i in range(10**5)}}
+    req = CompletionRequest.model_validate(body)
+    assert req.temperature == 1.0 and req.max_tokens is None  # max_tokens takes null: the rest of the context
+    assert body["temperature"] is None  # the client's body is not changed
 
 
 def test_lists_within_their_caps_keep_their_checks():

@@ -83,8 +83,12 @@ class NullIsDefault(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in _not_nullable(cls)}
+        if isinstance(data, dict):  # only the known fields are looked at: a body may carry 600K unknown keys
+            nulls = [k for k in _not_nullable(cls) if k in data and data[k] is None]
+            if nulls:
+                data = dict(data)
+                for k in nulls:
+                    del data[k]
         return data
 
 
@@ -133,7 +137,7 @@ class SamplingFields(NullIsDefault):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_count(cls, value: Any) -> Any:
-        return _too_many(value, MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        return _too_many(value, list, MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported")
 
     @field_validator("stop")
     @classmethod
@@ -146,7 +150,7 @@ class SamplingFields(NullIsDefault):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _check_logit_bias(cls, value: Any) -> Any:
-        return _too_many(value, MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} entries are supported")
+        return _too_many(value, dict, MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} entries are supported")
 
     @model_validator(mode="after")
     def _check_best_of(self) -> SamplingFields:
@@ -200,8 +204,10 @@ def _prompt_list_checked(value: Any) -> Any:
         nested = sum(len(x) for x in value if isinstance(x, list))  # a short one keeps the union's own errors
         if nested > _DETAILED_UP_TO or all(isinstance(x, list) for x in value):
             raise PydanticCustomError("one_prompt", "exactly one prompt per request is supported")
-    if not all(isinstance(x, str) for x in inner):
-        _long_ids_checked(inner)
+    if inner is not value or not all(isinstance(x, str) for x in inner):
+        _long_ids_checked(inner)  # [[...]] can only be token ids
+    elif len(value) > _DETAILED_UP_TO:  # a long batch of text prompts: every member of the union fails per item
+        raise PydanticCustomError("one_prompt", "exactly one prompt per request is supported")
     return value
 
 
@@ -267,17 +273,19 @@ def _items_checked(value: Any, item_type: Any, size: int | None = None) -> Any:
         try:
             out.append(adapter.validate_python(item))
         except ValidationError as exc:
-            loc, message, _ = main_error(exc.errors(include_url=False))
-            at = ".".join(loc)
-            raise PydanticCustomError("bad_item", "item {i}{at}: {msg}",
-                                      {"i": i, "at": f" ({at})" if at else "", "msg": message}) from None
+            loc, message, err = main_error(exc.errors(include_url=False))
+            if err.get("type") == "bad_item":  # a long list within the item: its own item's location
+                loc, message = [*loc, *err["ctx"]["where"]], err["ctx"]["detail"]
+            where = [str(i), *loc]  # below the list: where a short list's error would be (serve/errors.py)
+            raise PydanticCustomError("bad_item", "item {where_text}: {detail}",
+                                      {"where": where, "where_text": ".".join(where), "detail": message}) from None
     return out
 
 
-def _too_many(value: Any, cap: int, message: str) -> Any:
-    """``message`` as the error when the list or dict ``value`` has over ``cap`` entries, checked before its items
-    are (pydantic checks a dict's length, and a union's list's, only after validating every item)."""
-    if isinstance(value, (list, dict)) and len(value) > cap:
+def _too_many(value: Any, kind: type, cap: int, message: str) -> Any:
+    """``message`` as the error when ``value``, a ``kind`` (list or dict), has over ``cap`` entries, checked before
+    its items are (pydantic checks a dict's length, and a union's list's, only after validating every item)."""
+    if isinstance(value, kind) and len(value) > cap:
         raise ValueError(message)
     return value
 
@@ -358,7 +366,7 @@ def _chat_checked(value: Any) -> Any:
     return _items_checked(value, ChatMessage, size=n)
 
 
-Messages = Annotated[list[ChatMessage], BeforeValidator(_chat_checked)]
+Messages = Annotated[list[ChatMessage], Field(min_length=1), BeforeValidator(_chat_checked)]
 
 
 class ResponseFormat(BaseModel):
@@ -375,7 +383,7 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Messages = Field(min_length=1, description=f"at most {MAX_CHAT_ITEMS} messages and content parts")
+    messages: Messages = Field(description=f"at most {MAX_CHAT_ITEMS} messages and content parts")
     max_completion_tokens: Int | None = Field(None, ge=1, le=2**31 - 1,
                                                     description="tokens to generate at most (wins over max_tokens)")
     logprobs: StrictBool = Field(False, description="return each generated token's logprob")
@@ -390,11 +398,11 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tools", "functions", mode="before")
     @classmethod
     def _no_tools(cls, value: Any) -> Any:
-        return _too_many(value, 0, "tool calling is not supported")  # before the list's items are validated
+        return _too_many(value, list, 0, "tool calling is not supported")  # before the list's items are validated
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice", "function_call", mode="before")  # before a 600K-key dict is validated
     @classmethod
-    def _no_tool_choice(cls, value: str | dict | None) -> None:
+    def _no_tool_choice(cls, value: Any) -> None:
         if value is not None and value != "none":
             raise ValueError("tool calling is not supported (only 'none')")
         return None
@@ -415,7 +423,7 @@ class TokenizeRequest(BaseModel):
 
     model: StrictStr | None = None
     prompt: StrictStr | None = Field(None, description="text to tokenize (or messages)")
-    messages: Messages | None = Field(None, min_length=1, description="chat to render and tokenize")
+    messages: Messages | None = Field(None, description="chat to render and tokenize")
     add_special_tokens: StrictBool = Field(True, description="for prompt: add the tokenizer's special tokens")
     add_generation_prompt: StrictBool = Field(True, description="for messages: end with the assistant prefix")
 
