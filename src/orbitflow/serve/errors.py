@@ -50,8 +50,6 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return bad_request("invalid request body")
     loc, message, err = main_error(errors)
-    if err.get("type") == "bad_item":  # one item of a long list (protocol._items_checked): named as a short list's
-        loc, message = [*loc, *err["ctx"]["where"]], err["ctx"]["detail"]
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, UnsupportedParameter) and message != NO_MEMBER:
         return bad_request(str(cause), param=cause.param)

@@ -240,7 +240,7 @@ def main_error(errors: list[dict]) -> tuple[list[str], str, dict]:
     leaves out union member tags. A value that fits no member of a union gets one error per member: the first that
     is not a plain type mismatch names the member the value was meant as (a token id below 0 in a list of ids, not
     "should be a string"); when every one is a type mismatch, the message says the value has none of the union's
-    types, at the location they share."""
+    types, at the location they share. A long list's one error (``_items_checked``) is named at its bad item."""
     locs = [[str(part) for part in e.get("loc", ()) if not union_tag(part)] for e in errors]
     i = next((i for i, e in enumerate(errors) if not _mismatch(e.get("type", ""))), None)
     if i is None and len(errors) > 1:
@@ -248,6 +248,8 @@ def main_error(errors: list[dict]) -> tuple[list[str], str, dict]:
         if shared:
             return shared, NO_MEMBER, errors[0]
     i = i or 0
+    if errors[i].get("type") == "bad_item":  # one item of a long list (_items_checked): named as a short list's
+        return [*locs[i], *errors[i]["ctx"]["where"]], errors[i]["ctx"]["detail"], errors[i]
     return locs[i], str(errors[i].get("msg", "")).removeprefix("Value error, "), errors[i]
 
 
@@ -273,9 +275,7 @@ def _items_checked(value: Any, item_type: Any, size: int | None = None) -> Any:
         try:
             out.append(adapter.validate_python(item))
         except ValidationError as exc:
-            loc, message, err = main_error(exc.errors(include_url=False))
-            if err.get("type") == "bad_item":  # a long list within the item: its own item's location
-                loc, message = [*loc, *err["ctx"]["where"]], err["ctx"]["detail"]
+            loc, message, _ = main_error(exc.errors(include_url=False))
             where = [str(i), *loc]  # below the list: where a short list's error would be (serve/errors.py)
             raise PydanticCustomError("bad_item", "item {where_text}: {detail}",
                                       {"where": where, "where_text": ".".join(where), "detail": message}) from None
