@@ -172,7 +172,7 @@ SIMULATE_SCHEDULER_FLAGS = ("scheduling", "chunked_prefill")
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from orbitflow.bench.workload import TraceError, load_trace_file
+    from orbitflow.bench.workload import STEP_S_WITHOUT_TRACE, TraceError, load_trace_file
     from orbitflow.plan.hardware import ProfileError, resolve_profile
     from orbitflow.sim.sweep import SimSetup, config_record, noise_cv_for, run_points, summarize, with_no_deposit
 
@@ -185,7 +185,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise CLIError(f"--workers must be >= 1 (default: one per core), got {args.workers}")
     if args.step_s is not None and not args.trace:
-        raise CLIError("--step-s converts the arrival_time of an artifact-format --trace; give --trace")
+        raise CLIError(STEP_S_WITHOUT_TRACE)
     if args.trace:
         try:
             loaded = load_trace_file(args.trace, step_s=args.step_s)

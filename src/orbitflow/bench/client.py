@@ -29,7 +29,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_summary
-from orbitflow.bench.workload import Trace, TraceError, TraceRequest, generate_trace, load_trace_file, scale_trace
+from orbitflow.bench.workload import (
+    STEP_S_WITHOUT_TRACE,
+    Trace,
+    TraceError,
+    TraceRequest,
+    generate_trace,
+    load_trace_file,
+    scale_trace,
+)
 from orbitflow.config import ConfigError, HelpFormatter, ServerConfig, add_config_args, check_output_path
 
 # Token ids for prompts given as lengths: inside every real vocabulary, clear of the special tokens.
@@ -207,7 +215,7 @@ def build_trace(args: argparse.Namespace) -> Trace:
         except TraceError as exc:
             raise BenchError(f"--trace: {exc}") from None
     elif getattr(args, "step_s", None) is not None:
-        raise BenchError("--step-s converts the arrival_time of an artifact-format --trace; give --trace")
+        raise BenchError(STEP_S_WITHOUT_TRACE)
     elif args.generate is not None:
         if args.generate < 1:
             raise BenchError(f"--generate must be >= 1, got {args.generate}")

@@ -350,6 +350,9 @@ def trace_from_artifact(data: dict, step_s: float | None) -> LoadedTrace:
     return LoadedTrace(Trace(out), "artifact", tokens)
 
 
+STEP_S_WITHOUT_TRACE = "--step-s converts the arrival_time of an artifact-format --trace; give --trace"
+
+
 def load_trace_file(path: str | Path, step_s: float | None = None) -> LoadedTrace:
     """Read a trace file in the project's format (``requests`` a list) or the paper artifact's (``requests``
     a map of id to lengths and a step-counted arrival). Errors name the file and the field."""
