@@ -387,7 +387,7 @@ def test_compiled_suffix_tables_are_the_references():
         ref.tables, ref.comp0, ref.comp_total = search.candidate_tables(n_layers), np.ones(n_layers), float(n_layers)
         ref._init_bound_tables()
         got = cc.suffix_tables(order.astype(np.int64), bcap, b0, x0, n_layers, search.DP_REST_SHARE)
-        for a, b in zip(got, (ref.rest_b, ref.rest_b0, ref.ratio_suffix, ref.dp_depth, *ref.cover)):
+        for a, b in zip(got, (ref.rest_b, ref.rest_b0, ref.ratio_suffix, ref.rest_grow, ref.dp_depth, *ref.cover)):
             assert a.dtype == b.dtype and np.array_equal(a, b)
 
 

@@ -256,7 +256,8 @@ def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.nd
 def suffix_tables(order, bcap, b0, x0, n_layers, share):
     """The branch and bound's per-depth tables of the requests not assigned yet (``BranchAndBound._init_bound_tables``
     in NumPy, and :func:`orbitflow.plan.bounds.cover_tables`), in one call: ``rest_b``, ``rest_b0`` (their blocks at
-    the capacity step and now), ``ratio_suffix`` (their least ``b0 / bcap``), ``dp_depth`` (where they hold at most
+    the capacity step and now), ``ratio_suffix`` (their least ``b0 / bcap``), ``rest_grow`` (their blocks that grow
+    by the capacity step, ``sum max(bcap - b0, 0)``), ``dp_depth`` (where they hold at most
     ``share`` of the batch's blocks) and the cover tables ``(cap, cost, rate, size)``. The same floats as the
     reference (block counts are integers; the cover's sums run in the same order); tests/plan/test_compiled.py
     checks it."""
@@ -264,10 +265,12 @@ def suffix_tables(order, bcap, b0, x0, n_layers, share):
     rest_b = np.zeros(n_req + 1)
     rest_b0 = np.zeros(n_req + 1)
     ratio_suffix = np.ones(n_req + 1)
+    rest_grow = np.zeros(n_req + 1)
     for i in range(n_req - 1, -1, -1):
         r = order[i]
         rest_b[i] = rest_b[i + 1] + bcap[r]  # the sentinel 0.0 adds nothing
         rest_b0[i] = rest_b0[i + 1] + b0[r]
+        rest_grow[i] = rest_grow[i + 1] + max(bcap[r] - b0[r], 0.0)
         ratio = b0[r] / max(bcap[r], 1e-300) if bcap[r] > 0 else 1.0
         ratio_suffix[i] = min(ratio_suffix[i + 1], ratio) if i < n_req - 1 else ratio  # not the sentinel 1.0
     dp_depth = np.empty(n_req, np.bool_)
@@ -294,7 +297,7 @@ def suffix_tables(order, bcap, b0, x0, n_layers, share):
             cost[e, j + 1] = cost[e, j] + x0[r] * n_layers
             j += 1
         size[e] = j
-    return rest_b, rest_b0, ratio_suffix, dp_depth, cap, cost, rate, size
+    return rest_b, rest_b0, ratio_suffix, rest_grow, dp_depth, cap, cost, rate, size
 
 
 # ==== branch and bound ======================================================================================
@@ -425,7 +428,7 @@ def _budget_spent(ist, fst, clock, n_req):
 def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
-            bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
+            bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link, cap,
             use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch, root_probe):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key`` (at the
     root by ``root_probe`` first: :func:`root_probes`); with ``use_dp`` also the propagated bound."""
@@ -439,6 +442,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
     x = x0[r]
     rb0 = rest_b0[d + 1]
     rs = ratio_suffix[d + 1]
+    grow = rest_grow[d + 1]
+    n_cand = counts.size
     for k in range(n_kids):
         new_res = res[d] + bc * (n_layers - counts[k])
         bmax = -math.inf
@@ -479,15 +484,23 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             continue
         sep_lb = -math.inf
         u = min(ymin * rs / rb0, n_layers) if rb0 > 0 else 0.0
+        u_cap = min(ymin / rest, n_layers) if rest > 0 else 0.0
         for j in range(n_tiles):
             val = sep_off[j] + (sep[d, j] + x * sep_n[j, k])
             if rb0 > 0:
                 phi = -math.inf
+                phi_cap = -math.inf
                 for p in range(n_pieces):
                     q = sep_slope[j, p] * u + sep_icept[j, p]
                     if q > phi:
                         phi = q
-                val = val + (rb0 / link) * phi
+                    q = sep_slope[j, p] * u_cap + sep_icept[j, p]
+                    if q > phi_cap:
+                        phi_cap = q
+                if rest > 0:  # the same bound weighted by the blocks at the capacity step, less what grows by then
+                    val = val + max((rb0 / link) * phi, (rest * phi_cap - grow * sep_n[j, n_cand - 1]) / link)
+                else:
+                    val = val + (rb0 / link) * phi
             if val > sep_lb:
                 sep_lb = val
         lat_lb[d, k] = max(cheap, sep_lb)
@@ -589,8 +602,8 @@ def _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, la
 def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, alive, kid_moved,
               res, buf, vol, after, chain_lb, moved, sep, v,
               counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
-              bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link, cap,
-              slo_on, dep, slo, alpha, d_lo, d_hi,
+              bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link,
+              cap, slo_on, dep, slo, alpha, d_lo, d_hi,
               tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
               dp_depth, least, slack, w_scratch, root_probe, clock):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
@@ -625,8 +638,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
             _expand(d, order[d], n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
-                    bcap, b0, x0, rest_b, rest_b0, ratio_suffix, suffix_comp, comp0, comp_total, comp_min, link,
-                    cap, use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch, root_probe)
+                    bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min,
+                    link, cap, use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch, root_probe)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue

@@ -21,8 +21,12 @@ The latency bound of a child is the largest of
 * chain: each request's own transfers are serialised with its compute (single buffer slot);
 * separable window bounds (:func:`orbitflow.plan.bounds.separable_tables`): for each tiling of the layers
   into windows, a sum of per-request terms; the assigned requests count exactly, the unassigned ones as the
-  cheapest fractional way to offload ``y`` blocks (a convex hull). This is the bound that does the pruning
-  high in the tree, where most requests are still unassigned.
+  cheapest fractional way to offload ``y`` blocks (a convex hull). Their offload is priced at their blocks now
+  (``b0``) while capacity counts their blocks at step ``min_steps - 1`` (``bcap``), so the hull is read twice: scaled
+  by the least ``b0 / bcap`` among them, and weighted by ``bcap`` less the blocks that grow by then (each costs at
+  most every transfer of the densest candidate); the larger holds. The scaled reading alone let one 8-block request
+  about to grow a ninth loosen every bound by about a ninth. This is the bound that does the pruning high in the
+  tree, where most requests are still unassigned.
 
 The first three treat unassigned requests as offloading nothing (every term only grows when a host layer
 is added), so they bound every completion. Deep in the tree (the requests left unassigned hold at most
@@ -169,6 +173,9 @@ def candidate_tables(num_layers: int) -> CandidateTables:
             gap_first[k, j] = hl[j - 1] + 1 if j else 0
             gap_last[k, j] = layer
     sep = separable_tables(mats, counts)
+    # the densest candidate offloads every layer another does, so it has the most transfers in every window (the
+    # separable bound's correction for blocks that grow reads its row as the most any candidate counts)
+    assert (sep.n[:, -1:] >= sep.n).all()
     lay_ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     lay = np.array([i for hl in lists for i in hl], dtype=np.int64)
     common = np.logical_and.accumulate(hosts[::-1], axis=0)[::-1]  # layers offloaded by every candidate k..
@@ -287,13 +294,14 @@ class BranchAndBound:
         if self.rules.compiled:  # the same tables in one call (compiled.suffix_tables)
             *suffixes, cov_cap, cov_cost, cov_rate, cov_size = cc.suffix_tables(
                 np.asarray(o, dtype=np.int64), self.bcap, self.b0, self.x0, self.n_layers, DP_REST_SHARE)
-            self.rest_b, self.rest_b0, self.ratio_suffix, self.dp_depth = suffixes
+            self.rest_b, self.rest_b0, self.ratio_suffix, self.rest_grow, self.dp_depth = suffixes
             self.cover = CoverTables(cov_cap, cov_cost, cov_rate, cov_size)
         else:
             self.rest_b = np.concatenate((np.cumsum(self.bcap[o][::-1])[::-1], [0.0]))
             self.rest_b0 = np.concatenate((np.cumsum(self.b0[o][::-1])[::-1], [0.0]))
             ratio = np.where(self.bcap > 0, self.b0 / np.maximum(self.bcap, 1e-300), 1.0)
             self.ratio_suffix = np.concatenate((np.minimum.accumulate(ratio[o][::-1])[::-1], [1.0]))
+            self.rest_grow = np.concatenate((np.cumsum(np.maximum(self.bcap - self.b0, 0.0)[o][::-1])[::-1], [0.0]))
             # the propagated bound where what is left unassigned is small (it offloads nothing there): always at the
             # last request
             self.dp_depth = self.rest_b0[1:] <= DP_REST_SHARE * self.rest_b0[0]
@@ -516,11 +524,16 @@ class BranchAndBound:
         key = np.maximum(link_lb, np.where(forced > 0, forced + self.comp_min, 0.0))
         # separable window bounds: assigned requests exactly, the rest as their cheapest fractional offload
         kid_sep = sep[:, None] + x * self.sep_n[:, :n_kids]
-        rest_b0 = float(self.rest_b0[depth + 1])
+        rest_b0, rest_b = float(self.rest_b0[depth + 1]), float(self.rest_b[depth + 1])
         if rest_b0 > 0:
             u = np.minimum(ymin * self.ratio_suffix[depth + 1] / rest_b0, n_layers)
             phi = (self.sep_slope[:, :, None] * u[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
             rest_cost = (rest_b0 / self.link) * phi
+            if rest_b > 0:
+                u = np.minimum(ymin / rest_b, n_layers)
+                phi = (self.sep_slope[:, :, None] * u[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
+                grow = float(self.rest_grow[depth + 1]) * self.sep_n[:, -1:]
+                rest_cost = np.maximum(rest_cost, (rest_b * phi - grow) / self.link)
         else:
             rest_cost = 0.0
         sep_lb = (self.sep_off[:, None] + kid_sep + rest_cost).max(axis=0)
@@ -815,7 +828,7 @@ class BranchAndBound:
             np.zeros((n_req, n_layers, n_layers + 1)),  # transposed, as t.mats_t
             self.counts, self.hosts_f, self.cumh, self.pairs_after, t.mats_t, self.sep_n, self.sep_slope,
             self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
-            self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix,
+            self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix, self.rest_grow,
             np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
             self.cap,
             slo_on, win.deposit, win.slo, rules.alpha, rules.min_steps, rules.max_steps,
