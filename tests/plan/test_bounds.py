@@ -260,3 +260,11 @@ def test_a_small_request_that_grows_a_block_no_longer_loosens_the_separable_boun
     assert alive.any()
     assert (new[alive] >= old[alive]).all()
     assert (new[alive] / old[alive]).max() > 1.03
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 3, 8, 32, 80, 128])
+def test_the_densest_candidate_counts_the_most_transfers_of_every_tiling(n_layers):
+    """The separable bound's correction for blocks that grow prices each grown block at the densest candidate's
+    transfers per tiling (its last column), taken as the most any candidate counts."""
+    n = candidate_tables(n_layers).sep.n
+    assert np.array_equal(n[:, -1], n.max(axis=1))
