@@ -497,10 +497,10 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                     q = sep_slope[j, p] * u_cap + sep_icept[j, p]
                     if q > phi_cap:
                         phi_cap = q
+                cost = (rb0 / link) * phi
                 if rest > 0:  # the same bound weighted by the blocks at the capacity step, less what grows by then
-                    val = val + max((rb0 / link) * phi, (rest * phi_cap - grow * sep_n[j, n_cand - 1]) / link)
-                else:
-                    val = val + (rb0 / link) * phi
+                    cost = max(cost, (rest * phi_cap - grow * sep_n[j, n_cand - 1]) / link)
+                val = val + cost
             if val > sep_lb:
                 sep_lb = val
         lat_lb[d, k] = max(cheap, sep_lb)

@@ -25,7 +25,7 @@ The latency bound of a child is the largest of
   (``b0``) while capacity counts their blocks at step ``min_steps - 1`` (``bcap``), so the hull is read twice: scaled
   by the least ``b0 / bcap`` among them, and weighted by ``bcap`` less the blocks that grow by then (each costs at
   most every transfer of the densest candidate); the larger holds. The scaled reading alone let one 8-block request
-  about to grow a ninth loosen every bound by about a ninth. This is the bound that does the pruning high in the
+  about to grow a ninth loosen every bound by up to a ninth. This is the bound that does the pruning high in the
   tree, where most requests are still unassigned.
 
 The first three treat unassigned requests as offloading nothing (every term only grows when a host layer
@@ -528,11 +528,11 @@ class BranchAndBound:
             u = np.minimum(ymin * self.ratio_suffix[depth + 1] / rest_b0, n_layers)
             phi = (self.sep_slope[:, :, None] * u[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
             rest_cost = (rest_b0 / self.link) * phi
-            if rest_b > 0:
-                u = np.minimum(ymin / rest_b, n_layers)
-                phi = (self.sep_slope[:, :, None] * u[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
+            if rest_b > 0:  # the same bound weighted by the blocks at the capacity step, less what grows by then
+                u_cap = np.minimum(ymin / rest_b, n_layers)
+                phi_cap = (self.sep_slope[:, :, None] * u_cap[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
                 grow = float(self.rest_grow[depth + 1]) * self.sep_n[:, -1:]
-                rest_cost = np.maximum(rest_cost, (rest_b * phi - grow) / self.link)
+                rest_cost = np.maximum(rest_cost, (rest_b * phi_cap - grow) / self.link)
         else:
             rest_cost = 0.0
         sep_lb = (self.sep_off[:, None] + kid_sep + rest_cost).max(axis=0)
