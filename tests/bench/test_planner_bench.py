@@ -1,4 +1,4 @@
-"""benchmarks/planner.py's proof section: its leaf recorder sees what the search schedules, and its table reads right."""
+"""benchmarks/planner.py's proof section: its leaf recorder sees what the search schedules; its table reads right."""
 
 import numpy as np
 from benchmark_scripts import load_benchmark
