@@ -21,6 +21,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances, search  # noqa: E402
+from orbitflow.plan.bounds import dp_bound  # noqa: E402
 
 
 def random_instance(rng: np.random.Generator, n_req: int, n_layers: int, slo_scale: float | None = None):
@@ -286,8 +287,6 @@ class LeafGaps(search.BranchAndBound):
         self.seen: list[tuple[float, float]] = []
 
     def _leaf(self, choice, host=None, lb=0.0):
-        from orbitflow.plan.bounds import dp_bound
-
         k_of = [0] * self.n_req
         for d, k in enumerate(choice):
             k_of[self.order[d]] = k
