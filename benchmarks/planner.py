@@ -18,6 +18,12 @@ from collections import deque
 import numpy as np
 from tqdm import tqdm
 
+try:
+    from numba import njit
+except ImportError:  # pragma: no cover - the link-order search then runs interpreted (slowly)
+    def njit(**_):
+        return lambda fn: fn
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances, search  # noqa: E402
@@ -279,31 +285,161 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
 
 class LeafGaps(search.BranchAndBound):
     """The reference search (the ``compiled=False`` path), recording in ``seen`` the (release/need bound, exact step-0
-    latency) of each leaf: a complete plan it schedules exactly because no bound cut it (the proof section)."""
+    latency) of each leaf: a complete plan it schedules exactly because no bound cut it (the proof section); in
+    ``below``, the candidate per request of the leaves whose bound is below the search's first incumbent."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.compiled = False  # the reference path: its leaves pass through _leaf
         self.seen: list[tuple[float, float]] = []
+        self.below: list[list[int]] = []
+        self._first_upper = self.best_key[0]
 
     def _leaf(self, choice, host=None, lb=0.0):
         k_of = [0] * self.n_req
         for d, k in enumerate(choice):
             k_of[self.order[d]] = k
         v = sum(self.x0[r] * self.mats[k] for r, k in enumerate(k_of))
-        self.seen.append((float(dp_bound(v[None], self.comp0)[0]), self._lat0(k_of)))
+        bound = float(dp_bound(v[None], self.comp0)[0])
+        self.seen.append((bound, self._lat0(k_of)))
+        if bound < self._first_upper:
+            self.below.append(k_of)
         super()._leaf(choice, host, lb)
 
 
+# -- link orders (proof section): is the gap at the leaves non-preemption, or EDF's order? ----------------------------
+# Any non-preemptive schedule of the link is an order of its copies, each started as soon as the link is free and the
+# copy released (a request's next copy once its previous host layer has run; slots = 1), so the best order's latency
+# is the least any non-preemptive link reaches. A copy is an id ``t`` of the flattened host lists: ``lay[t]`` its
+# layer, ``first[t]`` whether it is its request's first (released at t=0), ``xf[t]`` its seconds.
+def order_arrays(comp, hosts, xfer) -> tuple:
+    """The arrays :func:`order_latency` reads, for host lists ``hosts[r]`` (increasing) and seconds ``xfer[r]``."""
+    lay = np.asarray([layer for h in hosts for layer in h], dtype=np.int64)
+    first = np.asarray([i == 0 for h in hosts for i in range(len(h))], dtype=np.bool_)
+    xf = np.asarray([x for h, x in zip(hosts, xfer) for _ in h], dtype=float)
+    need = np.bincount(lay, minlength=len(comp)).astype(np.int64)
+    return np.asarray(comp, dtype=float), lay, first, xf, need
+
+
+@njit()
+def order_latency(comp, lay, first, xf, need, seq):
+    """Step latency when the link moves the copies in the order ``seq`` (inf: a copy waits on a layer whose KV comes
+    later in ``seq``, so the order deadlocks)."""
+    n_layers = comp.size
+    got, arrive, end = np.zeros(n_layers, np.int64), np.zeros(n_layers), np.zeros(n_layers)
+    done, prev, t = 0, 0.0, 0.0  # layers run so far, the last one's end, the link's time
+    for s in seq:
+        if not first[s]:
+            p = lay[s - 1]  # released when its request's previous host layer has run
+            while done <= p:
+                if got[done] < need[done]:
+                    return np.inf
+                prev = max(prev, arrive[done]) + comp[done]
+                end[done] = prev
+                done += 1
+            t = max(t, end[p])
+        t += xf[s]
+        got[lay[s]] += 1
+        arrive[lay[s]] = max(arrive[lay[s]], t)
+    while done < n_layers:
+        if got[done] < need[done]:
+            return np.inf
+        prev = max(prev, arrive[done]) + comp[done]
+        done += 1
+    return prev
+
+
+@njit()
+def improve_order(comp, lay, first, xf, need, seq, span=8, max_passes=50):
+    """Local search over link orders from ``seq``: move one copy up to ``span`` places, keep the first move that
+    shortens the step; returns (latency, order) once a pass over every copy finds none (or after ``max_passes``)."""
+    n = seq.size
+    seq, buf = seq.copy(), np.empty_like(seq)
+    best = order_latency(comp, lay, first, xf, need, seq)
+    for _ in range(max_passes):
+        improved = False
+        for j in range(n):
+            for k in range(max(0, j - span), min(n, j + span + 1)):
+                if k == j:
+                    continue
+                buf[:] = seq
+                if k < j:
+                    buf[k + 1 : j + 1] = seq[k:j]
+                else:
+                    buf[j:k] = seq[j + 1 : k + 1]
+                buf[k] = seq[j]
+                lat = order_latency(comp, lay, first, xf, need, buf)
+                if lat < best * (1 - 1e-12):
+                    best, improved = lat, True
+                    seq[:] = buf
+                    break
+        if not improved:
+            break
+    return best, seq
+
+
+def edf_order(comp, hosts, xfer) -> np.ndarray:
+    """The copy ids in the order the executor's EDF link moves them (cost_model's schedule, simulated event by event:
+    whenever the link is free it moves the released copy needed earliest, ties to the lower request)."""
+    n_layers = len(comp)
+    start = np.concatenate(([0], np.cumsum([len(h) for h in hosts]))).astype(int)
+    released = {r: 0.0 for r, h in enumerate(hosts) if h}  # request -> release time of its next copy
+    nxt, arrive, seq = [0] * len(hosts), {}, []
+    by_layer = [[(r, i) for r, h in enumerate(hosts) for i, layer in enumerate(h) if layer == lv]
+                for lv in range(n_layers)]
+    end, layer, t = 0.0, 0, 0.0
+    while layer < n_layers:
+        if all(c in arrive for c in by_layer[layer]):  # the layer runs once its KV is here
+            end = max([end] + [arrive[c] for c in by_layer[layer]]) + comp[layer]
+            for r, i in by_layer[layer]:
+                if i + 1 < len(hosts[r]):
+                    released[r] = end
+            layer += 1
+            continue
+        ready = [(hosts[r][nxt[r]], r) for r, rel in released.items() if rel <= t + 1e-12 + 1e-9 * t]
+        if not ready:
+            t = min(released.values())
+            continue
+        r = min(ready)[1]
+        t += xfer[r]
+        arrive[(r, nxt[r])] = t
+        seq.append(start[r] + nxt[r])
+        nxt[r] += 1
+        del released[r]
+    return np.asarray(seq, dtype=np.int64)
+
+
+def _order_gaps(gaps: LeafGaps, plan, best: float, n_leaves: int, seed: int) -> tuple[list[float], int, float]:
+    """Up to ``n_leaves`` of the leaves whose bound is below ``best`` (drawn with ``seed``), each with the best link
+    order :func:`improve_order` finds from EDF's: that order's latency over ``best`` (%) per leaf, and how many reach
+    their release/need bound; then how much shorter the first solve's ``plan`` steps in its best order found (%)."""
+    comp, xfer = gaps.comp0_list, gaps.x0_list
+    below = list({tuple(k) for k in gaps.below})
+    rng = np.random.default_rng(seed)
+    over, reached = [], 0
+    for j in rng.permutation(len(below))[:n_leaves]:
+        hosts = [gaps.lists[k] for k in below[j]]
+        arrays = order_arrays(comp, hosts, xfer)
+        lat, _ = improve_order(*arrays, edf_order(comp, hosts, xfer))
+        v = sum(gaps.x0[r] * gaps.mats[k] for r, k in enumerate(below[j]))
+        reached += lat <= float(dp_bound(v[None], gaps.comp0)[0]) * (1 + 1e-9)
+        over.append(100 * (lat / best - 1))
+    hosts = [plan.placement.host_layers(r) for r in range(plan.placement.num_requests)]
+    arrays, seq = order_arrays(comp, hosts, xfer), edf_order(comp, hosts, xfer)
+    return over, reached, 100 * (1 - improve_order(*arrays, seq)[0] / order_latency(*arrays, seq))
+
+
 def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, leaf_cap_s: float, out: list[str],
-                n_req: int = 16, n_layers: int = 80) -> None:
+                n_req: int = 16, n_layers: int = 80, order_leaves: int = 6) -> None:
     """Is a better first plan what the exact search lacks at this size, or are its bounds, and which? Each batch is
     solved exactly (capped at ``exact_cap_s``), then searched again with that plan's latency as the bound to beat
     from the start (an oracle incumbent: the optimum where the first solve proved one): what is left is the proof
     alone. Then the reference search does the same for ``leaf_cap_s`` and records every complete plan it had to
     schedule exactly (its bounds did not cut it): the release/need bound of that plan (:func:`~orbitflow.plan.
     bounds.dp_bound`, the preemptive link; an LP over the same constraints is this bound once every request is
-    assigned, so no bound of that family cuts such a plan) and its exact step latency."""
+    assigned, so no bound of that family cuts such a plan) and its exact step latency. Last, for up to
+    ``order_leaves`` of those below the best plan and for the first solve's plan, the best link order a local search
+    finds (:func:`improve_order`): is the gap the link's non-preemption, or EDF's order?"""
     from orbitflow.plan.search import BranchAndBound
     from orbitflow.plan.types import PlanStats
 
@@ -317,11 +453,17 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
                "(no bound of that family can cut them), and how far their exact (non-preemptive EDF) latency and "
                "that bound sit from the best plan. A first solve that did not prove its plan gives an incumbent that "
                "may not be optimal: a search may beat it there (a leaf: a negative 'over'), and the summary counts "
-               "the batches with a proven optimum only.\n")
+               f"the batches with a proven optimum only. 'best order': for up to {order_leaves} of the leaves with a "
+               "bound below the best plan, the link order a local search finds from EDF's (`improve_order`: one copy "
+               "moved up to 8 places at a time while the step shortens; any non-preemptive link is such an order), "
+               "its latency over the best plan at the median and how many of them reach their bound; 'plan with best "
+               "order': how much shorter the first solve's plan steps in the best order found than in EDF's.\n")
     out.append("| batch | first solve proven | first solve s | proof s | proof done | nodes | leaves | "
-               "sampled leaves | bound < best | their latency over best p50 / min / max | their bound under best p50 |")
-    out.append("|---" * 11 + "|")
+               "sampled leaves | bound < best | their latency over best p50 / min / max | their bound under best p50 | "
+               "best order over best p50 / reach bound | plan with best order |")
+    out.append("|---" * 13 + "|")
     done_s, over, under, beaten, shapes = [], [], [], 0, []
+    order_over, order_n, order_reached, plan_gain = [], 0, 0, []
     for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls), desc="proof", leave=False)):
         planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False,
                           time_limit_s=exact_cap_s)
@@ -356,8 +498,15 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
             beaten += 1
         spread = (f"{np.median(lat_over):.2f}% / {lat_over.min():.2f}% / {lat_over.max():.2f}% | "
                   f"{np.median(bound_under):.2f}%" if low.size else "- | -")
+        ordered, reached, gain = _order_gaps(gaps, plan, best, order_leaves, seed + i)
+        plan_gain.append(gain)
+        if plan.stats.exact:
+            order_over += ordered
+            order_n, order_reached = order_n + len(ordered), order_reached + reached
+        ordered_cell = f"{np.median(ordered):.2f}% / {reached} of {len(ordered)}" if ordered else "-"
         out.append(f"| {i} | {plan.stats.exact} | {first_s:.2f} | {proof_s:.2f} | {not search.timed_out} | "
-                   f"{stats.nodes} | {stats.leaves} | {len(seen)} | {len(low)} | {spread} |")
+                   f"{stats.nodes} | {stats.leaves} | {len(seen)} | {len(low)} | {spread} | {ordered_cell} | "
+                   f"{gain:.2f}% |")
         print(out[-1], flush=True)
     out.append("")
     summary = len(out)
@@ -376,8 +525,21 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
         out.append(f"In the batches with a proven optimum, {len(over)} sampled leaves had a release/need bound below "
                    f"it: their exact latency is {pct(over, 50):.2f}% above the optimum at the median "
                    f"({pct(over, 10):.2f}% at p10), their bound {pct(under, 50):.2f}% under it. The gap is the "
-                   "non-preemptive link (a copy for a later layer holding the link when an urgent one is released): a "
+                   "link's schedule (a copy for a later layer holding the link when an urgent one is released): a "
                    "search whose bounds all come from the preemptive relaxation schedules every such plan exactly.")
+    if order_n:
+        out.append(f"Is that gap the link's non-preemption, or EDF's order? Of {order_n} of those leaves (proven "
+                   f"batches), the local search found a non-preemptive link order reaching the release/need bound for "
+                   f"{order_reached}, and one no slower than the optimum for {sum(o <= 1e-7 for o in order_over)} "
+                   f"(median {pct(order_over, 50):+.3f}%). Such a plan is slower than the optimum only in EDF's order, "
+                   "so no bound that holds for every order of the link can cut it; and a bound on EDF's own order "
+                   "cannot count the requests not yet assigned as offloading nothing, as every bound of the search "
+                   "does, since EDF is not monotone in the copies added "
+                   "(`tests/plan/test_cost_model.py::test_edf_is_not_monotone_in_added_copies`).")
+    if plan_gain:
+        out.append(f"The first solves' plans step {pct(plan_gain, 50):.2f}% faster at the median (max "
+                   f"{max(plan_gain):.2f}%, {sum(g > 1e-7 for g in plan_gain)} of {len(plan_gain)} faster at all) in "
+                   "the best link order found than in EDF's, which the executor runs.")
     print("\n".join(out[summary:]))
 
 
@@ -718,6 +880,8 @@ def main() -> None:
                     help="proof: wall-clock cap of the search that knows its best plan (default %(default)s)")
     ap.add_argument("--leaf-cap-s", type=float, default=5.0,
                     help="proof: seconds the reference search records the plans it schedules (default %(default)s)")
+    ap.add_argument("--order-leaves", type=int, default=6,
+                    help="proof: leaves per batch whose best link order is searched (default %(default)s)")
     ap.add_argument("--budget-seeds", type=int, default=4,
                     help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
     ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
@@ -737,6 +901,8 @@ def main() -> None:
     unknown = sections - {"speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof"}
     if unknown:
         ap.error(f"--sections: unknown {sorted(unknown)}")
+    if args.order_leaves < 0:
+        ap.error(f"--order-leaves must be >= 0, got {args.order_leaves}")
     calls = args.calls or (20 if args.quick else 300)
     try:
         sizes = [tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",")]
@@ -775,7 +941,8 @@ def main() -> None:
     if "floor" in sections:
         bench_floor(10 if args.quick else 100, args.seed)
     if "proof" in sections:
-        bench_proof(3 if args.quick else 30, args.seed, args.exact_cap_s, args.proof_cap_s, args.leaf_cap_s, out)
+        bench_proof(3 if args.quick else 30, args.seed, args.exact_cap_s, args.proof_cap_s, args.leaf_cap_s, out,
+                    order_leaves=args.order_leaves)
     if "uniform" in sections:
         bench_uniform(sizes, 5 if args.quick else 50, args.seed)
     if "full" in sections:

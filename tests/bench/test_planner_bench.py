@@ -1,10 +1,25 @@
-"""benchmarks/planner.py's proof section: its leaf recorder sees what the search schedules; its table reads right."""
+"""benchmarks/planner.py's proof section: its leaf recorder sees what the search schedules, its link orders run the
+executor's schedule and only ever shorten it, and its table reads right."""
+
+import math
 
 import numpy as np
 from benchmark_scripts import load_benchmark
 
 from orbitflow.plan import Planner
+from orbitflow.plan.bounds import count_matrix, dp_bound
+from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.types import PlanStats
+
+
+def _random_link(rng):
+    """A random step: compute per layer, host layers per request, seconds per copy (integers half the time, so that
+    releases and link times tie)."""
+    n_layers, n_req = int(rng.integers(1, 13)), int(rng.integers(1, 6))
+    draw = (lambda n: rng.integers(1, 6, n).astype(float)) if rng.random() < 0.5 else (lambda n: rng.uniform(0.1, 5, n))
+    hosts = [sorted(rng.choice(n_layers, int(rng.integers(0, n_layers + 1)), replace=False).tolist())
+             for _ in range(n_req)]
+    return draw(n_layers).tolist(), hosts, draw(n_req).tolist()
 
 
 def _batches(bench, n):
@@ -46,4 +61,50 @@ def test_proof_table_has_a_row_per_feasible_batch_and_no_leaf_beats_a_proven_opt
         if cells[9] != "-":
             least = float(cells[9].split("/")[1].rstrip("% "))
             assert least >= 0.0  # a proven optimum: no leaf is faster
+        if cells[11] != "-":  # "p50% / reached of sampled"
+            reached, sampled = (int(x) for x in cells[11].split("/")[1].split(" of "))
+            assert 0 <= reached <= sampled
+        assert float(cells[12].rstrip("%")) >= 0.0  # a better order only ever shortens the plan's step
     assert any(line.startswith("Proofs done within") for line in out)
+
+
+def test_edf_order_replayed_is_the_executor_schedule():
+    """The link order edf_order reads off, replayed by order_latency, gives the cost model's EDF latency exactly."""
+    bench = load_benchmark("planner")
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        comp, hosts, xfer = _random_link(rng)
+        seq = bench.edf_order(comp, hosts, xfer)
+        assert sorted(seq.tolist()) == list(range(sum(map(len, hosts))))
+        replay = bench.order_latency(*bench.order_arrays(comp, hosts, xfer), seq)
+        assert math.isclose(replay, sum(comp) + sum(edf_stalls(comp, hosts, xfer)), rel_tol=1e-12)
+
+
+def test_improve_order_only_shortens_and_never_beats_the_release_need_bound():
+    """The local search's order is a permutation priced as it says, no slower than EDF's and never below the
+    preemptive release/need bound (which holds for every order); an order that feeds a layer after a copy waiting on
+    it deadlocks (inf)."""
+    bench = load_benchmark("planner")
+    rng = np.random.default_rng(6)
+    shorter = 0
+    for _ in range(300):
+        comp, hosts, xfer = _random_link(rng)
+        arrays = bench.order_arrays(comp, hosts, xfer)
+        edf = bench.edf_order(comp, hosts, xfer)
+        lat, seq = bench.improve_order(*arrays, edf)
+        assert sorted(seq.tolist()) == sorted(edf.tolist())
+        assert lat == bench.order_latency(*arrays, seq) <= bench.order_latency(*arrays, edf)
+        mask = np.zeros((len(hosts), len(comp)), dtype=bool)
+        for r, h in enumerate(hosts):
+            mask[r, h] = True
+        v = sum(x * count_matrix(row) for x, row in zip(xfer, mask))
+        assert lat >= float(dp_bound(np.asarray(v)[None], np.asarray(comp))[0]) * (1 - 1e-12)
+        shorter += lat < bench.order_latency(*arrays, edf)
+    assert shorter > 0
+    # request 1's copy for layer 1 released at t=2 waits behind request 0's 5 s copy in EDF's order (13 s); moved
+    # ahead of it, nothing waits but layer 2 (11 s)
+    comp, hosts, xfer = [1.0, 3.0, 3.0], [[2], [0, 1]], [5.0, 1.0]
+    arrays = bench.order_arrays(comp, hosts, xfer)
+    assert bench.order_latency(*arrays, bench.edf_order(comp, hosts, xfer)) == 13.0
+    assert bench.improve_order(*arrays, bench.edf_order(comp, hosts, xfer))[0] == 11.0
+    assert bench.order_latency(*arrays, np.array([2, 1, 0])) == math.inf  # layer 1's copy before layer 0's

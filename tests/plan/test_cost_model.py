@@ -395,3 +395,14 @@ def test_prefetch_slots_validated_and_carried_by_updates():
     assert cm.with_updates(prefetch_slots=1).prefetch_slots == 1
     with pytest.raises(ValueError, match="slots"):
         edf_stalls([1.0, 1.0], [[0, 1]], [1.0], slots=0)
+
+
+def test_edf_is_not_monotone_in_added_copies():
+    """Adding a request's copies can shorten the executor's step (a scheduling anomaly), which is why every bound of
+    the branch and bound holds for any order of the link, not EDF's alone. Request 0's 5 s copy for layer 2 would
+    hold the link when request 1's copy for layer 1 is released at t=2; request 2's copy for layer 1 keeps the link
+    busy until then, so request 0's copy goes last and nothing urgent waits behind it."""
+    comp, hosts, xfer = [1.0, 3.0, 3.0], [[2], [0, 1]], [5.0, 1.0]
+    before = sum(comp) + sum(edf_stalls(comp, hosts, xfer))
+    after = sum(comp) + sum(edf_stalls(comp, [*hosts, [1]], [*xfer, 2.0]))
+    assert (before, after) == (13.0, 12.0)
