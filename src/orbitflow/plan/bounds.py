@@ -2,7 +2,10 @@
 
 All bounds hold for every schedule that respects the executor's rules (one buffer slot per request, one
 transfer at a time on the link), so they are valid for ``"edf"``; they only grow when host layers are added,
-so a partial assignment (unassigned requests offload nothing) bounds all its completions.
+so a partial assignment (unassigned requests offload nothing) bounds all its completions. EDF's own latency does
+not have that property (another request's copies can shorten a step:
+``tests/plan/test_cost_model.py::test_edf_is_not_monotone_in_added_copies``), so a bound that holds only for EDF's
+order could not treat unassigned requests this way.
 
 * Link bound. Let ``C`` be the total compute. Layer ``l`` cannot start before every transfer it needs has
   arrived. Transfers of request ``r`` whose previous host layer is ``>= m`` are released only after layer
