@@ -505,6 +505,10 @@ class BranchAndBound:
             ymin = y1
         return new_res, new_buf, alive, np.maximum(ymin, 0.0)
 
+    def _hull(self, u: np.ndarray) -> np.ndarray:
+        """``[tiling, child]``: each tiling's lower convex hull (``separable_tables``) read at the children's ``u``."""
+        return (self.sep_slope[:, :, None] * u[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
+
     def _bound_children(self, depth: int, r: int, n_kids: int, cut, vol: np.ndarray, after: np.ndarray,
                         chain_lb: float, moved: float, sep: np.ndarray, v: np.ndarray) -> _Children:
         """The latency lower bound of each child (module docstring: link, forced volume, chain, separable; at
@@ -526,13 +530,11 @@ class BranchAndBound:
         rest_b0, rest_b = float(self.rest_b0[depth + 1]), float(self.rest_b[depth + 1])
         if rest_b0 > 0:
             u = np.minimum(ymin * self.ratio_suffix[depth + 1] / rest_b0, n_layers)
-            phi = (self.sep_slope[:, :, None] * u[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
-            rest_cost = (rest_b0 / self.link) * phi
+            rest_cost = (rest_b0 / self.link) * self._hull(u)
             if rest_b > 0:  # the same bound weighted by the blocks at the capacity step, less what grows by then
                 u_cap = np.minimum(ymin / rest_b, n_layers)
-                phi_cap = (self.sep_slope[:, :, None] * u_cap[None, None, :] + self.sep_icept[:, :, None]).max(axis=1)
                 grow = float(self.rest_grow[depth + 1]) * self.sep_n[:, -1:]
-                rest_cost = np.maximum(rest_cost, (rest_b * phi_cap - grow) / self.link)
+                rest_cost = np.maximum(rest_cost, (rest_b * self._hull(u_cap) - grow) / self.link)
         else:
             rest_cost = 0.0
         sep_lb = (self.sep_off[:, None] + kid_sep + rest_cost).max(axis=0)
