@@ -285,25 +285,22 @@ def bench_floor(calls: int, seed: int, n_req: int = 4, n_layers: int = 32) -> No
 
 class LeafGaps(search.BranchAndBound):
     """The reference search (the ``compiled=False`` path), recording in ``seen`` the (release/need bound, exact step-0
-    latency) of each leaf: a complete plan it schedules exactly because no bound cut it (the proof section); in
-    ``below``, the bound and the candidate per request of the leaves whose bound is below the first incumbent."""
+    latency) of each leaf: a complete plan it schedules exactly because no bound cut it (the proof section), and in
+    ``plans`` the candidate per request of the same leaf."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.compiled = False  # the reference path: its leaves pass through _leaf
         self.seen: list[tuple[float, float]] = []
-        self.below: list[tuple[float, list[int]]] = []
-        self._first_upper = self.best_key[0]
+        self.plans: list[list[int]] = []
 
     def _leaf(self, choice, host=None, lb=0.0):
         k_of = [0] * self.n_req
         for d, k in enumerate(choice):
             k_of[self.order[d]] = k
         v = sum(self.x0[r] * self.mats[k] for r, k in enumerate(k_of))
-        bound = float(dp_bound(v[None], self.comp0)[0])
-        self.seen.append((bound, self._lat0(k_of)))
-        if bound < self._first_upper:
-            self.below.append((bound, k_of))
+        self.seen.append((float(dp_bound(v[None], self.comp0)[0]), self._lat0(k_of)))
+        self.plans.append(k_of)
         super()._leaf(choice, host, lb)
 
 
@@ -409,12 +406,14 @@ def edf_order(comp, hosts, xfer) -> np.ndarray:
     return np.asarray(seq, dtype=np.int64)
 
 
-def _order_gaps(gaps: LeafGaps, plan, best: float, n_leaves: int, seed: int) -> tuple[list[float], int, float]:
-    """Up to ``n_leaves`` of the leaves whose bound is below ``best`` (drawn with ``seed``), each with the best link
-    order :func:`improve_order` finds from EDF's: that order's latency over ``best`` (%) per leaf, and how many reach
-    their release/need bound; then how much shorter the first solve's ``plan`` steps in its best order found (%)."""
+def _order_gaps(gaps: LeafGaps, low_idx: np.ndarray, plan, best: float, n_leaves: int,
+                seed: int) -> tuple[list[float], int, float]:
+    """Up to ``n_leaves`` of the leaves ``low_idx`` (indices into ``gaps.seen``, drawn with ``seed``), each with the
+    best link order :func:`improve_order` finds from EDF's: that order's latency over ``best`` (%) per leaf, and how
+    many reach their release/need bound; then how much shorter the first solve's ``plan`` steps in its best order
+    found (%)."""
     comp, xfer = gaps.comp0_list, gaps.x0_list
-    below = sorted({(bound, tuple(k)) for bound, k in gaps.below if bound < best * (1 - 1e-9)})  # as the table's
+    below = sorted({(gaps.seen[j][0], tuple(gaps.plans[j])) for j in low_idx})
     rng = np.random.default_rng(seed)
     over, reached = [], 0
     for j in rng.permutation(len(below))[:n_leaves]:
@@ -487,7 +486,8 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
                         deadline=time.perf_counter() + leaf_cap_s)
         gaps.run()
         seen = np.array(gaps.seen).reshape(-1, 2)
-        low = seen[seen[:, 0] < best * (1 - 1e-9)]
+        is_low = seen[:, 0] < best * (1 - 1e-9)
+        low = seen[is_low]
         lat_over = 100 * (low[:, 1] / best - 1)
         bound_under = 100 * (1 - low[:, 0] / best)
         if plan.stats.exact:
@@ -497,7 +497,7 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
             beaten += 1
         spread = (f"{np.median(lat_over):.2f}% / {lat_over.min():.2f}% / {lat_over.max():.2f}% | "
                   f"{np.median(bound_under):.2f}%" if low.size else "- | -")
-        ordered, reached, gain = _order_gaps(gaps, plan, best, order_leaves, seed + i)
+        ordered, reached, gain = _order_gaps(gaps, np.flatnonzero(is_low), plan, best, order_leaves, seed + i)
         plan_gain.append(gain)
         if plan.stats.exact:
             order_over += ordered

@@ -28,8 +28,9 @@ def _batches(bench, n):
 
 
 def test_leaf_recorder_changes_no_plan_and_every_leaf_bound_holds():
-    """LeafGaps is the reference search with a recorder: the same optimum as the planner's exact solve, and the
-    release/need bound it records never exceeds the exact latency of the same plan (the bound is valid)."""
+    """LeafGaps is the reference search with a recorder: the same optimum as the planner's exact solve, the
+    release/need bound it records never exceeds the exact latency of the same plan (the bound is valid), and the plan
+    it records beside them is the one they price."""
     bench = load_benchmark("planner")
     leaves = 0
     for cm, cap, reqs in _batches(bench, 6):
@@ -41,8 +42,10 @@ def test_leaf_recorder_changes_no_plan_and_every_leaf_bound_holds():
         assert (host is None) == (not plan.feasible)
         if host is not None:
             assert np.isclose(gaps.best_key[0], plan.predicted_step_s, rtol=1e-9)
-        for bound, lat in gaps.seen:
+        assert len(gaps.plans) == len(gaps.seen)
+        for (bound, lat), k_of in zip(gaps.seen, gaps.plans):
             assert bound <= lat * (1 + 1e-9)
+            assert gaps._lat0(k_of) == lat  # the plan recorded beside it is that leaf's
         leaves += len(gaps.seen)
     assert leaves > 0
 
