@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -406,6 +407,26 @@ def edf_order(comp, hosts, xfer) -> np.ndarray:
     return np.asarray(seq, dtype=np.int64)
 
 
+def depth_profile(tree: search.BranchAndBound, upper: float) -> list[tuple[int, int, int, list[float]]]:
+    """Where a traced search's nodes are (``tree.trace``: one entry per node it expanded). Per depth ``d`` (a node
+    there has assigned the first ``d`` requests of the search order): the nodes, their children, the children
+    capacity keeps alive, and for each alive child that no bound cuts against ``upper`` (the best plan known from the
+    start; the cut :func:`orbitflow.plan.search.prunable` and the SLO prefilter make before any leaf improves on it)
+    how far its bound sits under ``upper`` (%). Every node at depth ``d + 1`` is such a child of one at depth ``d``."""
+    rows = []
+    for d in range(tree.n_req):
+        nodes = kids = alive = 0
+        under: list[float] = []
+        for prefix, lat_lb, kid_alive in tree.trace:
+            if len(prefix) != d:
+                continue
+            nodes, kids, alive = nodes + 1, kids + lat_lb.size, alive + int(kid_alive.sum())
+            under += [100 * (1 - lb / upper) for lb in lat_lb[kid_alive].tolist()
+                      if not search.prunable(lb, 0.0, (upper, math.inf)) and tree.lat_ok(lb)]
+        rows.append((nodes, kids, alive, under))
+    return rows
+
+
 def _order_gaps(gaps: LeafGaps, low_idx: np.ndarray, plan, best: float, n_leaves: int,
                 seed: int) -> tuple[list[float], int, float]:
     """Up to ``n_leaves`` of the leaves ``low_idx`` (indices into ``gaps.seen``, drawn with ``seed``), each with the
@@ -462,6 +483,7 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
     out.append("|---" * 13 + "|")
     done_s, over, under, beaten, shapes = [], [], [], 0, []
     order_over, order_n, order_reached, plan_gain = [], 0, 0, []
+    profile: dict[int, list] = {}  # depth -> nodes, children, alive, bounds under best (%), over unfinished proofs
     for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls), desc="proof", leave=False)):
         planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False,
                           time_limit_s=exact_cap_s)
@@ -484,7 +506,11 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
             shapes.append((stats.nodes, stats.leaves))
         gaps = LeafGaps(rules, rules.horizon(reqs), PlanStats(), upper=best * (1 + 1e-9),
                         deadline=time.perf_counter() + leaf_cap_s)
+        gaps.trace = []
         gaps.run()
+        if search.timed_out:  # where the unfinished proofs spend their nodes
+            for d, row in enumerate(depth_profile(gaps, best * (1 + 1e-9))):
+                profile[d] = [a + b for a, b in zip(profile[d], row)] if d in profile else list(row)
         seen = np.array(gaps.seen).reshape(-1, 2)
         is_low = seen[:, 0] < best * (1 - 1e-9)
         low = seen[is_low]
@@ -539,7 +565,34 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
         out.append(f"The first solves' plans step {pct(plan_gain, 50):.2f}% faster at the median (max "
                    f"{max(plan_gain):.2f}%, {sum(g > 1e-7 for g in plan_gain)} of {len(plan_gain)} faster at all) in "
                    "the best link order found than in EDF's, which the executor runs.")
+    if profile:
+        _depth_table(profile, n_req, leaf_cap_s, out)
     print("\n".join(out[summary:]))
+
+
+def _depth_table(profile: dict[int, list], n_req: int, leaf_cap_s: float, out: list[str]) -> None:
+    """The proof section's table of where the unfinished proofs' nodes are (:func:`depth_profile`, summed over
+    those batches)."""
+    total = sum(row[0] for row in profile.values())
+    out.append(f"\nWhere the unfinished proofs' nodes are: the reference search of the same batches (the first "
+               f"{leaf_cap_s:g} s of the search that knows its best plan from the start, in the compiled search's "
+               f"order: {total} nodes), by depth. A node at depth d has assigned the d largest requests; its children "
+               "assign the next one. 'cut by capacity': children that cannot fit even with every request after them "
+               "fully offloaded; 'cut by a bound': alive children whose latency bound is not below the best plan "
+               "(or fails the SLO prefilter); the surviving children's bounds, under the best plan at the median and "
+               "p90: a child whose bound is under it by less than the gap its subtree's leaves open is expanded "
+               "anyway.\n")
+    out.append("| depth | requests left after its children | nodes | share of nodes | children | cut by capacity | "
+               "cut by a bound | surviving | their bound under best p50 / p90 |")
+    out.append("|---" * 9 + "|")
+    for d in sorted(profile):
+        nodes, kids, alive, under = profile[d]
+        if not nodes:
+            continue
+        spread = f"{pct(under, 50):.3f}% / {pct(under, 90):.3f}%" if under else "-"
+        out.append(f"| {d} | {n_req - d - 1} | {nodes} | {100 * nodes / total:.1f}% | {kids} | "
+                   f"{100 * (kids - alive) / kids:.1f}% | {100 * (alive - len(under)) / kids:.1f}% | {len(under)} | "
+                   f"{spread} |")
 
 
 def bench_full(sizes, calls: int, seed: int) -> None:

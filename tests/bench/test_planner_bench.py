@@ -71,6 +71,47 @@ def test_proof_table_has_a_row_per_feasible_batch_and_no_leaf_beats_a_proven_opt
     assert any(line.startswith("Proofs done within") for line in out)
 
 
+def test_depth_profile_counts_every_node_once_and_each_comes_from_a_surviving_child():
+    """depth_profile's rows of a finished search that knew its optimum from the start: the nodes add up to the trace,
+    no depth has more nodes than the depth above let children survive (a node is such a child), and a surviving child's
+    bound is never above the best plan."""
+    bench = load_benchmark("planner")
+    checked = 0
+    for cm, cap, reqs in _batches(bench, 6):
+        planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False)
+        plan = planner.plan(reqs)
+        if not plan.feasible:
+            continue
+        rules = planner.constraints
+        upper = plan.predicted_step_s * (1 + 1e-9)
+        gaps = bench.LeafGaps(rules, rules.horizon(reqs), PlanStats(), upper=upper)
+        gaps.trace = []
+        gaps.run()
+        rows = bench.depth_profile(gaps, upper)
+        assert sum(nodes for nodes, *_ in rows) == len(gaps.trace) > 0
+        for d, (_nodes, kids, alive, under) in enumerate(rows):
+            assert kids >= alive >= len(under) >= 0
+            assert all(u >= -1e-7 for u in under)
+            if d + 1 < len(rows):
+                assert rows[d + 1][0] <= len(under)
+        checked += 1
+    assert checked > 0
+
+
+def test_proof_section_shows_where_unfinished_proofs_spend_their_nodes():
+    """With no time for the proofs, every batch's proof is unfinished and the depth table appears, its shares adding
+    up to the nodes it names."""
+    bench = load_benchmark("planner")
+    out: list[str] = []
+    bench.bench_proof(3, 3, 5.0, 0.0, 1.0, out, n_req=5, n_layers=16)
+    start = next(i for i, line in enumerate(out) if line.startswith("| depth |"))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out[start + 2:] if line.startswith("| ")]
+    assert rows and int(rows[0][0]) == 0
+    total = int(out[start - 1].split(" nodes), by depth")[0].rsplit(" ", 1)[1])
+    assert sum(int(r[2]) for r in rows) == total
+    assert abs(sum(float(r[3].rstrip("%")) for r in rows) - 100) < 0.1 * len(rows)
+
+
 def test_edf_order_replayed_is_the_executor_schedule():
     """The link order edf_order reads off, replayed by order_latency, gives the cost model's EDF latency exactly."""
     bench = load_benchmark("planner")
