@@ -593,6 +593,12 @@ def _depth_table(profile: dict[int, list], n_req: int, leaf_cap_s: float, out: l
         out.append(f"| {d} | {n_req - d - 1} | {nodes} | {100 * nodes / total:.1f}% | {kids} | "
                    f"{100 * (kids - alive) / kids:.1f}% | {100 * (alive - len(under)) / kids:.1f}% | {len(under)} | "
                    f"{spread} |")
+    tail = [d for d in profile if n_req - d - 1 <= 3]
+    tail_nodes = sum(profile[d][0] for d in tail)
+    tail_under = [u for d in tail if d < n_req - 1 for u in profile[d][3]]
+    out.append(f"\n{100 * tail_nodes / max(total, 1):.0f}% of these nodes sit where at most 3 requests (the smallest) "
+               f"are left after their children; the bounds of those children that survive and are not leaves sit "
+               f"{pct(tail_under, 50):.2f}% under the best plan at the median.")
 
 
 def bench_full(sizes, calls: int, seed: int) -> None:
