@@ -99,8 +99,8 @@ def test_depth_profile_counts_every_node_once_and_each_comes_from_a_surviving_ch
 
 
 def test_proof_section_shows_where_unfinished_proofs_spend_their_nodes():
-    """With no time for the proofs, every batch's proof is unfinished and the depth table appears, its shares adding
-    up to the nodes it names."""
+    """With no time for the proofs they stop unfinished, and the depth table appears: its rows add up to the nodes
+    its text names, and its shares to 100%."""
     bench = load_benchmark("planner")
     out: list[str] = []
     bench.bench_proof(3, 3, 5.0, 0.0, 1.0, out, n_req=5, n_layers=16)
