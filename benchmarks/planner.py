@@ -413,17 +413,12 @@ def depth_profile(tree: search.BranchAndBound, upper: float) -> list[tuple[int, 
     capacity keeps alive, and for each alive child that no bound cuts against ``upper`` (the best plan known from the
     start; the cut :func:`orbitflow.plan.search.prunable` and the SLO prefilter make before any leaf improves on it)
     how far its bound sits under ``upper`` (%). Every node at depth ``d + 1`` is such a child of one at depth ``d``."""
-    rows = []
-    for d in range(tree.n_req):
-        nodes = kids = alive = 0
-        under: list[float] = []
-        for prefix, lat_lb, kid_alive in tree.trace:
-            if len(prefix) != d:
-                continue
-            nodes, kids, alive = nodes + 1, kids + lat_lb.size, alive + int(kid_alive.sum())
-            under += [100 * (1 - lb / upper) for lb in lat_lb[kid_alive].tolist()
-                      if not search.prunable(lb, 0.0, (upper, math.inf)) and tree.lat_ok(lb)]
-        rows.append((nodes, kids, alive, under))
+    rows = [(0, 0, 0, []) for _ in range(tree.n_req)]
+    for prefix, lat_lb, kid_alive in tree.trace:
+        nodes, kids, alive, under = rows[len(prefix)]
+        under += [100 * (1 - lb / upper) for lb in lat_lb[kid_alive].tolist()
+                  if not search.prunable(lb, 0.0, (upper, math.inf)) and tree.lat_ok(lb)]
+        rows[len(prefix)] = (nodes + 1, kids + lat_lb.size, alive + int(kid_alive.sum()), under)
     return rows
 
 
@@ -493,9 +488,10 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
         if not plan.feasible:
             continue
         best = plan.predicted_step_s
+        upper = best * (1 + 1e-9)  # the search's bound to beat: the first solve's plan, ties included
         stats = PlanStats()
         rules = planner.constraints
-        search = BranchAndBound(rules, rules.horizon(reqs), stats, upper=best * (1 + 1e-9),
+        search = BranchAndBound(rules, rules.horizon(reqs), stats, upper=upper,
                                 deadline=time.perf_counter() + proof_cap_s)
         t = time.perf_counter()
         search.run()
@@ -504,12 +500,12 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
             done_s.append(proof_s)
         else:
             shapes.append((stats.nodes, stats.leaves))
-        gaps = LeafGaps(rules, rules.horizon(reqs), PlanStats(), upper=best * (1 + 1e-9),
+        gaps = LeafGaps(rules, rules.horizon(reqs), PlanStats(), upper=upper,
                         deadline=time.perf_counter() + leaf_cap_s)
         gaps.trace = []
         gaps.run()
         if search.timed_out:  # where the unfinished proofs spend their nodes
-            for d, row in enumerate(depth_profile(gaps, best * (1 + 1e-9))):
+            for d, row in enumerate(depth_profile(gaps, upper)):
                 profile[d] = [a + b for a, b in zip(profile[d], row)] if d in profile else list(row)
         seen = np.array(gaps.seen).reshape(-1, 2)
         is_low = seen[:, 0] < best * (1 - 1e-9)
