@@ -414,3 +414,59 @@ def test_a_search_still_gaining_runs_to_the_plans_deadline(compiled):
             bb = BranchAndBound(rules, rules.horizon(reqs[:1]), PlanStats(), deadline=now + late_in)
             bb.deadline, bb.gained, bb.nodes = now - 1.0, bool(gained), nodes
             assert bb._out_of_budget() == spent
+
+
+@needs_numba
+def test_hinted_propagated_bound_is_below_the_full_one_and_equal_at_its_own_argmax():
+    """The compiled search's cheap first try at the propagated bound (one release layer per layer, the hint) is a
+    lower bound on the full one (``bounds.dp_bound`` of the same matrix, which the search would compute), so pruning
+    on it cuts nothing the full bound keeps; at the full bound's own maximising layers it is the full bound, bit for
+    bit (its transfer counts, taken from running host counts, are the matrices' entries)."""
+    from orbitflow.plan.bounds import dp_bound
+    from orbitflow.plan.search import candidate_tables
+
+    rng = np.random.default_rng(7)
+    below = 0
+    for _ in range(150):
+        n_layers = int(rng.integers(2, 30))
+        t = candidate_tables(n_layers)
+        n_cand = len(t.counts)
+        comp = rng.uniform(0.2, 2.0, n_layers)
+        v = np.zeros((1, n_layers, n_layers + 1))  # a node's matrix: a few assigned requests (transposed layout)
+        for _r in range(int(rng.integers(0, 4))):
+            v[0] = v[0] + float(rng.uniform(0.1, 3.0)) * t.mats_t[int(rng.integers(0, n_cand))]
+        k, x = int(rng.integers(0, n_cand)), float(rng.uniform(0.1, 3.0))
+        n_terms = int(rng.integers(0, 3))
+        terms_k = np.sort(rng.choice(np.arange(1, n_cand), n_terms, replace=False)).astype(np.int64)
+        terms_c = rng.uniform(0.1, 2.0, n_terms)
+        w = v[0] + x * t.mats_t[k]  # as compiled._least_into builds it
+        for kk, c in zip(terms_k, terms_c):
+            w = w + c * t.least_t[kk]
+        full = float(dp_bound(np.ascontiguousarray(w.T)[None], comp)[0])
+        f = _full_f(w, comp)
+        argmax = np.array([-1] + [int(np.argmax(f[:layer] + w[layer, 1:layer + 1])) for layer in range(1, n_layers)],
+                          dtype=np.int64)
+        guess = np.array([int(rng.integers(-1, layer)) if layer else -1 for layer in range(n_layers)], dtype=np.int64)
+        for hint in (guess, argmax):
+            gv = np.zeros((2, n_layers))
+            gv[0] = v[0, :, 0]
+            ok = hint >= 0
+            gv[1, ok] = v[0, np.flatnonzero(ok), hint[ok] + 1]
+            got = cc._dp_hinted(k, x, gv, t.cumh, t.least_cum, terms_k, terms_c, n_terms, hint, comp,
+                                np.empty(n_layers))
+            if hint is argmax:
+                assert got == full
+            else:
+                assert got <= full
+                below += got < full
+    assert below > 20  # a random hint often misses the max: the check has teeth
+
+
+def _full_f(w, comp):
+    """``F[l]`` of the propagated bound over a transposed matrix ``w`` (``[layer, row]``), as ``bounds.dp_bound``."""
+    n_layers = comp.size
+    f = np.empty(n_layers)
+    f[0] = w[0, 0] + comp[0]
+    for layer in range(1, n_layers):
+        f[layer] = max(f[layer - 1], w[layer, 0], float((f[:layer] + w[layer, 1:layer + 1]).max())) + comp[layer]
+    return f

@@ -429,7 +429,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch, root_probe):
+            use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint, root_probe):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key`` (at the
     root by ``root_probe`` first: :func:`root_probes`); with ``use_dp`` also the propagated bound."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
@@ -506,8 +506,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
         lat_lb[d, k] = max(cheap, sep_lb)
         lat_key[d, k] = max(max(key, kid_chain), sep_lb)
     if use_dp:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
-        _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
-                     comp0, counts, f_scratch, w_scratch)
+        _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0, slack, alive, lat_lb, lat_key,
+                     kid_moved, fst, comp0, counts, f_scratch, w_scratch, dp_hint)
     # stable order by (root probe at d = 0, key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
@@ -540,62 +540,124 @@ def _least_candidate(bc, slack_k, counts, n_layers):
 
 
 @_jit
-def _least_into(w, d, k, x, v, mats, order, bcap, x0, slack_k, counts, least, coef):
-    """Child ``k``'s transfer-count matrix plus the least host layers of each request not assigned at depth ``d``
-    (``BranchAndBound._least_offload``: those common to every candidate it can still fit with, ``slack_k`` the
-    child's spare capacity with the unassigned requests fully offloaded) into ``w``, the entries the propagated
-    bound reads only; requests with the same least candidate are summed first (``coef``: scratch of K), so the
-    matrices are added once per candidate, not once per request. Returns False, ``w`` untouched, when none must
-    offload. Matrices are transposed (``[layer, row]`` of :func:`orbitflow.plan.bounds.count_matrix`, row
-    ``<= layer`` only): the bound's inner loop runs along a row of them."""
-    n_layers = w.shape[0]
+def _least_terms(d, order, bcap, x0, slack_k, counts, n_layers, coef, terms_k, terms_c):
+    """The least host layers of each request not assigned at depth ``d`` (``BranchAndBound._least_offload``: those
+    common to every candidate it can still fit with, ``slack_k`` the child's spare capacity with the unassigned
+    requests fully offloaded), as terms: the candidates ``terms_k`` (increasing) whose least layers some request
+    must offload, ``terms_c`` the transfer seconds of those requests summed (``coef``: scratch of K), so the matrices
+    are added once per candidate, not once per request. Returns the number of terms (0: none must offload)."""
     coef[:] = 0.0
-    forced = False
     for e in range(d + 1, order.size):
         q = order[e]
         kmin = _least_candidate(bcap[q], slack_k, counts, n_layers)
         if kmin > 0:
             coef[kmin] += x0[q]
-            forced = True
-    if not forced:
-        return False
-    for layer in range(n_layers):
-        for i in range(layer + 1):
-            w[layer, i] = v[d, layer, i] + x * mats[k, layer, i]
+    n_terms = 0
     for kmin in range(1, counts.size):
-        c = coef[kmin]
-        if c == 0.0:
-            continue
-        for layer in range(n_layers):
-            for i in range(layer + 1):
-                w[layer, i] = w[layer, i] + c * least[kmin, layer, i]
-    return True
+        if coef[kmin] != 0.0:
+            terms_k[n_terms] = kmin
+            terms_c[n_terms] = coef[kmin]
+            n_terms += 1
+    return n_terms
 
 
 @_jit
-def _dp_children(d, n_kids, x, v, mats, least, order, bcap, x0, slack, alive, lat_lb, lat_key, kid_moved, fst,
-                 comp0, counts, f, w):
-    """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
-    unassigned requests at their least host layers (:func:`_least_into`); raises ``lat_lb`` and ``lat_key``."""
+def _least_into(w, d, k, x, v, mats, least, terms_k, terms_c, n_terms):
+    """Child ``k``'s transfer-count matrix plus the least host layers of the unassigned requests (:func:`_least_terms`)
+    into ``w``, the entries the propagated bound reads only. Matrices are transposed (``[layer, row]`` of
+    :func:`orbitflow.plan.bounds.count_matrix`, row ``<= layer`` only): the bound's inner loop runs along a row of
+    them."""
+    n_layers = w.shape[0]
+    for layer in range(n_layers):
+        for i in range(layer + 1):
+            w[layer, i] = v[d, layer, i] + x * mats[k, layer, i]
+    for t in range(n_terms):
+        c = terms_c[t]
+        kmin = terms_k[t]
+        for layer in range(n_layers):
+            for i in range(layer + 1):
+                w[layer, i] = w[layer, i] + c * least[kmin, layer, i]
+
+
+@_jit
+def _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f):
+    """The propagated bound with the max over release layers ``m`` taken at one ``m`` per layer only: ``hint``, the
+    ``m`` that gave the max in the last full evaluation (-1: none). A max over fewer terms is no larger, so this is
+    still a lower bound, at O(L) instead of O(L^2): where it prunes, the full bound would too. ``gv``: the node's
+    matrix ``v`` at row 0 and at the hinted row of each layer. The entries are those :func:`_least_into` builds, the
+    same floats, with the child's and the least layers' transfer counts taken from their running host counts
+    (``cumh``, ``least_cum``: host layers among ``0..l``) instead of read from the matrices."""
     n_layers = comp0.size
-    coef = np.empty(counts.size)
+    for layer in range(n_layers):
+        s = f[layer - 1] if layer > 0 else -math.inf
+        for j in range(2):  # row 0 (the transfers released at t=0), then the hinted row
+            m = -1 if j == 0 else hint[layer]
+            if j == 1 and not 0 <= m < layer:
+                continue
+            # bounds.count_matrix: row 0 counts the host layers <= layer; row m + 1 those in m..layer, less one
+            n = cumh[k, layer] if m < 0 else max(cumh[k, layer] - (cumh[k, m - 1] if m > 0 else 0.0) - 1.0, 0.0)
+            val = gv[j, layer] + x * n
+            for t in range(n_terms):
+                lc = least_cum[terms_k[t]]
+                n = lc[layer] if m < 0 else max(lc[layer] - (lc[m - 1] if m > 0 else 0.0) - 1.0, 0.0)
+                val = val + terms_c[t] * n
+            q = val if m < 0 else f[m] + val
+            if q > s:
+                s = q
+        f[layer] = s + comp0[layer]
+    return f[n_layers - 1]
+
+
+@_jit
+def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0, slack, alive, lat_lb, lat_key,
+                 kid_moved, fst, comp0, counts, f, w, hint):
+    """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
+    unassigned requests at their least host layers (:func:`_least_terms`); raises ``lat_lb`` and ``lat_key``.
+
+    Each child first gets the bound at the hinted release layers only (:func:`_dp_hinted`: per layer the ``m`` that
+    gave the max in the last full evaluation, which siblings and cousins mostly share). A child that bound puts above
+    the incumbent by more than the tie tolerance is pruned, as the full bound would prune it; the others get the full
+    bound, whose maximising ``m`` become the hint. So the search visits the same children in the same order; a pruned
+    child may keep the smaller (hinted) bound, which sits above the incumbent all the same, so the gap a cut search
+    certifies is the same too."""
+    n_layers = comp0.size
+    n_cand = counts.size
+    coef = np.empty(n_cand)
+    terms_k = np.empty(n_cand, np.int64)
+    terms_c = np.empty(n_cand)
+    best = fst[BEST_LAT]
+    above = best + REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
+    gv = np.empty((2, n_layers))  # this node's v at row 0 and at the hinted row of each layer
+    for layer in range(n_layers):
+        gv[0, layer] = v[d, layer, 0]
+        gv[1, layer] = v[d, layer, hint[layer] + 1] if 0 <= hint[layer] < layer else 0.0
     for k in range(n_kids):
         if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
             continue
-        use_w = _least_into(w, d, k, x, v, mats, order, bcap, x0, slack[k], counts, least, coef)
-        f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
-        for layer in range(1, n_layers):
-            s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])
-            cand = -math.inf
-            for m in range(layer):
-                q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
-                if q > cand:
-                    cand = q
-            f[layer] = max(s, cand) + comp0[layer]
-        if f[n_layers - 1] > lat_lb[d, k]:
-            lat_lb[d, k] = f[n_layers - 1]
-        if f[n_layers - 1] > lat_key[d, k]:
-            lat_key[d, k] = f[n_layers - 1]
+        n_terms = _least_terms(d, order, bcap, x0, slack[k], counts, n_layers, coef, terms_k, terms_c)
+        t = _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f)
+        if t <= above:  # not enough to prune: the full bound
+            use_w = n_terms > 0
+            if use_w:
+                _least_into(w, d, k, x, v, mats, least, terms_k, terms_c, n_terms)
+            f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
+            for layer in range(1, n_layers):
+                s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])
+                cand = -math.inf
+                arg = 0
+                for m in range(layer):
+                    q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
+                    if q > cand:
+                        cand = q
+                        arg = m
+                hint[layer] = arg
+                gv[1, layer] = v[d, layer, arg + 1]
+                f[layer] = max(s, cand) + comp0[layer]
+            t = f[n_layers - 1]
+        if t > lat_lb[d, k]:
+            lat_lb[d, k] = t
+        if t > lat_key[d, k]:
+            lat_key[d, k] = t
 
 
 @_jit
@@ -605,7 +667,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link,
               cap, slo_on, dep, slo, alpha, d_lo, d_hi,
               tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
-              dp_depth, least, slack, w_scratch, root_probe, clock):
+              dp_depth, least, least_cum, slack, w_scratch, dp_hint, root_probe, clock):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -639,7 +701,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     lat_lb, alive, kid_moved, ordk, fst,
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min,
-                    link, cap, use_dp, f_scratch, cover, lat_key, order, least, slack, w_scratch, root_probe)
+                    link, cap, use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint,
+                    root_probe)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue

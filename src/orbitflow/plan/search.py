@@ -32,12 +32,14 @@ The first three treat unassigned requests as offloading nothing (every term only
 is added), so they bound every completion. Deep in the tree (the requests left unassigned hold at most
 ``DP_REST_SHARE`` of the batch's blocks per layer, once the first dive is done; always at the last request) the
 children that survive also get the propagated release/need bound (:func:`orbitflow.plan.bounds.dp_bound`,
-vectorised over children), with each unassigned request at the host layers common to every candidate it can
-still fit with (when capacity leaves a small request no candidate but the densest ones, their shared layers
-already cost it a transfer per layer); at the last request those that survive it are run through the exact
-schedule (stopped part-way once slower than the incumbent) and the window rule. Nodes are expanded depth first,
-cheapest bound first; at the root, where the bounds see every other request unassigned and often tie, a search
-without a tight deadline visits the first request's candidates by probe instead
+vectorised over children; the compiled search first takes its max at one release layer per layer, those that
+gave it last time, and runs it whole only on the children that cheaper bound does not prune), with each unassigned
+request at the host layers common to every candidate it can still fit with (when capacity leaves a small request
+no candidate but the densest ones, their shared layers already cost it a transfer per layer); at the last request
+those that survive it are run through the exact schedule (stopped part-way once slower than the incumbent) and the
+window rule. Nodes are expanded depth first, cheapest bound first; at the root, where the bounds see every other
+request unassigned and often tie, a search without a tight deadline visits the first request's candidates by probe
+instead
 (:meth:`BranchAndBound._probe_root`: the incumbent with that request moved there, the others repaired, priced by
 the exact schedule).
 
@@ -147,6 +149,7 @@ class CandidateTables(NamedTuple):
     least_mats: np.ndarray  # [K, L+1, L] count_matrix of the host layers common to candidates k.. (all denser ones)
     mats_t: np.ndarray  # [K, L, L+1] mats and least_mats transposed (the compiled search's layout)
     least_t: np.ndarray
+    least_cum: np.ndarray  # [K, L] host layers among 0..l of least_mats' rows (the compiled search's hinted bound)
 
 
 @lru_cache(maxsize=64)
@@ -180,11 +183,12 @@ def candidate_tables(num_layers: int) -> CandidateTables:
     common = np.logical_and.accumulate(hosts[::-1], axis=0)[::-1]  # layers offloaded by every candidate k..
     least_mats = np.stack([count_matrix(h) for h in common])
     mats_t, least_t = (np.ascontiguousarray(m.transpose(0, 2, 1)) for m in (mats, least_mats))
+    least_cum = np.cumsum(common.astype(float), axis=1)
     for a in (hosts, hosts_f, counts, cumh, pairs_after, mats, gap_first, gap_last, lay_ptr, lay, least_mats, mats_t,
-              least_t):
+              least_t, least_cum):
         a.setflags(write=False)
     return CandidateTables(dists, hosts, hosts_f, counts, cumh, pairs_after, lists, mats, gap_first, gap_last, sep,
-                           lay_ptr, lay, least_mats, mats_t, least_t)
+                           lay_ptr, lay, least_mats, mats_t, least_t, least_cum)
 
 
 class _Children(NamedTuple):
@@ -742,8 +746,10 @@ class BranchAndBound:
             feas, clock = feas[:-1] + (tuple(np.empty_like(a) for a in feas[-1]),), cc.clock_scratch()
         t, n_cand = self.tables, len(self.counts)
         args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
-            feas, best_k, tuple(self.cover), np.zeros((self.n_req, n_cand)), self.dp_depth, t.least_t,
-            np.zeros(n_cand), np.zeros(t.mats_t.shape[1:]), self.root_probe, clock)
+            feas, best_k, tuple(self.cover), np.zeros((self.n_req, n_cand)), self.dp_depth, t.least_t, t.least_cum,
+            np.zeros(n_cand), np.zeros(t.mats_t.shape[1:]),
+            np.full(self.n_layers, -1, dtype=np.int64),  # compiled._dp_children's hint: none yet
+            self.root_probe, clock)
         return ist, fst, best_k, args
 
     def _work(self, state: tuple, shared: _Shared, resume: bool) -> None:
