@@ -312,6 +312,10 @@ N_IST = 13
 # and hands the rest to the local improvement; LATE_DEADLINE: where it stops instead once it has GAINED
 BEST_LAT, BEST_MOVED, OPEN_LB, KNOWN_PASS, KNOWN_FAIL, GAP, DEADLINE, LATE_DEADLINE = range(8)
 N_FST = 8
+# _dp_children's first try at the propagated bound (at the hinted release layers): skipped at a depth while under this
+# share of the children it tries there are pruned by it (a moving average, weight HINT_AVERAGE per child), but for
+# one child in HINT_PROBE. It costs about a tenth of the full bound, which it spares the children it prunes.
+HINT_MIN_RATE, HINT_AVERAGE, HINT_PROBE = 0.1, 1 / 32, 16.0
 # phases and return codes
 ENTER, LOOP = 0, 1
 FINISHED, PAUSED = 0, 2
@@ -429,7 +433,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint, root_probe):
+            use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint, hint_rate,
+            root_probe):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key`` (at the
     root by ``root_probe`` first: :func:`root_probes`); with ``use_dp`` also the propagated bound."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
@@ -507,7 +512,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
         lat_key[d, k] = max(max(key, kid_chain), sep_lb)
     if use_dp:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
         _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0, slack, alive, lat_lb, lat_key,
-                     kid_moved, fst, comp0, counts, f_scratch, w_scratch, dp_hint)
+                     kid_moved, fst, comp0, counts, f_scratch, w_scratch, dp_hint, hint_rate)
     # stable order by (root probe at d = 0, key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
@@ -610,7 +615,7 @@ def _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0
 
 @_jit
 def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0, slack, alive, lat_lb, lat_key,
-                 kid_moved, fst, comp0, counts, f, w, hint):
+                 kid_moved, fst, comp0, counts, f, w, hint, hint_rate):
     """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
     unassigned requests at their least host layers (:func:`_least_terms`); raises ``lat_lb`` and ``lat_key``.
 
@@ -619,7 +624,10 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
     the incumbent by more than the tie tolerance is pruned, as the full bound would prune it; the others get the full
     bound, whose maximising ``m`` become the hint. So the search visits the same children in the same order; a pruned
     child may keep the smaller (hinted) bound, which sits above the incumbent all the same, so the gap a cut search
-    certifies is the same too."""
+    certifies is the same too. Where the first try seldom prunes (a search whose leaves the bounds cannot cut: every
+    child survives), it is only overhead, so it is skipped at a depth while its share of prunes there is below
+    :data:`HINT_MIN_RATE`, but for one try in :data:`HINT_PROBE`: ``hint_rate[d]`` holds that share (a moving
+    average) and the children since the last try."""
     n_layers = comp0.size
     n_cand = counts.size
     coef = np.empty(n_cand)
@@ -635,7 +643,13 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
         if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
             continue
         n_terms = _least_terms(d, order, bcap, x0, slack[k], counts, n_layers, coef, terms_k, terms_c)
-        t = _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f)
+        t = -math.inf
+        if math.isfinite(above) and (hint_rate[d, 0] >= HINT_MIN_RATE or hint_rate[d, 1] >= HINT_PROBE):
+            t = _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f)
+            hint_rate[d, 0] += HINT_AVERAGE * ((1.0 if t > above else 0.0) - hint_rate[d, 0])
+            hint_rate[d, 1] = 0.0
+        else:
+            hint_rate[d, 1] += 1.0
         if t <= above:  # not enough to prune: the full bound
             use_w = n_terms > 0
             if use_w:
@@ -667,7 +681,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link,
               cap, slo_on, dep, slo, alpha, d_lo, d_hi,
               tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
-              dp_depth, least, least_cum, slack, w_scratch, dp_hint, root_probe, clock):
+              dp_depth, least, least_cum, slack, w_scratch, dp_hint, hint_rate, root_probe, clock):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -702,7 +716,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min,
                     link, cap, use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint,
-                    root_probe)
+                    hint_rate, root_probe)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue

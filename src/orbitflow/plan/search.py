@@ -749,6 +749,7 @@ class BranchAndBound:
             feas, best_k, tuple(self.cover), np.zeros((self.n_req, n_cand)), self.dp_depth, t.least_t, t.least_cum,
             np.zeros(n_cand), np.zeros(t.mats_t.shape[1:]),
             np.full(self.n_layers, -1, dtype=np.int64),  # compiled._dp_children's hint: none yet
+            np.column_stack((np.ones(self.n_req), np.zeros(self.n_req))),  # ... and how often it prunes, per depth
             self.root_probe, clock)
         return ist, fst, best_k, args
 
