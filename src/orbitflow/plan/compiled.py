@@ -635,16 +635,20 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
     terms_c = np.empty(n_cand)
     best = fst[BEST_LAT]
     above = best + REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-    gv = np.empty((2, n_layers))  # this node's v at row 0 and at the hinted row of each layer
-    for layer in range(n_layers):
-        gv[0, layer] = v[d, layer, 0]
-        gv[1, layer] = v[d, layer, hint[layer] + 1] if 0 <= hint[layer] < layer else 0.0
+    gv = np.empty((2, n_layers))  # this node's v at row 0 and at the hinted row of each layer, once a child needs it
+    have_gv = False
     for k in range(n_kids):
         if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
             continue
         n_terms = _least_terms(d, order, bcap, x0, slack[k], counts, n_layers, coef, terms_k, terms_c)
         t = -math.inf
-        if math.isfinite(above) and (hint_rate[d, 0] >= HINT_MIN_RATE or hint_rate[d, 1] >= HINT_PROBE):
+        tried = math.isfinite(above) and (hint_rate[d, 0] >= HINT_MIN_RATE or hint_rate[d, 1] >= HINT_PROBE)
+        if tried:
+            if not have_gv:
+                for layer in range(n_layers):
+                    gv[0, layer] = v[d, layer, 0]
+                    gv[1, layer] = v[d, layer, hint[layer] + 1] if 0 <= hint[layer] < layer else 0.0
+                have_gv = True
             t = _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f)
             hint_rate[d, 0] += HINT_AVERAGE * ((1.0 if t > above else 0.0) - hint_rate[d, 0])
             hint_rate[d, 1] = 0.0
@@ -654,24 +658,41 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
             use_w = n_terms > 0
             if use_w:
                 _least_into(w, d, k, x, v, mats, least, terms_k, terms_c, n_terms)
-            f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
-            for layer in range(1, n_layers):
-                s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])
-                cand = -math.inf
-                arg = 0
-                for m in range(layer):
-                    q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
-                    if q > cand:
-                        cand = q
-                        arg = m
-                hint[layer] = arg
-                gv[1, layer] = v[d, layer, arg + 1]
-                f[layer] = max(s, cand) + comp0[layer]
-            t = f[n_layers - 1]
+            t = _dp_full(d, k, x, v, mats, w, use_w, comp0, f, hint, gv, tried)
         if t > lat_lb[d, k]:
             lat_lb[d, k] = t
         if t > lat_key[d, k]:
             lat_key[d, k] = t
+
+
+@_jit
+def _dp_full(d, k, x, v, mats, w, use_w, comp0, f, hint, gv, record):
+    """The propagated bound of child ``k`` (:func:`orbitflow.plan.bounds.dp_bound`) over ``w`` (``use_w``: built by
+    :func:`_least_into`) or else the node's ``v`` plus the child's own matrix. ``record`` (the child had the hinted
+    try, so ``gv`` is built): also keep the maximising release layer of each layer as the hint, and ``gv`` in step;
+    the loop without it is kept apart, as the bookkeeping in the inner loop would slow the depths where no hint is
+    tried."""
+    n_layers = comp0.size
+    f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
+    for layer in range(1, n_layers):
+        s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])
+        cand = -math.inf
+        if record:
+            arg = 0
+            for m in range(layer):
+                q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
+                if q > cand:
+                    cand = q
+                    arg = m
+            hint[layer] = arg
+            gv[1, layer] = v[d, layer, arg + 1]
+        else:
+            for m in range(layer):
+                q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
+                if q > cand:
+                    cand = q
+        f[layer] = max(s, cand) + comp0[layer]
+    return f[n_layers - 1]
 
 
 @_jit
