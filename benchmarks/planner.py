@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - the link-order search then runs interp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances, search  # noqa: E402
+from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances, search, warm_up  # noqa: E402
 from orbitflow.plan.bounds import dp_bound  # noqa: E402
 
 
@@ -479,6 +479,7 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
     done_s, over, under, beaten, shapes = [], [], [], 0, []
     order_over, order_n, order_reached, plan_gain = [], 0, 0, []
     profile: dict[int, list] = {}  # depth -> nodes, children, alive, bounds under best (%), over unfinished proofs
+    warm_up()  # load (or compile) the kernels before the first solve is timed
     for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls), desc="proof", leave=False)):
         planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False,
                           time_limit_s=exact_cap_s)
@@ -787,8 +788,6 @@ _pool_policy = None
 
 
 def _pool_init(policy) -> None:
-    from orbitflow.plan import warm_up
-
     global _pool_policy
     _pool_policy = policy
     warm_up()
@@ -829,7 +828,6 @@ class _BusyPlanner:
 
 
 def _busy_planner_main(cases, run, quit_, count) -> None:
-    from orbitflow.plan import warm_up
     from orbitflow.policies import OrbitFlowPolicy
 
     warm_up()
