@@ -585,6 +585,16 @@ def _least_into(w, d, k, x, v, mats, least, terms_k, terms_c, n_terms):
 
 
 @_jit
+def _count(cum, layer, m):
+    """Entry ``[m + 1, layer]`` of :func:`orbitflow.plan.bounds.count_matrix` (``m = -1``: row 0) from the host
+    row's running count ``cum`` (host layers among ``0..l``): row 0 counts the host layers ``<= layer``, row ``m + 1``
+    those in ``m..layer``, less one."""
+    if m < 0:
+        return cum[layer]
+    return max(cum[layer] - (cum[m - 1] if m > 0 else 0.0) - 1.0, 0.0)
+
+
+@_jit
 def _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f):
     """The propagated bound with the max over release layers ``m`` taken at one ``m`` per layer only: ``hint``, the
     ``m`` that gave the max in the last full evaluation (-1: none). A max over fewer terms is no larger, so this is
@@ -599,13 +609,9 @@ def _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0
             m = -1 if j == 0 else hint[layer]
             if j == 1 and not 0 <= m < layer:
                 continue
-            # bounds.count_matrix: row 0 counts the host layers <= layer; row m + 1 those in m..layer, less one
-            n = cumh[k, layer] if m < 0 else max(cumh[k, layer] - (cumh[k, m - 1] if m > 0 else 0.0) - 1.0, 0.0)
-            val = gv[j, layer] + x * n
+            val = gv[j, layer] + x * _count(cumh[k], layer, m)
             for t in range(n_terms):
-                lc = least_cum[terms_k[t]]
-                n = lc[layer] if m < 0 else max(lc[layer] - (lc[m - 1] if m > 0 else 0.0) - 1.0, 0.0)
-                val = val + terms_c[t] * n
+                val = val + terms_c[t] * _count(least_cum[terms_k[t]], layer, m)
             q = val if m < 0 else f[m] + val
             if q > s:
                 s = q
@@ -634,7 +640,6 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
     terms_k = np.empty(n_cand, np.int64)
     terms_c = np.empty(n_cand)
     best = fst[BEST_LAT]
-    above = best + REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
     gv = np.empty((2, n_layers))  # this node's v at row 0 and at the hinted row of each layer, once a child needs it
     have_gv = False
     for k in range(n_kids):
@@ -642,7 +647,7 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
             continue
         n_terms = _least_terms(d, order, bcap, x0, slack[k], counts, n_layers, coef, terms_k, terms_c)
         t = -math.inf
-        tried = math.isfinite(above) and (hint_rate[d, 0] >= HINT_MIN_RATE or hint_rate[d, 1] >= HINT_PROBE)
+        tried = math.isfinite(best) and (hint_rate[d, 0] >= HINT_MIN_RATE or hint_rate[d, 1] >= HINT_PROBE)
         if tried:
             if not have_gv:
                 for layer in range(n_layers):
@@ -650,11 +655,11 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
                     gv[1, layer] = v[d, layer, hint[layer] + 1] if 0 <= hint[layer] < layer else 0.0
                 have_gv = True
             t = _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f)
-            hint_rate[d, 0] += HINT_AVERAGE * ((1.0 if t > above else 0.0) - hint_rate[d, 0])
+            hint_rate[d, 0] += HINT_AVERAGE * ((1.0 if _beyond(t, best, 0.0) else 0.0) - hint_rate[d, 0])
             hint_rate[d, 1] = 0.0
         else:
             hint_rate[d, 1] += 1.0
-        if t <= above:  # not enough to prune: the full bound
+        if not _beyond(t, best, 0.0):  # not above the incumbent by more than the tie tolerance: the full bound
             use_w = n_terms > 0
             if use_w:
                 _least_into(w, d, k, x, v, mats, least, terms_k, terms_c, n_terms)
