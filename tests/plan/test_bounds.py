@@ -6,7 +6,18 @@ import pytest
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, PlanStats, search
 from orbitflow.plan import compiled as cc
-from orbitflow.plan.bounds import _lower_hull, count_matrix, cover_cost, cover_tables, dp_bound, window_tilings
+from orbitflow.plan.bounds import (
+    CONTINUE,
+    FROM_START,
+    _lower_hull,
+    count_matrix,
+    cover_cost,
+    cover_tables,
+    critical_windows,
+    dp_bound,
+    tail_cover,
+    window_tilings,
+)
 from orbitflow.plan.search import BranchAndBound, candidate_tables
 
 
@@ -79,14 +90,15 @@ def tight_case(rng, n_req, n_layers):
     return cm, cap, reqs
 
 
-def _node_bound_misses(make_case, seed, trials=120):
+def _node_bound_misses(make_case, seed, trials=120, n_reqs=(1, 5)):
     """Every alive child's bound in the search's trace (reference search) against the exact latency of each
     completion that fits the capacity (brute force): (bounds checked, bounds above the best such completion).
-    Good first incumbents prune most children, hence this many batches for a few hundred checks."""
+    Good first incumbents prune most children, hence this many batches for a few hundred checks. ``n_reqs``: the
+    range the batch sizes are drawn from (past 4 requests, at most 8 layers: 5 candidates each)."""
     rng = np.random.default_rng(seed)
     checked = misses = 0
     for _ in range(trials):
-        n_req = int(rng.integers(1, 5))
+        n_req = int(rng.integers(*n_reqs))
         n_layers = int(rng.integers(2, 17 if n_req < 4 else 9))
         cm, cap, reqs = make_case(rng, n_req, n_layers)
         pl = Planner(cm, cap, window=(3, 8), check_better=False, node_limit=None)
@@ -143,6 +155,104 @@ def test_brute_force_check_catches_an_inflated_least_offload(monkeypatch):
 
     monkeypatch.setattr(BranchAndBound, "_least_offload", inflated)
     assert _node_bound_misses(harsh_case, 5)[1] + _node_bound_misses(tight_case, 5)[1] > 0
+
+
+def test_node_bounds_count_the_tail_bound_and_the_check_catches_it_inflated(monkeypatch):
+    """The tail bound (BranchAndBound._tail_bound: the unassigned requests' forced offload on the propagated bound's
+    critical path) raises bounds in the brute-force check above, which still finds none above a fitting completion;
+    the same bound with the tail's part tripled makes some bound exceed one."""
+    monkeypatch.setattr(search, "DP_REST_SHARE", 1.0)
+    real, added = search.tail_cover, []
+
+    def counted(*args):
+        added.append(real(*args))
+        return added[-1]
+
+    monkeypatch.setattr(search, "tail_cover", counted)
+    checked = 0
+    for make_case in (harsh_case, tight_case):
+        n, misses = _node_bound_misses(make_case, 6, trials=100, n_reqs=(5, 6))
+        checked += n
+        assert misses == 0
+    assert checked > 100 and sum(v > 0 for v in added) > 50
+    monkeypatch.setattr(search, "tail_cover", lambda *args: 3.0 * real(*args))
+    misses = [_node_bound_misses(make_case, 6, trials=100, n_reqs=(5, 6))[1] for make_case in (harsh_case, tight_case)]
+    assert sum(misses) > 0
+
+
+def test_critical_windows_give_the_value_of_dp_bound_and_bound_what_more_host_layers_add():
+    """bounds.critical_windows: the entries on the path that gave dp_bound its value, with the compute of the layers
+    on it, sum to the bound; a matrix grown by more host layers has a bound at least this one plus the growth on
+    that path (what the tail bound rests on); the compiled search's propagated bound writes the same codes."""
+    rng = np.random.default_rng(7)
+    grew = 0
+    for _ in range(300):
+        n_req, n_layers = int(rng.integers(1, 5)), int(rng.integers(1, 14))
+        comp = rng.uniform(0.2, 2.0, n_layers)
+        host = rng.random((n_req, n_layers)) < rng.uniform(0.1, 0.9)
+        x = rng.uniform(0.05, 3.0, n_req)
+        v = sum(x[r] * count_matrix(host[r]) for r in range(n_req))
+        codes = np.empty((1, n_layers), dtype=np.int64)
+        bound = dp_bound(v[None], comp, codes)[0]
+        assert bound == dp_bound(v[None], comp)[0]
+        value, layer, path = 0.0, n_layers - 1, []
+        while layer >= 0:
+            value += comp[layer]
+            code = int(codes[0, layer])
+            if code == CONTINUE:
+                layer -= 1
+                continue
+            path.append((code, layer))
+            value += v[code + 1, layer]
+            layer = -1 if code == FROM_START else code
+        assert value == pytest.approx(bound, rel=1e-12)
+        ms, ls = np.empty(n_layers, np.int64), np.empty(n_layers, np.int64)
+        n = critical_windows(codes[0], ms, ls)
+        assert list(zip(ms[:n].tolist(), ls[:n].tolist())) == path
+        r = int(rng.integers(n_req))
+        more = host[r] | (rng.random(n_layers) < 0.3)
+        grown = x[r] * (count_matrix(more) - count_matrix(host[r]))
+        on_path = sum(grown[m + 1, layer] for m, layer in path)
+        grew += on_path > 0
+        assert dp_bound((v + grown)[None], comp)[0] >= (bound + on_path) * (1 - 1e-12)
+        if cc.HAVE_NUMBA:
+            w = np.ascontiguousarray(v.T)  # the compiled search's layout: [layer, row]
+            got = np.empty((2, n_layers), np.int64)
+            lat = cc._dp_full(0, 0, 0.0, w[None], w[None], w, True, comp, np.empty(n_layers),
+                              np.empty(n_layers, np.int64), np.empty((2, n_layers)), False, got, 1, True)
+            assert lat == bound and got[1].tolist() == codes[0].tolist()
+    assert grew > 100
+
+
+def test_tail_cover_is_the_linear_relaxation_below_every_integer_choice_and_the_twin_agrees():
+    """bounds.tail_cover: at most the cost of every choice (one candidate per row, from its first) that reaches
+    ``y``, and equal to the linear relaxation's optimum, checked by duality: the largest of
+    ``lam * y + sum_i min_k (c[i, k] - lam * a[i, k])`` over the slopes between a row's points (and 0); the jitted twin
+    gives the same float."""
+    rng = np.random.default_rng(8)
+    relaxed = 0
+    for _ in range(400):
+        n_rows, n_cand = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+        a = np.cumsum(rng.integers(1, 20, (n_rows, n_cand)), axis=1) * rng.uniform(0.5, 3.0, (n_rows, 1))
+        c = rng.uniform(0.0, 5.0, (n_rows, n_cand)) * (rng.random((n_rows, n_cand)) < 0.9)
+        lo = rng.integers(0, n_cand, n_rows)
+        most = float(a[:, -1].sum())
+        y = float(rng.uniform(-5.0, 1.1 * most))
+        got = tail_cover(a, c, lo, y, np.empty(a.size), np.empty(a.size))
+        best = math.inf
+        for ks in itertools.product(*(range(int(first), n_cand) for first in lo)):
+            if sum(a[i, k] for i, k in enumerate(ks)) >= min(y, most):
+                best = min(best, sum(c[i, k] for i, k in enumerate(ks)))
+        assert got <= best + 1e-9
+        relaxed += got < best - 1e-9
+        lams = {0.0} | {float((c[i, k] - c[i, j]) / (a[i, k] - a[i, j])) for i in range(n_rows)
+                        for j in range(lo[i], n_cand) for k in range(j + 1, n_cand)}
+        dual = max(lam * min(y, most) + sum(float((c[i, lo[i]:] - lam * a[i, lo[i]:]).min()) for i in range(n_rows))
+                   for lam in lams if lam >= 0)
+        assert got == pytest.approx(dual, rel=1e-9, abs=1e-12)
+        if cc.HAVE_NUMBA:
+            assert cc._tail_cover(a, c, lo, y, np.empty(a.size), np.empty(a.size)) == got
+    assert relaxed > 20
 
 
 def _preemptive_latency(comp, hosts, xfer):

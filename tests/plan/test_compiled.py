@@ -462,6 +462,33 @@ def test_hinted_propagated_bound_is_below_the_full_one_and_equal_at_its_own_argm
     assert below > 20  # a random hint often misses the max: the check has teeth
 
 
+@needs_numba
+def test_tail_bound_on_and_off_rule_is_the_references():
+    """Where the tail bound is tried (BranchAndBound._tail_at and its jitted twin, which must agree to the float as
+    the bound changes the search): never with fewer than TAIL_MIN requests left; at a depth whose share of prunes fell
+    under TAIL_MIN_RATE, one node in TAIL_PROBE; at any share above it, every node."""
+    from orbitflow.plan.bounds import TAIL_MIN, TAIL_MIN_RATE, TAIL_PROBE
+
+    rng = np.random.default_rng(3)
+    cm, cap, reqs = _planner_case(rng)
+    while len(reqs) < 5:
+        cm, cap, reqs = _planner_case(rng)
+    pl = Planner(cm, cap, compiled=False, window=(2, 16))
+    bb = BranchAndBound(pl.constraints, pl.constraints.horizon(reqs), PlanStats())
+    n_req = bb.n_req
+    rates = np.column_stack((np.ones(n_req), np.zeros(n_req), bb.tail_rate))
+    for depth, share, calls in ((0, 1.0, 40), (1, TAIL_MIN_RATE / 2, 40), (n_req - 1 - TAIL_MIN, 0.0, 20)):
+        bb.tail_rate[depth, 0] = rates[depth, 2] = share
+        ref = [bb._tail_at(depth) for _ in range(calls)]
+        got = [bool(cc._tail_at(depth, n_req, rates)) for _ in range(calls)]
+        assert got == ref and bb.tail_rate[depth].tolist() == rates[depth, 2:].tolist()
+        if share >= TAIL_MIN_RATE:
+            assert all(ref)
+        else:
+            assert sum(ref) == calls // (int(TAIL_PROBE) + 1) and not ref[0] and ref[int(TAIL_PROBE)]
+    assert not any(bb._tail_at(d) for d in range(n_req - TAIL_MIN, n_req))
+
+
 def _full_f(w, comp):
     """``F[l]`` of the propagated bound over a transposed matrix ``w`` (``[layer, row]``), as ``bounds.dp_bound``."""
     n_layers = comp.size

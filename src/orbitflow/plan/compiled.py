@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from orbitflow.plan import bounds
 from orbitflow.plan.types import REL_TOL
 
 try:  # numba is a runtime dependency, but the planner must keep working without it
@@ -433,8 +434,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             lat_lb, alive, kid_moved, ordk, fst,
             counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
             bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link, cap,
-            use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint, hint_rate,
-            root_probe):
+            use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint, rates,
+            tail_codes, root_probe):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key`` (at the
     root by ``root_probe`` first: :func:`root_probes`); with ``use_dp`` also the propagated bound."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
@@ -449,6 +450,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
     rs = ratio_suffix[d + 1]
     grow = rest_grow[d + 1]
     n_cand = counts.size
+    any_alive = False
     for k in range(n_kids):
         new_res = res[d] + bc * (n_layers - counts[k])
         bmax = -math.inf
@@ -460,7 +462,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 bmax = nb
         bmean = bsum / n_layers
         alive[d, k] = new_res + bmax + rest <= cap
-        slack[k] = cap - new_res - bmax - rest
+        any_alive = any_alive or alive[d, k]
+        slack[0, k] = cap - new_res - bmax - rest
         rhs = new_res + rest * n_layers - cap
         y1 = rhs + bmax
         if n_layers > 1:
@@ -469,6 +472,7 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
         else:
             ymin = y1
         ymin = max(ymin, 0.0)
+        slack[1, k] = ymin
         lat = -math.inf
         for layer in range(n_layers):
             new_after = after[d, layer] + x * pairs_after[k, layer]
@@ -510,9 +514,10 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
                 sep_lb = val
         lat_lb[d, k] = max(cheap, sep_lb)
         lat_key[d, k] = max(max(key, kid_chain), sep_lb)
-    if use_dp:  # the propagated release/need bound (bounds.dp_bound) for the children that survive so far
+    if use_dp and any_alive:  # the propagated bound (bounds.dp_bound) for the children that survive so far; where
+        # none fits, the reference does not get this far (BranchAndBound._node), nor count a node for the tail bound
         _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0, slack, alive, lat_lb, lat_key,
-                     kid_moved, fst, comp0, counts, f_scratch, w_scratch, dp_hint, hint_rate)
+                     kid_moved, fst, comp0, counts, f_scratch, w_scratch, dp_hint, rates, tail_codes)
     # stable order by (root probe at d = 0, key, offload count); counts increase with k
     for i in range(n_kids):
         ordk[d, i] = i
@@ -594,6 +599,10 @@ def _count(cum, layer, m):
     return max(cum[layer] - (cum[m - 1] if m > 0 else 0.0) - 1.0, 0.0)
 
 
+_critical_windows = _jit(bounds.critical_windows)  # the reference's own scalar code, compiled: the same floats
+_tail_cover = _jit(bounds.tail_cover)
+
+
 @_jit
 def _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f):
     """The propagated bound with the max over release layers ``m`` taken at one ``m`` per layer only: ``hint``, the
@@ -621,9 +630,11 @@ def _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0
 
 @_jit
 def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0, slack, alive, lat_lb, lat_key,
-                 kid_moved, fst, comp0, counts, f, w, hint, hint_rate):
+                 kid_moved, fst, comp0, counts, f, w, hint, rates, codes):
     """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
     unassigned requests at their least host layers (:func:`_least_terms`); raises ``lat_lb`` and ``lat_key``.
+    ``slack``: per child, the spare capacity with the unassigned requests fully offloaded (row 0) and the blocks
+    they must offload (row 1); row 2 and ``codes`` (per child, ``dp_bound``'s codes) are the tail bound's scratch.
 
     Each child first gets the bound at the hinted release layers only (:func:`_dp_hinted`: per layer the ``m`` that
     gave the max in the last full evaluation, which siblings and cousins mostly share). A child that bound puts above
@@ -632,8 +643,12 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
     child may keep the smaller (hinted) bound, which sits above the incumbent all the same, so the gap a cut search
     certifies is the same too. Where the first try seldom prunes (a search whose leaves the bounds cannot cut: every
     child survives), it is only overhead, so it is skipped at a depth while its share of prunes there is below
-    :data:`HINT_MIN_RATE`, but for one try in :data:`HINT_PROBE`: ``hint_rate[d]`` holds that share (a moving
-    average) and the children since the last try."""
+    :data:`HINT_MIN_RATE`, but for one try in :data:`HINT_PROBE`: ``rates[d, :2]`` holds that share (a moving
+    average) and the children since the last try.
+
+    Where at least :data:`orbitflow.plan.bounds.TAIL_MIN` requests are unassigned, a child the full bound leaves
+    within reach of the incumbent also gets the tail bound (``BranchAndBound._tail_bound``): what those requests
+    must add on the full bound's critical path (:func:`_tail_bound`), where it pays (:func:`_tail_at`)."""
     n_layers = comp0.size
     n_cand = counts.size
     coef = np.empty(n_cand)
@@ -642,12 +657,16 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
     best = fst[BEST_LAT]
     gv = np.empty((2, n_layers))  # this node's v at row 0 and at the hinted row of each layer, once a child needs it
     have_gv = False
+    tail = _tail_at(d, order.size, rates)
+    reach = slack[2]  # per child: its bound where it leaves the child within reach (-inf: not), for the tail bound
+    if tail:
+        reach[:n_kids] = -math.inf
     for k in range(n_kids):
         if not alive[d, k] or _prunable(lat_lb[d, k], kid_moved[d, k], fst[BEST_LAT], fst[BEST_MOVED], fst[GAP]):
             continue
-        n_terms = _least_terms(d, order, bcap, x0, slack[k], counts, n_layers, coef, terms_k, terms_c)
+        n_terms = _least_terms(d, order, bcap, x0, slack[0, k], counts, n_layers, coef, terms_k, terms_c)
         t = -math.inf
-        tried = math.isfinite(best) and (hint_rate[d, 0] >= HINT_MIN_RATE or hint_rate[d, 1] >= HINT_PROBE)
+        tried = math.isfinite(best) and (rates[d, 0] >= HINT_MIN_RATE or rates[d, 1] >= HINT_PROBE)
         if tried:
             if not have_gv:
                 for layer in range(n_layers):
@@ -655,42 +674,113 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
                     gv[1, layer] = v[d, layer, hint[layer] + 1] if 0 <= hint[layer] < layer else 0.0
                 have_gv = True
             t = _dp_hinted(k, x, gv, cumh, least_cum, terms_k, terms_c, n_terms, hint, comp0, f)
-            hint_rate[d, 0] += HINT_AVERAGE * ((1.0 if _beyond(t, best, 0.0) else 0.0) - hint_rate[d, 0])
-            hint_rate[d, 1] = 0.0
+            rates[d, 0] += HINT_AVERAGE * ((1.0 if _beyond(t, best, 0.0) else 0.0) - rates[d, 0])
+            rates[d, 1] = 0.0
         else:
-            hint_rate[d, 1] += 1.0
+            rates[d, 1] += 1.0
         if not _beyond(t, best, 0.0):  # not above the incumbent by more than the tie tolerance: the full bound
             use_w = n_terms > 0
             if use_w:
                 _least_into(w, d, k, x, v, mats, least, terms_k, terms_c, n_terms)
-            t = _dp_full(d, k, x, v, mats, w, use_w, comp0, f, hint, gv, tried)
+            t = _dp_full(d, k, x, v, mats, w, use_w, comp0, f, hint, gv, tried, codes, k if tail else 0, tail)
+            if tail and not _beyond(t, best, 0.0):
+                reach[k] = t
         if t > lat_lb[d, k]:
             lat_lb[d, k] = t
         if t > lat_key[d, k]:
             lat_key[d, k] = t
+    if tail:  # a loop apart: the call inside the loop above slowed every node, tail or not (measured at (8, 32))
+        for k in range(n_kids):
+            if reach[k] == -math.inf:
+                continue
+            t = reach[k] + _tail_bound(d, codes[k], slack[0, k], slack[1, k], order, bcap, x0, counts, cumh,
+                                       least_cum)
+            rates[d, 2] += bounds.TAIL_AVERAGE * ((1.0 if _beyond(t, best, 0.0) else 0.0) - rates[d, 2])
+            if t > lat_lb[d, k]:
+                lat_lb[d, k] = t
+            if t > lat_key[d, k]:
+                lat_key[d, k] = t
 
 
 @_jit
-def _dp_full(d, k, x, v, mats, w, use_w, comp0, f, hint, gv, record):
+def _tail_at(d, n_req, rates):
+    """Whether the children of a node at depth ``d`` get the tail bound (``BranchAndBound._tail_at``, to the float, as
+    it changes the search): where at least :data:`orbitflow.plan.bounds.TAIL_MIN` requests are unassigned after them,
+    unless the share of the children it prunes at that depth (``rates[d, 2]``, a moving average) is under
+    ``TAIL_MIN_RATE``; then one node in ``TAIL_PROBE`` still gets it (``rates[d, 3]``: nodes since the last)."""
+    if n_req - 1 - d < bounds.TAIL_MIN:
+        return False
+    if rates[d, 2] < bounds.TAIL_MIN_RATE and rates[d, 3] < bounds.TAIL_PROBE:
+        rates[d, 3] += 1.0
+        return False
+    rates[d, 3] = 0.0
+    return True
+
+
+@_jit
+def _tail_bound(d, codes, slack_k, ymin, order, bcap, x0, counts, cumh, least_cum):
+    """What the requests unassigned at depth ``d`` add at least to a child's propagated bound, on its critical path
+    (``codes``, :func:`orbitflow.plan.bounds.critical_windows`): each at its candidates that can fit (``slack_k``),
+    priced by their transfers in the path's windows beyond its least host layers, the least way to free ``ymin``
+    blocks together (:func:`orbitflow.plan.bounds.tail_cover`). The twin of ``BranchAndBound._tail_bound``."""
+    n_cand = counts.size
+    n_layers = codes.size
+    n_tail = order.size - 1 - d
+    ms = np.empty(n_layers, np.int64)
+    ls = np.empty(n_layers, np.int64)
+    n_path = np.empty(n_cand)
+    a = np.empty((n_tail, n_cand))
+    c = np.empty((n_tail, n_cand))
+    lo = np.empty(n_tail, np.int64)
+    n = _critical_windows(codes, ms, ls)
+    first = n_cand
+    for j in range(lo.size):
+        lo[j] = _least_candidate(bcap[order[d + 1 + j]], slack_k, counts, n_layers)
+        first = min(first, lo[j])
+    for kk in range(first, n_cand):  # no request reads the candidates before its first
+        n_path[kk] = 0.0
+        for i in range(n):
+            n_path[kk] += _count(cumh[kk], ls[i], ms[i])
+    for j in range(lo.size):
+        q = order[d + 1 + j]
+        base = 0.0
+        for i in range(n):
+            base += _count(least_cum[lo[j]], ls[i], ms[i])
+        for kk in range(lo[j], n_cand):
+            a[j, kk] = bcap[q] * counts[kk]
+            c[j, kk] = x0[q] * (n_path[kk] - base)
+    return _tail_cover(a, c, lo, ymin, np.empty(a.size), np.empty(a.size))
+
+
+@_jit
+def _dp_full(d, k, x, v, mats, w, use_w, comp0, f, hint, gv, record, codes, row, track):
     """The propagated bound of child ``k`` (:func:`orbitflow.plan.bounds.dp_bound`) over ``w`` (``use_w``: built by
     :func:`_least_into`) or else the node's ``v`` plus the child's own matrix. ``record`` (the child had the hinted
     try, so ``gv`` is built): also keep the maximising release layer of each layer as the hint, and ``gv`` in step;
-    the loop without it is kept apart, as the bookkeeping in the inner loop would slow the depths where no hint is
-    tried."""
+    ``track``: also write the bound's codes (``dp_bound``'s) into ``codes[row]``. The loop without either is kept
+    apart, as the bookkeeping in the inner loop would slow the depths where neither is wanted."""
     n_layers = comp0.size
     f[0] = (w[0, 0] if use_w else v[d, 0, 0] + x * mats[k, 0, 0]) + comp0[0]
+    if track:
+        codes[row, 0] = bounds.FROM_START
     for layer in range(1, n_layers):
-        s = max(f[layer - 1], w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0])
+        prev = f[layer - 1]
+        start = w[layer, 0] if use_w else v[d, layer, 0] + x * mats[k, layer, 0]
+        s = max(prev, start)
         cand = -math.inf
-        if record:
+        if record or track:
             arg = 0
             for m in range(layer):
                 q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
                 if q > cand:
                     cand = q
                     arg = m
-            hint[layer] = arg
-            gv[1, layer] = v[d, layer, arg + 1]
+            if record:
+                hint[layer] = arg
+                gv[1, layer] = v[d, layer, arg + 1]
+            if track:
+                codes[row, layer] = bounds.CONTINUE if prev >= max(start, cand) else (
+                    bounds.FROM_START if start >= cand else arg)
         else:
             for m in range(layer):
                 q = f[m] + (w[layer, m + 1] if use_w else v[d, layer, m + 1] + x * mats[k, layer, m + 1])
@@ -707,7 +797,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
               bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link,
               cap, slo_on, dep, slo, alpha, d_lo, d_hi,
               tail, lay_ptr, lay, k_of, e_nxt, e_cur, e_fin, e_arr, e_stall, f_scratch, feas, best_k, cover, lat_key,
-              dp_depth, least, least_cum, slack, w_scratch, dp_hint, hint_rate, root_probe, clock):
+              dp_depth, least, least_cum, slack, w_scratch, dp_hint, rates, tail_codes, root_probe, clock):
     """Depth-first branch and bound over per-request candidates (``BranchAndBound._node`` as a loop over an
     explicit stack, so it can stop and resume).
 
@@ -742,7 +832,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
                     bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min,
                     link, cap, use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint,
-                    hint_rate, root_probe)
+                    rates, tail_codes, root_probe)
             pos[d] = 0
             ist[PHASE] = LOOP
             continue
