@@ -633,8 +633,8 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
                  kid_moved, fst, comp0, counts, f, w, hint, rates, codes):
     """The propagated bound (:func:`orbitflow.plan.bounds.dp_bound`) of each child still alive and not pruned, the
     unassigned requests at their least host layers (:func:`_least_terms`); raises ``lat_lb`` and ``lat_key``.
-    ``slack``: per child, the spare capacity with the unassigned requests fully offloaded (row 0) and the blocks
-    they must offload (row 1); row 2 and ``codes`` (per child, ``dp_bound``'s codes) are the tail bound's scratch.
+    ``slack``: per child, the spare capacity with the unassigned requests fully offloaded and the blocks they must
+    offload (rows 0, 1); row 2 and ``codes`` (per child, ``dp_bound``'s codes) are the tail bound's scratch.
 
     Each child first gets the bound at the hinted release layers only (:func:`_dp_hinted`: per layer the ``m`` that
     gave the max in the last full evaluation, which siblings and cousins mostly share). A child that bound puts above
@@ -644,11 +644,8 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
     certifies is the same too. Where the first try seldom prunes (a search whose leaves the bounds cannot cut: every
     child survives), it is only overhead, so it is skipped at a depth while its share of prunes there is below
     :data:`HINT_MIN_RATE`, but for one try in :data:`HINT_PROBE`: ``rates[d, :2]`` holds that share (a moving
-    average) and the children since the last try.
-
-    Where at least :data:`orbitflow.plan.bounds.TAIL_MIN` requests are unassigned, a child the full bound leaves
-    within reach of the incumbent also gets the tail bound (``BranchAndBound._tail_bound``): what those requests
-    must add on the full bound's critical path (:func:`_tail_bound`), where it pays (:func:`_tail_at`)."""
+    average) and the children since the last try. Then, where it pays (:func:`_tail_at`), the tail bound of the
+    children the full bound leaves within reach of the incumbent (:func:`_tail_children`)."""
     n_layers = comp0.size
     n_cand = counts.size
     coef = np.empty(n_cand)
@@ -690,16 +687,25 @@ def _dp_children(d, n_kids, x, v, mats, least, cumh, least_cum, order, bcap, x0,
         if t > lat_key[d, k]:
             lat_key[d, k] = t
     if tail:  # a loop apart: the call inside the loop above slowed every node, tail or not (measured at (8, 32))
-        for k in range(n_kids):
-            if reach[k] == -math.inf:
-                continue
-            t = reach[k] + _tail_bound(d, codes[k], slack[0, k], slack[1, k], order, bcap, x0, counts, cumh,
-                                       least_cum)
-            rates[d, 2] += bounds.TAIL_AVERAGE * ((1.0 if _beyond(t, best, 0.0) else 0.0) - rates[d, 2])
-            if t > lat_lb[d, k]:
-                lat_lb[d, k] = t
-            if t > lat_key[d, k]:
-                lat_key[d, k] = t
+        _tail_children(d, n_kids, reach, codes, slack, order, bcap, x0, counts, cumh, least_cum, best, rates, lat_lb,
+                       lat_key)
+
+
+@_jit
+def _tail_children(d, n_kids, reach, codes, slack, order, bcap, x0, counts, cumh, least_cum, best, rates, lat_lb,
+                   lat_key):
+    """The tail bound (:func:`_tail_bound`) of each child whose propagated bound ``reach[k]`` left it within reach of
+    the incumbent (-inf: not), on that bound's ``codes[k]``; raises ``lat_lb`` and ``lat_key``, and keeps the share
+    of these children it prunes at depth ``d`` (``rates[d, 2]``, :func:`_tail_at`)."""
+    for k in range(n_kids):
+        if reach[k] == -math.inf:
+            continue
+        t = reach[k] + _tail_bound(d, codes[k], slack[0, k], slack[1, k], order, bcap, x0, counts, cumh, least_cum)
+        rates[d, 2] += bounds.TAIL_AVERAGE * ((1.0 if _beyond(t, best, 0.0) else 0.0) - rates[d, 2])
+        if t > lat_lb[d, k]:
+            lat_lb[d, k] = t
+        if t > lat_key[d, k]:
+            lat_key[d, k] = t
 
 
 @_jit
