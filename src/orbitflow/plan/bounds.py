@@ -96,9 +96,9 @@ def dp_bound(v: np.ndarray, comp: np.ndarray, codes: np.ndarray | None = None) -
 # -- the tail bound: the propagated bound's critical path, with the unassigned requests' forced offload on it -------
 CONTINUE, FROM_START = -2, -1  # dp_bound's codes: S[l] came from F[l-1], from v[0, l]; else the release layer m
 TAIL_MIN = 2  # the searches add the tail bound where at least this many requests are left unassigned
-# ... and skip it at a depth while the share of the children it prunes there (a moving average, weight TAIL_AVERAGE per
-# child it prices) is under TAIL_MIN_RATE, but for one node in TAIL_PROBE. Measured shares: 19-68% at (R, L) =
-# (16, 80), where it takes 2-3x fewer nodes; 0-14% at most depths of (8, 32), where it only cost time.
+# ... and skip it at a depth while the share of the children it prunes there (a moving average, weight TAIL_AVERAGE
+# per child it prices) is under TAIL_MIN_RATE, but for the node after TAIL_PROBE without it. Measured shares: 19-68%
+# at (R, L) = (16, 80), where it takes 2-3x fewer nodes; 0-14% at most depths of (8, 32), where it only cost time.
 TAIL_MIN_RATE, TAIL_AVERAGE, TAIL_PROBE = 0.2, 1 / 32, 16.0
 
 

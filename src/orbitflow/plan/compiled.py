@@ -9,7 +9,10 @@ The pure Python / NumPy code stays the reference (:func:`orbitflow.plan.cost_mod
 :class:`orbitflow.plan.search.BranchAndBound`'s ``_node``) and the fallback when numba is missing or
 ``ORBITFLOW_PLAN_COMPILED=0`` is set. The compiled code performs the same float operations in the same order
 (up to one rounding in a mean), so both give the same stalls, the same bounds and the same plans
-(tests/plan/test_compiled.py).
+(tests/plan/test_compiled.py). The tail bound's scalar code (:func:`orbitflow.plan.bounds.critical_windows`,
+:func:`orbitflow.plan.bounds.tail_cover`, its constants) is the reference's own, compiled here: numba's on-disk cache
+only checks this file, so after editing ``bounds.py`` touch this file (or delete the ``*.nbi`` / ``*.nbc`` files in
+``__pycache__``) before trusting a compiled run. Its sums are of integer transfer counts, exact in any order.
 
 Prefetch depth (``slots``): with ``d`` buffer slots per request, a request's first ``d`` host-resident layers
 may start moving at t=0 and its ``k``-th host-resident layer (``k >= d``, 0-based) is released when its
@@ -437,7 +440,8 @@ def _expand(d, r, n_kids, res, buf, vol, after, chain_lb, moved, sep, v,
             use_dp, f_scratch, cover, lat_key, order, least, least_cum, slack, w_scratch, dp_hint, rates,
             tail_codes, root_probe):
     """Bounds of the children of the node at depth ``d`` (``BranchAndBound._node``), ordered by ``lat_key`` (at the
-    root by ``root_probe`` first: :func:`root_probes`); with ``use_dp`` also the propagated bound."""
+    root by ``root_probe`` first: :func:`root_probes`); with ``use_dp`` also the propagated bound (and where it pays,
+    the tail bound on it: :func:`_dp_children`)."""
     # NOTE: kept whole: the jitted twin of BranchAndBound._capacity_cut + _bound_children as one loop over the
     # children, without the temporaries NumPy would make; tests/plan/test_compiled.py checks they agree.
     n_layers = comp0.size
@@ -713,7 +717,7 @@ def _tail_at(d, n_req, rates):
     """Whether the children of a node at depth ``d`` get the tail bound (``BranchAndBound._tail_at``, to the float, as
     it changes the search): where at least :data:`orbitflow.plan.bounds.TAIL_MIN` requests are unassigned after them,
     unless the share of the children it prunes at that depth (``rates[d, 2]``, a moving average) is under
-    ``TAIL_MIN_RATE``; then one node in ``TAIL_PROBE`` still gets it (``rates[d, 3]``: nodes since the last)."""
+    ``TAIL_MIN_RATE``; then the node after ``TAIL_PROBE`` without it still gets it (``rates[d, 3]``: those nodes)."""
     if n_req - 1 - d < bounds.TAIL_MIN:
         return False
     if rates[d, 2] < bounds.TAIL_MIN_RATE and rates[d, 3] < bounds.TAIL_PROBE:

@@ -528,8 +528,9 @@ class BranchAndBound:
 
     def _bound_children(self, depth: int, r: int, n_kids: int, cut, vol: np.ndarray, after: np.ndarray,
                         chain_lb: float, moved: float, sep: np.ndarray, v: np.ndarray) -> _Children:
-        """The latency lower bound of each child (module docstring: link, forced volume, chain, separable; at
-        the last request also the propagated dp bound) and the state its subtree starts from."""
+        """The latency lower bound of each child (module docstring: link, forced volume, chain, separable; deep in
+        the tree also the propagated dp bound, and the tail bound on it where two or more requests are left) and the
+        state its subtree starts from."""
         new_res, new_buf, alive, ymin = cut
         n_layers = self.n_layers
         x = self.x0[r]
@@ -589,8 +590,8 @@ class BranchAndBound:
         """Whether the children of a node at ``depth`` that get the propagated bound also get the tail bound: where
         at least :data:`TAIL_MIN` requests are left unassigned after them (with one left, its least host layers
         already price it about as well: measured, the tail bound cut no child there), unless the share of the children
-        it prunes at that depth (``tail_rate``, a moving average) is under ``TAIL_MIN_RATE``; then one node in
-        ``TAIL_PROBE`` still gets it. The compiled search keeps the same rule
+        it prunes at that depth (``tail_rate``, a moving average) is under ``TAIL_MIN_RATE``; then the node after
+        ``TAIL_PROBE`` without it still gets it. The compiled search keeps the same rule
         (:func:`orbitflow.plan.compiled._tail_at`)."""
         if self.n_req - 1 - depth < TAIL_MIN:
             return False
@@ -613,7 +614,7 @@ class BranchAndBound:
         linear relaxation of that choice). The forced volume is priced on the path where it costs the assigned
         requests' schedule most, where the separable bound prices it on fixed tilings with a looser schedule and the
         forced-volume bound only by the link's total. Only children the bound does not already put above the
-        incumbent get it, as in the compiled search (:func:`orbitflow.plan.compiled._dp_children`); each updates the
+        incumbent get it, as in the compiled search (:func:`orbitflow.plan.compiled._tail_children`); each updates the
         share it prunes at that depth (``tail_rate``, :meth:`_tail_at`)."""
         rest, rate = self.order[depth + 1:], self.tail_rate[depth]
         kmins = self._least_candidates(depth, spare - float(self.rest_b[depth + 1]))
@@ -813,7 +814,7 @@ class BranchAndBound:
         t, n_cand = self.tables, len(self.counts)
         args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
             feas, best_k, tuple(self.cover), np.zeros((self.n_req, n_cand)), self.dp_depth, t.least_t, t.least_cum,
-            np.zeros((3, n_cand)), np.zeros(t.mats_t.shape[1:]),  # per child: spare capacity, forced volume; a matrix
+            np.zeros((3, n_cand)), np.zeros(t.mats_t.shape[1:]),  # per child: spare, forced volume, tail's; a matrix
             np.full(self.n_layers, -1, dtype=np.int64),  # compiled._dp_children's hint: none yet
             np.column_stack((np.ones(self.n_req), np.zeros(self.n_req), self.tail_rate)),  # ... how often it, and
             # the tail bound, prune per depth

@@ -54,7 +54,7 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # the signal handler: start draining, then let uvicorn stop
             if not engine.draining:
-                log.info("shutting down: finishing requests in flight for up to %.0f s", server.shutdown_timeout)
+                log.info("shutting down: finishing requests in flight for up to %g s", server.shutdown_timeout)
                 engine.drain(server.shutdown_timeout)
             super().handle_exit(sig, frame)
 
