@@ -150,8 +150,8 @@ def test_brute_force_check_catches_an_inflated_least_offload(monkeypatch):
     monkeypatch.setattr(search, "DP_REST_SHARE", 1.0)
     real = BranchAndBound._least_offload
 
-    def inflated(self, depth, w, new_res, bmax):
-        return w + 1.1 * (real(self, depth, w, new_res, bmax) - w)
+    def inflated(self, depth, w, kmins):
+        return w + 1.1 * (real(self, depth, w, kmins) - w)
 
     monkeypatch.setattr(BranchAndBound, "_least_offload", inflated)
     assert _node_bound_misses(harsh_case, 5)[1] + _node_bound_misses(tight_case, 5)[1] > 0

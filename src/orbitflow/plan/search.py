@@ -570,12 +570,13 @@ class BranchAndBound:
             keep = np.flatnonzero(alive)
             keep = keep[[not prunable(float(lat_lb[k]), float(new_moved[k]), self.best_key, self.gap) for k in keep]]
             if keep.size:
-                bmax = new_buf[keep].max(axis=1)
-                w = self._least_offload(depth, v[None] + x * self.mats[keep], new_res[keep], bmax)
+                slack = self.cap - new_res[keep] - new_buf[keep].max(axis=1) - float(self.rest_b[depth + 1])
+                kmins = self._least_candidates(depth, slack)
+                w = self._least_offload(depth, v[None] + x * self.mats[keep], kmins)
                 codes = np.empty((keep.size, n_layers), dtype=np.int64) if tail else None
                 dp = dp_bound(w, self.comp0, codes)
                 if codes is not None:
-                    self._tail_bound(depth, dp, codes, cut[3][keep], self.cap - new_res[keep] - bmax)
+                    self._tail_bound(depth, dp, codes, cut[3][keep], kmins)
                 lat_lb[keep] = np.maximum(lat_lb[keep], dp)
                 key[keep] = np.maximum(key[keep], dp)
         return _Children(x, alive, lat_lb, key, new_res, new_buf, new_vol, new_after, kid_chain, new_moved, kid_sep)
@@ -602,10 +603,11 @@ class BranchAndBound:
         rate[1] = 0.0
         return True
 
-    def _tail_bound(self, depth: int, dp: np.ndarray, codes: np.ndarray, ymin: np.ndarray, spare: np.ndarray) -> None:
+    def _tail_bound(self, depth: int, dp: np.ndarray, codes: np.ndarray, ymin: np.ndarray,
+                    kmins: list[np.ndarray]) -> None:
         """Raise the propagated bounds ``dp`` of children (``codes``: their :func:`orbitflow.plan.bounds.dp_bound`
-        codes, ``ymin`` the blocks the unassigned requests must offload, ``spare`` the capacity left beside the
-        resident blocks and buffer) by what the unassigned requests must add on the bound's critical path.
+        codes, ``ymin`` the blocks the unassigned requests must offload, ``kmins`` each one's first candidate that
+        can fit: :meth:`_least_candidates`) by what the unassigned requests must add on the bound's critical path.
 
         The bound is the value of one path of windows (:func:`orbitflow.plan.bounds.critical_windows`), the unassigned
         requests in it at their least host layers; any completion adds, on that path, each one's transfers in
@@ -617,10 +619,10 @@ class BranchAndBound:
         incumbent get it, as in the compiled search (:func:`orbitflow.plan.compiled._tail_children`); each updates the
         share it prunes at that depth (``tail_rate``, :meth:`_tail_at`)."""
         rest, rate = self.order[depth + 1:], self.tail_rate[depth]
-        kmins = self._least_candidates(depth, spare - float(self.rest_b[depth + 1]))
-        n_layers, n_cand = self.n_layers, len(self.counts)
+        n_layers = self.n_layers
         ms, ls = np.empty(n_layers, np.int64), np.empty(n_layers, np.int64)
-        a, c = np.zeros((len(rest), n_cand)), np.zeros((len(rest), n_cand))
+        a = self.bcap[rest][:, None] * self.counts[None, :]  # blocks each candidate frees, the same for every child
+        c = np.zeros(a.shape)
         seg_s, seg_w = np.empty(a.size), np.empty(a.size)
         for i in range(dp.size):
             if prunable(float(dp[i]), -math.inf, self.best_key):
@@ -630,22 +632,21 @@ class BranchAndBound:
             n_path = self.mats[:, rows, cols].sum(axis=1)  # each candidate's transfers counted on the path
             lo = np.array([int(km[i]) for km in kmins], dtype=np.int64)
             for j, r in enumerate(rest):
-                a[j] = self.bcap[r] * self.counts
                 c[j] = self.x0[r] * (n_path - self.tables.least_mats[lo[j]][rows, cols].sum())
             dp[i] += tail_cover(a, c, lo, float(ymin[i]), seg_s, seg_w)
             rate[0] += TAIL_AVERAGE * ((1.0 if prunable(float(dp[i]), -math.inf, self.best_key) else 0.0) - rate[0])
 
-    def _least_offload(self, depth: int, w: np.ndarray, new_res: np.ndarray, bmax: np.ndarray) -> np.ndarray:
-        """The transfer-count matrices ``w`` of children (resident blocks ``new_res``, buffer peak ``bmax``) plus
-        those of the host layers every request not assigned yet must offload: the layers common to all its
-        candidates that can still fit. Candidate ``k`` of request ``r`` cannot fit when ``bcap_r (L - count_k)``
-        exceeds the child's spare capacity with the other unassigned requests fully offloaded (the least they
-        take: one block per layer each). The propagated bound only grows with host layers, so it still bounds
-        every completion. Requests with the same least candidate are summed first: one matrix per candidate."""
-        slack = self.cap - new_res - bmax - float(self.rest_b[depth + 1])
+    def _least_offload(self, depth: int, w: np.ndarray, kmins: list[np.ndarray]) -> np.ndarray:
+        """The transfer-count matrices ``w`` of children plus those of the host layers every request not assigned
+        yet must offload: the layers common to all its candidates that can still fit, from its first one in each
+        child (``kmins``, :meth:`_least_candidates`: candidate ``k`` of request ``r`` cannot fit when
+        ``bcap_r (L - count_k)`` exceeds the child's spare capacity with the other unassigned requests fully
+        offloaded, the least they take: one block per layer each). The propagated bound only grows with host layers,
+        so it still bounds every completion. Requests with the same least candidate are summed first: one matrix per
+        candidate."""
         rows = np.arange(w.shape[0])
         coef = np.zeros((w.shape[0], len(self.counts)))  # per child: the requests' transfer seconds per least candidate
-        for r, kmin in zip(self.order[depth + 1:], self._least_candidates(depth, slack)):
+        for r, kmin in zip(self.order[depth + 1:], kmins):
             coef[rows, kmin] += self.x0[r]
         for k in range(1, len(self.counts)):  # candidate 0 offloads nothing
             if coef[:, k].any():
