@@ -567,6 +567,64 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
     print("\n".join(out[summary:]))
 
 
+LINKS = ("edf", "preemptive")
+
+
+def bench_link(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str]) -> None:
+    """The same batches planned for the executor's link (EDF, one copy at a time) and for a preemptive one
+    (``CostModel(transfer="preemptive")``: a copy yields to a more urgent one): how fast the exact search proves
+    its plan on each, how many plans it must schedule exactly, and how much shorter the best step is."""
+    from orbitflow.sim.sweep import mean_ci95
+
+    out.append("\n### The preemptive link: what it would give the plans and the exact search\n")
+    out.append(f"The speed table's batches, each planned twice by the compiled exact search (`node_limit=None, "
+               f"check_better=False`, stopped at `time_limit_s={exact_cap_s:g}`): for the executor's link (`edf`: "
+               "one copy at a time, earliest-needed layer first) and for the same link made preemptive (`preemptive`: "
+               "a copy yields the moment a more urgent one is released, and resumes; switches free), whose step "
+               "latency is the release/need bound the search already prunes with (`bounds.dp_bound`). 'leaves': "
+               "complete plans scheduled exactly because no bound cut them (their sum over the batches). 'best step, "
+               "preemptive / edf': each batch's best plan's predicted step on the preemptive link over its best on "
+               "the EDF link (mean with a 95% t interval, and the least: the largest gain), over the batches both "
+               "found feasible; where a solve hit the cap its plan is the best found, not a proven optimum. 'EDF "
+               "infeasible only': batches with no plan within the SLO on the EDF link but one on the preemptive link. "
+               "The executor runs the EDF link; the preemptive one is priced, not run.\n")
+    out.append("| R | L | batches | link | exact p50 ms | exact p99 ms | unproven | leaves | nodes p50 | feasible | "
+               "best step, preemptive / edf: mean [95% CI] | least | EDF infeasible only |")
+    out.append("|---" * 13 + "|")
+    for n_req, n_layers in sizes:  # load the compiled code before timing
+        cm, cap, reqs = random_instance(np.random.default_rng(seed), n_req, n_layers)
+        for link in LINKS:
+            _solve(cm.with_updates(transfer=link), cap, reqs, compiled=True, time_limit_s=0.05)
+    for n_req, n_layers in sizes:
+        n_calls = calls if n_layers < 80 else max(3, calls // 10)
+        rec = {link: {"t": [], "cut": 0, "leaves": 0, "nodes": [], "lat": []} for link in LINKS}
+        for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, n_calls),
+                                                 desc=f"link {n_req}x{n_layers}", leave=False)):
+            for link in LINKS if i % 2 == 0 else LINKS[::-1]:
+                w, _, p = _solve(cm.with_updates(transfer=link), cap, reqs, compiled=True, time_limit_s=exact_cap_s,
+                                 **EXACT)
+                r = rec[link]
+                r["t"].append(w)
+                r["cut"] += not p.stats.exact
+                r["leaves"] += p.stats.leaves
+                r["nodes"].append(p.stats.nodes)
+                r["lat"].append(p.predicted_step_s if p.feasible else math.inf)
+        edf, pre = np.array(rec["edf"]["lat"]), np.array(rec["preemptive"]["lat"])
+        both = np.isfinite(edf) & np.isfinite(pre)
+        ratio = pre[both] / edf[both]
+        ci = mean_ci95(ratio.tolist())
+        gain = (f"{ci['mean']:.4f} [{ci['mean'] - ci['ci95']:.4f}, {ci['mean'] + ci['ci95']:.4f}] (n={ci['n']}) | "
+                f"{ratio.min():.4f} | {int((~np.isfinite(edf) & np.isfinite(pre)).sum())} |"
+                if ratio.size else "n/a | n/a | 0 |")
+        for link in LINKS:
+            r = rec[link]
+            out.append(f"| {n_req} | {n_layers} | {n_calls} | {link} | {pct(r['t'], 50) * 1e3:.2f} | "
+                       f"{pct(r['t'], 99) * 1e3:.2f} | {r['cut']}/{n_calls} | {r['leaves']} | "
+                       f"{pct(r['nodes'], 50):.0f} | {int(np.isfinite(r['lat']).sum())}/{n_calls} | "
+                       + (gain if link == "preemptive" else " | | |"))
+        print(out[-2] + "\n" + out[-1], flush=True)
+
+
 def _depth_table(profile: dict[int, list], n_req: int, leaf_cap_s: float, out: list[str]) -> None:
     """The proof section's table of where the unfinished proofs' nodes are (:func:`depth_profile`, summed over
     those batches)."""
@@ -926,8 +984,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="speed: also time the compiled exact solve on this many threads (1: not)")
     ap.add_argument("--sections", default="speed,budget_seeds,engine,bruteforce,floor,uniform,full",
-                    help="comma-separated subset of speed,budget_seeds,engine,bruteforce,floor,uniform,full,proof "
-                         "(proof: not by default, ~5 min)")
+                    help="comma-separated subset of speed,budget_seeds,engine,bruteforce,floor,uniform,full,proof,"
+                         "link (proof: not by default, ~5 min; link: not by default, the same batches planned for "
+                         "a preemptive link, ~3 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
                     help="proof: wall-clock cap of the search that knows its best plan (default %(default)s)")
     ap.add_argument("--leaf-cap-s", type=float, default=5.0,
@@ -950,7 +1009,7 @@ def main() -> None:
                     "(docs/results/planner.md)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof"}
+    unknown = sections - {"speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof", "link"}
     if unknown:
         ap.error(f"--sections: unknown {sorted(unknown)}")
     if args.order_leaves < 0:
@@ -995,6 +1054,8 @@ def main() -> None:
     if "proof" in sections:
         bench_proof(3 if args.quick else 30, args.seed, args.exact_cap_s, args.proof_cap_s, args.leaf_cap_s, out,
                     order_leaves=args.order_leaves)
+    if "link" in sections:
+        bench_link(sizes, calls, args.seed, args.exact_cap_s, out)
     if "uniform" in sections:
         bench_uniform(sizes, 5 if args.quick else 50, args.seed)
     if "full" in sections:
@@ -1005,6 +1066,8 @@ def main() -> None:
             title = "Planner speed: compiled vs pure Python / NumPy reference"
         elif sections == {"proof"}:
             title = "Planner: what an exact proof at (16, 80) takes"
+        elif sections == {"link"}:
+            title = "Planner: the executor's link vs a preemptive one"
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
         head = (f"## {title}\n\nProduced by `{cmd}` on {started} "

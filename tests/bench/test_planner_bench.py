@@ -152,3 +152,19 @@ def test_improve_order_only_shortens_and_never_beats_the_release_need_bound():
     assert bench.order_latency(*arrays, bench.edf_order(comp, hosts, xfer)) == 13.0
     assert bench.improve_order(*arrays, bench.edf_order(comp, hosts, xfer))[0] == 11.0
     assert bench.order_latency(*arrays, np.array([2, 1, 0])) == math.inf  # layer 1's copy before layer 0's
+
+
+def test_link_section_prices_both_links_on_the_same_batches_and_the_preemptive_is_never_slower():
+    """The link section plans each batch for both links: a row per link, every small batch proven, and the
+    preemptive link's best step never above the EDF link's (mean ratio and least <= 1)."""
+    bench = load_benchmark("planner")
+    out: list[str] = []
+    bench.bench_link([(5, 16)], 12, 3, 5.0, out)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out if line.startswith("| 5 |")]
+    assert [r[3] for r in rows] == ["edf", "preemptive"]
+    assert all(r[6] == "0/12" for r in rows)  # every proof finished
+    feasible = [int(r[9].split("/")[0]) for r in rows]
+    assert feasible[1] >= feasible[0] > 0  # a faster link never turns a plan infeasible
+    mean, least = float(rows[1][10].split()[0]), float(rows[1][11])
+    assert least <= mean <= 1.0
+    assert int(rows[1][7]) <= int(rows[0][7])  # fewer plans scheduled exactly: its last bound is its latency

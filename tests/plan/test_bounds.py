@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 import pytest
+from plan.test_cost_model import preemptive_latency
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, PlanStats, search
 from orbitflow.plan import compiled as cc
@@ -134,6 +135,24 @@ def test_node_bounds_hold_for_every_capacity_feasible_completion(make_case):
     assert checked > (500 if make_case is harsh_case else 150)
 
 
+def _preemptive(make_case):
+    def case(rng, n_req, n_layers):
+        cm, cap, reqs = make_case(rng, n_req, n_layers)
+        return cm.with_updates(transfer="preemptive"), cap, reqs
+    return case
+
+
+@pytest.mark.parametrize("make_case", [harsh_case, tight_case])
+def test_node_bounds_hold_on_the_preemptive_link_at_every_depth(make_case, monkeypatch):
+    """On the "preemptive" link (CostModel transfer="preemptive") every bound of the search, the propagated and tail
+    bounds at every depth included, is <= the latency of each completion that fits: the search prunes with the same
+    bounds there."""
+    monkeypatch.setattr(search, "DP_REST_SHARE", 1.0)
+    checked, misses = _node_bound_misses(_preemptive(make_case), 7, trials=80)
+    assert misses == 0
+    assert checked > (300 if make_case is harsh_case else 80)
+
+
 @pytest.mark.parametrize("make_case", [harsh_case, tight_case])
 def test_propagated_bound_with_least_offload_holds_at_every_depth(make_case, monkeypatch):
     """The propagated bound above the leaves, each unassigned request at the host layers common to the candidates
@@ -255,33 +274,6 @@ def test_tail_cover_is_the_linear_relaxation_below_every_integer_choice_and_the_
     assert relaxed > 20
 
 
-def _preemptive_latency(comp, hosts, xfer):
-    """Continuous-time simulation of a PREEMPTIVE earliest-need-first link under the executor's other rules
-    (one slot per request: a request's next transfer is released when its previous host layer has run)."""
-    n_req, n_layers = len(hosts), len(comp)
-    following = {(r, a): b for r, hl in enumerate(hosts) for a, b in zip(hl, hl[1:])}
-    left = {(hl[0], r): xfer[r] for r, hl in enumerate(hosts) if hl}  # released transfers -> work left
-    done, t, layer, layer_end = set(), 0.0, 0, None
-    while layer < n_layers:
-        if layer_end is None and all((layer, r) in done for r in range(n_req) if layer in hosts[r]):
-            layer_end = t + comp[layer]
-        pending = sorted(k for k, w in left.items() if w > 0)
-        until = layer_end if layer_end is not None else math.inf
-        if pending:
-            k = pending[0]
-            if t + left[k] <= until:
-                t += left.pop(k)
-                done.add(k)
-                continue
-            left[k] -= until - t
-        t, layer_end = until, None
-        for r in range(n_req):
-            if (r, layer) in following:
-                left[(following[(r, layer)], r)] = xfer[r]
-        layer += 1
-    return t
-
-
 def test_dp_bound_is_a_monotone_lower_bound_and_the_latency_of_a_preemptive_link():
     rng = np.random.default_rng(3)
     for _ in range(400):
@@ -295,7 +287,7 @@ def test_dp_bound_is_a_monotone_lower_bound_and_the_latency_of_a_preemptive_link
         bound = dp_bound(v[None], comp)[0]
         assert bound <= cm.step(Placement.from_mask(~host), b).total_s * (1 + 1e-12)
         hosts = [np.flatnonzero(h).tolist() for h in host]
-        assert bound == pytest.approx(_preemptive_latency(comp.tolist(), hosts, x.tolist()), rel=1e-12)
+        assert bound == pytest.approx(preemptive_latency(comp.tolist(), hosts, x.tolist()), rel=1e-12)
         free = np.argwhere(~host)
         if free.size:  # one more host layer never lowers it
             r, layer = free[rng.integers(len(free))]

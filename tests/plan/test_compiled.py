@@ -8,7 +8,7 @@ import pytest
 
 from orbitflow.plan import CostModel, Planner, PlanRequest, search
 from orbitflow.plan import compiled as cc
-from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.plan.cost_model import edf_stalls, preemptive_stalls
 from orbitflow.plan.search import BranchAndBound
 from orbitflow.plan.types import PlanStats
 
@@ -108,6 +108,34 @@ def test_host_layer_compute_matches_event_simulation_and_the_reference(slots):
 
 
 @needs_numba
+@pytest.mark.parametrize("slots", [1, 2])
+def test_compiled_preemptive_link_is_the_reference_bit_for_bit(slots):
+    """The jitted preemptive link (``compiled._preemptive``, through the same entry points as the EDF one) gives
+    the reference's stalls, what a mask adds to a step and its abort, float for float."""
+    rng = np.random.default_rng(30 + slots)
+    aborted = 0
+    for _ in range(300):
+        comp, hosts, xfer = _edf_case(rng)
+        h = float(rng.choice([0.0, rng.uniform(0, 1.5)]))
+        ref = preemptive_stalls(comp, hosts, xfer, slots=slots, host_layer_s=h)
+        got = cc.edf_stalls(comp, hosts, xfer, slots=slots, host_layer_s=h, preemptive=True)
+        assert got.tolist() == ref
+        host = np.zeros((len(hosts), comp.size), dtype=bool)
+        for r, hl in enumerate(hosts):
+            host[r, hl] = True
+        cm = CostModel(comp, 1.0, transfer="preemptive", prefetch_slots=slots, host_layer_s=h)
+        added = cc.step_added(comp, cc.tail(comp), host, np.asarray(xfer, dtype=float), slots, h, preemptive=True)
+        assert added == cm.added_s(host, np.asarray(xfer, dtype=float), comp)
+        total = float(np.sum(comp)) + sum(ref)
+        for limit in (total * 0.8, total * (1 + 1e-9)):
+            a = preemptive_stalls(comp, hosts, xfer, abort_above=limit, slots=slots, host_layer_s=h)
+            b = cc.edf_stalls(comp, hosts, xfer, slots=slots, abort_above=limit, host_layer_s=h, preemptive=True)
+            assert (a is None) == (b is None)
+            aborted += a is None
+    assert aborted > 50
+
+
+@needs_numba
 def test_more_slots_never_stall_more_on_the_paper_example():
     # paper section 2.3, placement A (distance 3 for both requests): one slot stalls 1 per offloaded layer;
     # with two slots the second request's next layer moves while the first's is being read
@@ -119,7 +147,7 @@ def test_more_slots_never_stall_more_on_the_paper_example():
         cc.edf_stalls([1.0], [[0]], [1.0], slots=0)
 
 
-def _planner_case(rng):
+def _planner_case(rng, transfer="edf"):
     n_req = int(rng.integers(1, 7))
     n_layers = int(rng.choice([4, 9, 16, 32]))
     comp = rng.uniform(1e-3, 2e-3, n_layers)
@@ -132,18 +160,20 @@ def _planner_case(rng):
             for i in range(n_req)]
     if rng.random() < 0.3:
         slope = float(rng.uniform(0, 1e-4))
-        cm = CostModel(lambda tokens: comp * (1 + slope * tokens), link)
+        cm = CostModel(lambda tokens: comp * (1 + slope * tokens), link, transfer=transfer)
     else:
-        cm = CostModel(comp, link)
+        cm = CostModel(comp, link, transfer=transfer)
     return cm, cap, reqs
 
 
 @needs_numba
+@pytest.mark.parametrize("transfer", ["edf", "preemptive"])
 @pytest.mark.parametrize("dp_everywhere", [False, True])
-def test_compiled_and_reference_planners_give_identical_plans(dp_everywhere, monkeypatch):
+def test_compiled_and_reference_planners_give_identical_plans(dp_everywhere, transfer, monkeypatch):
     """Same plan, window, expiry and node counts: the compiled search is the reference search (also with the
     propagated bound, the least offload of the unassigned requests and the tail bound at every depth: there the
-    reference's tail bound runs and raises bounds, so the twins agree on it too)."""
+    reference's tail bound runs and raises bounds, so the twins agree on it too), on the executor's link and on
+    the preemptive one."""
     raised = []
     if dp_everywhere:
         monkeypatch.setattr(search, "DP_REST_SHARE", 1.0)
@@ -152,7 +182,7 @@ def test_compiled_and_reference_planners_give_identical_plans(dp_everywhere, mon
     rng = np.random.default_rng(1)
     cut = 0
     for i in range(60):
-        cm, cap, reqs = _planner_case(rng)
+        cm, cap, reqs = _planner_case(rng, transfer)
         kwargs = dict(alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(int(rng.integers(1, 5)), 16),
                       node_limit=[None, 2000, 5][i % 3], gap=0.02 if i % 7 == 0 else 0.0)
         ref = Planner(cm, cap, compiled=False, **kwargs).plan(reqs)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from orbitflow.plan import CostModel, Placement
-from orbitflow.plan.cost_model import edf_stalls
+from orbitflow.plan.cost_model import edf_stalls, preemptive_stalls
 
 # Paper section 2.3: 9 layers, 1.0 compute per layer, 3 blocks per layer-time, b = (3, 6) then (4, 6).
 CM = CostModel([1.0] * 9, 3.0)
@@ -406,3 +406,78 @@ def test_edf_is_not_monotone_in_added_copies():
     before = sum(comp) + sum(edf_stalls(comp, hosts, xfer))
     after = sum(comp) + sum(edf_stalls(comp, [*hosts, [1]], [*xfer, 2.0]))
     assert (before, after) == (13.0, 12.0)
+
+
+def preemptive_latency(comp, hosts, xfer, slots=1, host_layer_s=0.0):
+    """Continuous-time simulation of a PREEMPTIVE earliest-need-first link under the executor's other rules (a
+    request's first ``slots`` transfers are released at t=0, its next one when the host layer ``slots`` before it
+    has run; a layer that reads prefetched KV computes ``host_layer_s`` longer): the step's latency. Transfers
+    take > 0 seconds."""
+    n_req, n_layers = len(hosts), len(comp)
+    following = {(r, a): b for r, hl in enumerate(hosts) for a, b in zip(hl, hl[slots:])}
+    left = {(layer, r): xfer[r] for r, hl in enumerate(hosts) for layer in hl[:slots]}  # released -> work left
+    done, t, layer, layer_end = set(), 0.0, 0, None
+    while layer < n_layers:
+        reads = [r for r in range(n_req) if layer in hosts[r]]
+        if layer_end is None and all((layer, r) in done for r in reads):
+            layer_end = t + comp[layer] + (host_layer_s if reads else 0.0)
+        pending = sorted(k for k, w in left.items() if w > 0)
+        until = layer_end if layer_end is not None else math.inf
+        if pending:
+            k = pending[0]
+            if t + left[k] <= until:
+                t += left.pop(k)
+                done.add(k)
+                continue
+            left[k] -= until - t
+        t, layer_end = until, None
+        for r in range(n_req):
+            if (r, layer) in following:
+                left[(following[(r, layer)], r)] = xfer[r]
+        layer += 1
+    return t
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_preemptive_link_is_its_event_simulation_and_never_slower_than_edf(slots):
+    """The "preemptive" link's stalls give the latency of a continuous-time simulation of that link, at any prefetch
+    depth and extra compute per host layer, and no step is slower than on the executor's EDF link (the release/need
+    recursion bounds every link order); with one slot it is faster on many; its abort stops only slower steps."""
+    rng = np.random.default_rng(40 + slots)
+    faster = stopped = 0
+    for _ in range(300):
+        comp, host, b, cm = _random_case(rng)
+        hosts = [np.flatnonzero(row).tolist() for row in host]
+        xfer = ((b + 1) / cm.link_blocks_per_s).tolist()
+        h = float(rng.choice([0.0, rng.uniform(0, 1.0)]))
+        got = preemptive_stalls(comp, hosts, xfer, slots=slots, host_layer_s=h)
+        extra = h * int(host.any(axis=0).sum())
+        total = comp.sum() + sum(got) + extra
+        assert total == pytest.approx(preemptive_latency(comp.tolist(), hosts, xfer, slots, h), rel=1e-12, abs=1e-12)
+        edf = comp.sum() + sum(edf_stalls(comp, hosts, xfer, slots=slots, host_layer_s=h)) + extra
+        assert total <= edf * (1 + 1e-12)
+        faster += total < edf * (1 - 1e-9)
+        for limit in (total * 0.9, total * (1 + 1e-9)):
+            cut = preemptive_stalls(comp, hosts, xfer, abort_above=limit, slots=slots, host_layer_s=h)
+            if cut is None:
+                assert total > limit
+                stopped += 1
+            else:
+                assert cut == got
+    assert stopped > 20 and (slots > 1 or faster > 20)  # deeper prefetch leaves the EDF link less to lose
+
+
+def test_preemptive_link_in_the_cost_model():
+    """``CostModel(transfer="preemptive")`` prices a step on that link, takes a prefetch depth (Algorithm 1 does
+    not) and names the models it knows when given another."""
+    cm = CostModel([1.0] * 9, 3.0, transfer="preemptive")
+    # paper placement A at step 1: request 1's copy for layer 2 (2 s) no longer holds request 0's for layer 5
+    a = cm.step(Placement.from_distances(9, [3, 3]), STEP1)
+    assert a.total_s == pytest.approx(9.0 + sum(preemptive_stalls([1.0] * 9, [[2, 5, 8], [2, 5, 8]], [1.0, 2.0])))
+    assert a.total_s <= CM.step(Placement.from_distances(9, [3, 3]), STEP1).total_s
+    assert cm.with_updates(prefetch_slots=2).prefetch_slots == 2
+    assert cm.with_updates(link_blocks_per_s=6.0).transfer == "preemptive"
+    with pytest.raises(ValueError, match="'edf', 'preemptive', 'fair'"):
+        CostModel([1.0], 1.0, transfer="chunked")
+    with pytest.raises(ValueError, match="prefetch_slots > 1"):
+        CostModel([1.0], 1.0, transfer="fair", prefetch_slots=2)

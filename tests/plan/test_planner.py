@@ -81,8 +81,9 @@ _BRUTE: dict = {}  # brute force answers, shared by the compiled and the referen
 def _case_key(pl, reqs, *extra):
     cm = pl.cost_model
     comp = tuple(cm.compute(0).tolist()) if cm.depends_on_tokens else tuple(cm.compute().tolist())
-    return (comp, cm.depends_on_tokens, cm.link_blocks_per_s, cm.request_overhead_s, cm.transfer_latency_s,
-            cm.host_layer_s, pl.capacity_blocks, pl.alpha, pl.min_steps, pl.max_steps, tuple(reqs), *extra)
+    return (comp, cm.depends_on_tokens, cm.link_blocks_per_s, cm.transfer, cm.prefetch_slots, cm.request_overhead_s,
+            cm.transfer_latency_s, cm.host_layer_s, pl.capacity_blocks, pl.alpha, pl.min_steps, pl.max_steps,
+            tuple(reqs), *extra)
 
 
 def brute_force(pl, reqs, n_layers):
@@ -489,6 +490,23 @@ def test_hint_keeps_the_optimum_and_rescues_a_small_budget():
         odd = Planner(cm, cap, node_limit=None, **kwargs).plan(reqs, hint={"nope": 3, reqs[0].request_id: 999})
         assert odd.predicted_step_s == pytest.approx(exact.predicted_step_s, rel=1e-12)  # a stale hint is harmless
     assert checked >= 5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_search_is_exact_vs_brute_force_on_the_preemptive_link(seed, impl):
+    """On the "preemptive" link the search keeps its latency bounds (the release/need bound is that link's latency,
+    and the others are below it) and stays exact, in both implementations; its optimum is never slower than the
+    EDF link's, as no step is, and the SLO then rules out no plan that EDF allows."""
+    rng = np.random.default_rng(400 + seed)
+    for _ in range(5):
+        pl, reqs, n_layers = brute_force_case(rng)
+        pre = Planner(pl.cost_model.with_updates(transfer="preemptive"), pl.capacity_blocks, alpha=pl.alpha,
+                      window=(pl.min_steps, pl.max_steps), check_better=False)
+        got, best = plan_matches_brute_force(pre, reqs, n_layers)
+        edf = brute_force(pl, reqs, n_layers)
+        if edf is not None:
+            assert best is not None and best <= edf * (1 + 1e-12)
+        assert got.placement is None or pre.evaluate(got.placement, reqs).predicted_step_s == got.predicted_step_s
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -202,6 +202,60 @@ def _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr
     return total + added
 
 
+@_jit
+def _preemptive(comp, tail, ptr, lay, row, xfer, slots, abort_above, cur, stall, hl):
+    """Jitted twin of :func:`orbitflow.plan.cost_model.preemptive_stalls`, with :func:`_edf`'s arguments and result
+    (``cur``: scratch of R): the same float steps in the same order."""
+    n_req = row.size
+    n_layers = comp.size
+    work = np.zeros(n_layers + 1)  # by release event: 0 at t=0, m + 1 when layer m ends
+    event = np.zeros(n_layers + 1)
+    for r in range(n_req):
+        cur[r] = ptr[row[r]]
+    t = 0.0
+    added = 0.0
+    for layer in range(n_layers):
+        stall[layer] = 0.0
+        has = False
+        for r in range(n_req):
+            c = cur[r]
+            if c < ptr[row[r] + 1] and lay[c] == layer:
+                has = True
+                k = c - ptr[row[r]]
+                work[0 if k < slots else lay[c - slots] + 1] += xfer[r]
+                cur[r] = c + 1
+        if has:
+            ready = 0.0
+            acc = 0.0
+            for m in range(layer, -1, -1):
+                acc += work[m]
+                if event[m] + acc > ready:
+                    ready = event[m] + acc
+            if ready > t:
+                stall[layer] = ready - t
+                t = ready
+                if t + tail[layer] > abort_above:
+                    return -1.0
+            t += comp[layer] + hl
+            added += hl
+        else:
+            t += comp[layer]
+        event[layer + 1] = t
+    total = 0.0
+    for layer in range(n_layers):
+        total += stall[layer]
+    return total + added
+
+
+@_jit
+def _link(preemptive, comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr, stall, hl):
+    """What a placement adds to a step's compute on the link the cost model names: :func:`_preemptive` when
+    ``preemptive`` (CostModel ``transfer="preemptive"``), else :func:`_edf` (the executor's)."""
+    if preemptive:
+        return _preemptive(comp, tail, ptr, lay, row, xfer, slots, abort_above, cur, stall, hl)
+    return _edf(comp, tail, ptr, lay, row, xfer, slots, abort_above, nxt, cur, fin, arr, stall, hl)
+
+
 def tail(comp: np.ndarray) -> np.ndarray:
     """``out[l] = sum(comp[l:])`` as the reference evaluator computes it."""
     return np.cumsum(comp[::-1])[::-1].copy()
@@ -214,10 +268,11 @@ def edf_stalls(
     slots: int = 1,
     abort_above: float = math.inf,
     host_layer_s: float = 0.0,
+    preemptive: bool = False,
 ) -> np.ndarray | None:
     """Compiled counterpart of :func:`orbitflow.plan.cost_model.edf_stalls` with ``slots`` buffer slots per
-    request (module docstring). Returns the per-layer stalls, or None once the step is known to take longer
-    than ``abort_above`` seconds."""
+    request (module docstring); of :func:`~orbitflow.plan.cost_model.preemptive_stalls` with ``preemptive``.
+    Returns the per-layer stalls, or None once the step is known to take longer than ``abort_above`` seconds."""
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
     c = np.ascontiguousarray(comp, dtype=np.float64)
@@ -230,9 +285,9 @@ def edf_stalls(
     lay = np.fromiter((int(i) for h in hosts for i in h), dtype=np.int64, count=int(ptr[-1]))
     n_req, n_layers = len(hosts), c.size
     stall = np.empty(n_layers)
-    total = _edf(c, tail(c), ptr, lay, np.arange(n_req, dtype=np.int64), x, np.int64(slots), float(abort_above),
-                 np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
-                 stall, float(host_layer_s))
+    total = _link(bool(preemptive), c, tail(c), ptr, lay, np.arange(n_req, dtype=np.int64), x, np.int64(slots),
+                  float(abort_above), np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers),
+                  np.empty(lay.size + 1), stall, float(host_layer_s))
     return None if total < 0 else stall
 
 
@@ -245,14 +300,16 @@ def host_csr(host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.ndarray, slots: int = 1,
-               host_layer_s: float = 0.0, csr: tuple[np.ndarray, np.ndarray] | None = None) -> float:
+               host_layer_s: float = 0.0, csr: tuple[np.ndarray, np.ndarray] | None = None,
+               preemptive: bool = False) -> float:
     """What a host mask adds to one step's compute (stalls and host-layer compute; ``CostModel.added_s``), for
-    the planner's window segments; ``csr``: the mask's :func:`host_csr`, when the caller has it."""
+    the planner's window segments; ``csr``: the mask's :func:`host_csr`, when the caller has it; ``preemptive``:
+    on the ``"preemptive"`` link."""
     ptr, lay = host_csr(host) if csr is None else csr
     n_req, n_layers = host.shape
-    return float(_edf(comp, tail, ptr, lay, np.arange(n_req, dtype=np.int64), xfer, np.int64(slots), math.inf,
-                      np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers),
-                      np.empty(lay.size + 1), np.empty(n_layers), float(host_layer_s)))
+    return float(_link(bool(preemptive), comp, tail, ptr, lay, np.arange(n_req, dtype=np.int64), xfer,
+                       np.int64(slots), math.inf, np.empty(n_req, np.int64), np.empty(n_req, np.int64),
+                       np.empty(n_layers), np.empty(lay.size + 1), np.empty(n_layers), float(host_layer_s)))
 
 
 # ==== the search's set-up ===================================================================================
@@ -873,8 +930,8 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
                     mv += b0[q] * counts[k_of[q]]
                 best = fst[BEST_LAT]
                 cut = best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf
-                st = _edf(comp0, tail, lay_ptr, lay, k_of, x0, 1, cut, e_nxt, e_cur, e_fin, e_arr, e_stall,
-                          feas[5][3])
+                st = _link(feas[6][4] == 1, comp0, tail, lay_ptr, lay, k_of, x0, 1, cut, e_nxt, e_cur, e_fin, e_arr,
+                           e_stall, feas[5][3])
                 if st >= 0:
                     lat0 = comp_total + st
                     if _better(lat0, mv, fst[BEST_LAT], fst[BEST_MOVED]) and leaf_feasible(k_of, lat0, lb, feas):
@@ -960,16 +1017,18 @@ def _deposit_segment(lat, s, e, slo, bal, per_step):
 # ==== the window rule of one assignment, and local improvement ==============================================
 def feasibility_data(counts, hosts_f, lay_ptr, lay, blocks_h, cap, host_cap, alpha, min_steps, horizon, seg_starts,
                      seg_ends, seg_comp, seg_tail, seg_sum, seg_xfer, slo, dep, compute_grows,
-                     host_layer_s: float = 0.0) -> tuple:
+                     host_layer_s: float = 0.0, preemptive: bool = False) -> tuple:
     """What :func:`leaf_feasible` reads, as one tuple (numba passes it whole): the candidate tables, the blocks
     of every window step ``[H, R]``, the budgets (``cap``: the device budget with its tolerance, as
     ``Constraints.first_over``), and per block-constant segment its compute, compute suffix sums, compute total
-    and transfer seconds per request; ``fpar[3]`` the extra compute of a layer that reads prefetched KV."""
+    and transfer seconds per request; ``fpar[3]`` the extra compute of a layer that reads prefetched KV; ``ipar[4]``
+    1 on the ``"preemptive"`` link (:func:`_link`)."""
     n_req, n_layers = blocks_h.shape[1], hosts_f.shape[1]
     scratch = (np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
                np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers), np.empty(horizon), np.empty(n_req))
     fpar = np.array([cap, host_cap, alpha, host_layer_s], dtype=np.float64)
-    ipar = np.array([min_steps, horizon, int(np.isfinite(slo).any()), int(compute_grows)], dtype=np.int64)
+    ipar = np.array([min_steps, horizon, int(np.isfinite(slo).any()), int(compute_grows), int(preemptive)],
+                    dtype=np.int64)
     return (counts, hosts_f, lay_ptr, lay, np.ascontiguousarray(blocks_h), fpar, ipar, seg_starts, seg_ends, seg_comp,
             seg_tail, seg_sum, seg_xfer, slo, dep, scratch)
 
@@ -1050,8 +1109,8 @@ def _window_rule(k_of, lat0, later_lb, cap_max, feas):
     acc = 0.0
     for i in range(n_seg):
         if i > 0:
-            seg_lat[i] = seg_sum[i] + _edf(seg_comp[i], seg_tail[i], lay_ptr, lay, k_of, seg_xfer[i], 1, math.inf,
-                                           scr[0], scr[1], scr[2], scr[3], scr[4], fpar[3])
+            seg_lat[i] = seg_sum[i] + _link(ipar[4] == 1, seg_comp[i], seg_tail[i], lay_ptr, lay, k_of, seg_xfer[i], 1,
+                                            math.inf, scr[0], scr[1], scr[2], scr[3], scr[4], fpar[3])
         _deposit_segment(seg_lat[i], starts[i], ends[i], slo, bal, per_step)
         for step in range(starts[i], min(ends[i], cap_max)):
             acc += per_step[step]  # the violations over the first step + 1 steps, as violations() sums them
@@ -1155,8 +1214,8 @@ def step0_added(k_of, abort_above, x0, feas):
     """What the assignment ``k_of`` adds to step 0's compute (:func:`_edf` over the window's first segment), or -1.0
     once the step is known to take longer than ``abort_above``."""
     scr = feas[15]
-    return _edf(feas[9][0], feas[10][0], feas[2], feas[3], k_of, x0, 1, abort_above, scr[0], scr[1], scr[2], scr[3],
-                scr[4], feas[5][3])
+    return _link(feas[6][4] == 1, feas[9][0], feas[10][0], feas[2], feas[3], k_of, x0, 1, abort_above, scr[0], scr[1],
+                 scr[2], scr[3], scr[4], feas[5][3])
 
 
 # local improvement state (ist of improve)

@@ -1,6 +1,6 @@
 """Step-latency model of one decode iteration under a KV placement.
 
-Two transfer models:
+Three transfer models:
 
 * ``"edf"`` (default) is exactly the schedule the executor runs. Layers run in order, layer ``l`` taking
   ``comp[l]``. Each request owns ``slots`` prefetch buffer slots (the prefetch depth ``d``, default 1),
@@ -11,6 +11,14 @@ Two transfer models:
   is free it picks, among the ready transfers, the one whose layer is needed earliest (ties: lower request
   index), and idles only when nothing is ready. A layer starts when the previous layer has finished and all
   of its host-resident KV has arrived; the wait is that layer's stall.
+* ``"preemptive"`` is the same link, earliest-needed layer first, but preemptive: a copy gives the link up the
+  moment a transfer needed by an earlier layer is released, and resumes where it stopped (as a copy thread that
+  moves a layer in chunks and re-picks between them would, chunk switches free). Then the transfers needed by
+  layers ``<= l`` never wait for later ones: they are all done at ``max over release times rho of rho + their
+  work released at or after rho``, the release/need recursion of :func:`orbitflow.plan.bounds.dp_bound`, which
+  bounds every link order from below. The executor does not run it (it moves one layer of one request at a
+  time): it is here to measure what such a link would give the plans and the planner
+  (``benchmarks/planner.py --sections link``), as ``"fair"`` is kept to compare with the paper.
 * ``"fair"`` is the paper's Algorithm 1 as printed (active streams share the bandwidth equally, the share
   is redistributed as the smallest finishes; transfers only advance at the boundary of a layer that needs
   them and overlap only with the previous layer's compute). Kept for comparison.
@@ -44,10 +52,10 @@ import numpy as np
 
 from orbitflow.plan.placement import Placement
 
-__all__ = ["CostModel", "StepEstimate", "edf_stalls", "fair_stalls", "host_layers_s"]
+__all__ = ["CostModel", "StepEstimate", "edf_stalls", "fair_stalls", "host_layers_s", "preemptive_stalls"]
 
 ComputeSpec = Sequence[float] | np.ndarray | Callable[[int], Sequence[float] | np.ndarray]
-_TRANSFERS = ("edf", "fair")
+_TRANSFERS = ("edf", "preemptive", "fair")
 
 
 @dataclass(frozen=True)
@@ -243,6 +251,49 @@ def edf_stalls(
     return stall
 
 
+def preemptive_stalls(
+    comp: Sequence[float], hosts: Sequence[Sequence[int]], xfer: Sequence[float], abort_above: float = math.inf,
+    slots: int = 1, host_layer_s: float = 0.0,
+) -> list[float] | None:
+    """Per-layer stalls of the ``"preemptive"`` link (module docstring), with :func:`edf_stalls`'s arguments and
+    result. Releases happen at layer ends, so the work is kept per release event (``work[0]``: released at t=0,
+    ``work[m + 1]``: when layer ``m`` ends) and summed per layer only over the transfers needed by layers up to it;
+    layer ``l`` waits until ``max_m event[m] + sum(work[m:])``. The compiled twin
+    (``compiled._preemptive``) takes the same float steps in the same order."""
+    n_layers = len(comp)
+    if not (isinstance(slots, int) and slots >= 1):
+        raise ValueError(f"slots (prefetch depth) must be an integer >= 1, got {slots!r}")
+    comp = comp.tolist() if isinstance(comp, np.ndarray) else list(comp)
+    tail = np.cumsum(np.asarray(comp[::-1], dtype=float))[::-1].tolist() if abort_above < math.inf else None
+    need: list[list[tuple[int, float]]] = [[] for _ in range(n_layers)]  # per layer: (release event, seconds)
+    for r, hl in enumerate(hosts):
+        for k, layer in enumerate(hl):
+            need[layer].append((0 if k < slots else hl[k - slots] + 1, xfer[r]))
+    work = [0.0] * (n_layers + 1)
+    event = [0.0] * (n_layers + 1)
+    stall = [0.0] * n_layers
+    t = 0.0
+    for layer in range(n_layers):
+        if need[layer]:
+            for m, x in need[layer]:
+                work[m] += x
+            ready = acc = 0.0
+            for m in range(layer, -1, -1):
+                acc += work[m]
+                if event[m] + acc > ready:
+                    ready = event[m] + acc
+            if ready > t:
+                stall[layer] = ready - t
+                t = ready
+                if tail is not None and t + tail[layer] > abort_above:
+                    return None
+            t += comp[layer] + host_layer_s
+        else:
+            t += comp[layer]
+        event[layer + 1] = t
+    return stall
+
+
 def fair_stalls(
     comp: Sequence[float], host_mask: np.ndarray, sizes_s: Sequence[float]
 ) -> list[float]:
@@ -319,8 +370,9 @@ class CostModel:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if isinstance(prefetch_slots, bool) or not isinstance(prefetch_slots, int) or prefetch_slots < 1:
             raise ValueError(f"prefetch_slots must be an integer >= 1, got {prefetch_slots!r}")
-        if prefetch_slots != 1 and transfer != "edf":
-            raise ValueError("prefetch_slots > 1 needs transfer='edf' (Algorithm 1 as printed has one slot)")
+        if prefetch_slots != 1 and transfer == "fair":
+            raise ValueError("prefetch_slots > 1 needs transfer='edf' or 'preemptive' (Algorithm 1 as printed has one "
+                             "slot)")
         self._slots = prefetch_slots
         self._transfer = transfer
         self._link = float(link_blocks_per_s)
@@ -354,7 +406,8 @@ class CostModel:
     # -- parameters (read-only) -------------------------------------------------------------------------
     num_layers = _read_only("_num_layers", "Layers of the model.")
     link_blocks_per_s = _read_only("_link", "Link rate in KV blocks per second.")
-    transfer = _read_only("_transfer", "Transfer model: 'edf' (the executor's schedule) or 'fair' (Algorithm 1).")
+    transfer = _read_only("_transfer", "Transfer model: 'edf' (the executor's schedule), 'preemptive' (the same link, "
+                                       "preemptive) or 'fair' (Algorithm 1).")
     prefetch_slots = _read_only("_slots", "Prefetch depth: buffer slots per request (layers of it in flight at once).")
     request_overhead_s = _read_only("_req_overhead", "Compute seconds per request beyond the first, per step.")
     transfer_latency_s = _read_only("_latency", "Fixed seconds per transfer on top of blocks / link rate.")
@@ -435,7 +488,8 @@ class CostModel:
         if self._transfer == "fair":
             return fair_stalls((comp + self.host_layer_compute(host_mask)).tolist(), host_mask, xfer)
         hosts = [np.flatnonzero(row).tolist() for row in host_mask]
-        return edf_stalls(comp.tolist(), hosts, xfer, slots=self._slots, host_layer_s=self._host_layer)
+        link = preemptive_stalls if self._transfer == "preemptive" else edf_stalls
+        return link(comp.tolist(), hosts, xfer, slots=self._slots, host_layer_s=self._host_layer)
 
     def host_layer_compute(self, host_mask: np.ndarray) -> np.ndarray:
         """Per-layer extra compute of a host mask ``[R, L]``: ``host_layer_s`` where some request's KV is on the

@@ -112,7 +112,7 @@ class Constraints:
         out = []
         n = len(win.seg_starts) if upto is None else upto
         mask_key = host.tobytes()
-        compiled_edf = self.compiled and self.cost_model.transfer == "edf"  # same floats, no GIL
+        compiled_edf = self.compiled and self.cost_model.transfer in ("edf", "preemptive")  # same floats, no GIL
         csr = None  # the compiled schedule's host layers, built once per call when a segment is missing
         for i in range(first, n):
             lat = win.seg_cache.get((mask_key, i))
@@ -133,7 +133,7 @@ class Constraints:
                 win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
             xfer = np.asarray(cm.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
             added = cc.step_added(np.array(comp, dtype=float), win.tails[i], host, xfer, cm.prefetch_slots,
-                                  cm.host_layer_s, csr)
+                                  cm.host_layer_s, csr, cm.transfer == "preemptive")
         else:
             added = cm.added_s(host, win.blocks[win.seg_starts[i]], comp)
         return float(comp.sum()) + added

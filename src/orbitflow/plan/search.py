@@ -98,7 +98,7 @@ from orbitflow.plan.bounds import (
     separable_tables,
     tail_cover,
 )
-from orbitflow.plan.cost_model import edf_stalls, host_layers_s
+from orbitflow.plan.cost_model import edf_stalls, host_layers_s, preemptive_stalls
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
 from orbitflow.plan.types import REL_TOL, PlanStats, better
@@ -254,9 +254,9 @@ class BranchAndBound:
         self.hosts, self.hosts_f, self.counts = tables.hosts, tables.hosts_f, tables.counts
         self.cumh, self.pairs_after, self.lists, self.mats = tables.cumh, tables.pairs_after, tables.lists, tables.mats
         cm = rules.cost_model
-        # the latency bounds are proven for the executor's schedule with ONE prefetch slot per request only;
-        # at a deeper prefetch the search keeps just the capacity cut (still exact, with weaker pruning)
-        self.edf = cm.transfer == "edf" and cm.prefetch_slots == 1
+        # the latency bounds are proven for ONE prefetch slot per request only (the preemptive link's latency is the
+        # release/need bound); at a deeper prefetch the search keeps just the capacity cut (exact, weaker pruning)
+        self.edf = cm.transfer in ("edf", "preemptive") and cm.prefetch_slots == 1
         self.link = cm.link_blocks_per_s
         self.b0 = win.blocks[0]
         self.bcap = win.blocks[rules.min_steps - 1]
@@ -290,6 +290,8 @@ class BranchAndBound:
         self.comp_min = float(comp0.min())
         self.suffix_comp = np.cumsum(comp0[::-1])[::-1]  # sum_{k>=l} comp_k
         self.x0 = self.rules.cost_model.transfer_s(self.b0)  # per transfer, with the link's fixed latency
+        self.preemptive = self.rules.cost_model.transfer == "preemptive"
+        self._link_stalls = preemptive_stalls if self.preemptive else edf_stalls  # the leaves' schedule
         # requests by transfer-to-compute ratio, lowest first (the greedy's order): what tightening and the local
         # improvement's moves walk
         self.ratio_order = np.argsort(self.x0, kind="stable")
@@ -867,7 +869,7 @@ class BranchAndBound:
                 t.counts, t.hosts_f, t.lay_ptr, t.lay, win.blocks[: win.horizon], self.cap, rules.host_capacity_blocks,
                 rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp, tails,
                 np.array([float(c.sum()) for c in comp]), rules.cost_model.transfer_s(win.blocks[win.seg_starts_a]),
-                win.slo, win.deposit, win.compute_grows, rules.cost_model.host_layer_s)
+                win.slo, win.deposit, win.compute_grows, rules.cost_model.host_layer_s, self.preemptive)
         return self._feas_data
 
     def _compiled_state(self) -> tuple[np.ndarray, np.ndarray]:
@@ -973,7 +975,7 @@ class BranchAndBound:
         compiled one's floats (:func:`orbitflow.plan.compiled.step0_added`); None once above ``abort_above``."""
         lists = [self.lists[k] for k in k_of]
         h = self.rules.cost_model.host_layer_s
-        stalls = edf_stalls(self.comp0_list, lists, self.x0_list, abort_above=abort_above, host_layer_s=h)
+        stalls = self._link_stalls(self.comp0_list, lists, self.x0_list, abort_above=abort_above, host_layer_s=h)
         if stalls is None:
             return None
         return self.comp_total + (float(sum(stalls)) + host_layers_s(lists, h))
