@@ -8,7 +8,8 @@ Run:  python benchmarks/make_results.py                 # simulator stage + the 
 
 Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% CIs), planner
 (benchmarks/planner.py), planner_proof (its proof section), planner_link (its link section: the same batches planned
-for a preemptive link), engine_vs_hf (benchmarks/engine_vs_hf.py),
+for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), engine_vs_hf
+(benchmarks/engine_vs_hf.py),
 host_copy_bound (benchmarks/host_copy_bound.py), sim_fidelity (benchmarks/sim_vs_engine.py).
 The page always includes whichever fragments exist. Every simulator run is appended to a cache
 (docs/results/sim_runs.jsonl); --resume reuses the cached runs of the same setup, so an interrupted
@@ -68,6 +69,7 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("sim_fidelity_tight", "Simulator vs the real engine at a tighter SLO"), ("planner", "Planner speed"),
              ("planner_proof", "Planner: what an exact proof at (16, 80) takes"),
              ("planner_link", "Planner: the executor's link vs a preemptive one"),
+             ("planner_lp", "Planner: how tight a linear relaxation gets at (16, 80)"),
              ("planner_engine_gpu", "The planner beside the engine (CUDA, 16 cores)"),
              ("planner_engine_cpu", "The planner beside the engine (CPU, 16 cores)"),
              ("planner_engine_cpu2", "The planner beside the engine (CPU, 2 cores)"),
@@ -80,6 +82,7 @@ OTHER_STAGES = {
     "planner": ["benchmarks/planner.py", "--sections", "speed,budget_seeds", "--md", "docs/results/planner.md"],
     "planner_proof": ["benchmarks/planner.py", "--sections", "proof", "--md", "docs/results/planner_proof.md"],
     "planner_link": ["benchmarks/planner.py", "--sections", "link", "--md", "docs/results/planner_link.md"],
+    "planner_lp": ["benchmarks/planner_lp.py", "--md", "docs/results/planner_lp.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],
     "host_copy_bound": ["benchmarks/host_copy_bound.py", "--md", "docs/results/host_copy_bound.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3",

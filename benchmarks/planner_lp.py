@@ -1,0 +1,252 @@
+"""How tight a linear relaxation of the step can be at (16, 80), and what proving a plan with it would take.
+
+The release/need recursion (``bounds.dp_bound``) is the latency of a preemptive link and a lower bound on every link
+order, the executor's EDF one included. Its value is the largest over paths of windows of a sum that is linear in
+each request's choice: a path ``P`` (``bounds.critical_windows``) costs its compute ``c_P`` plus, per request ``r``,
+``xfer_r`` times the transfers of its candidate counted in ``P``'s windows. So every path gives a valid inequality
+``T >= c_P + sum_r sum_k y_rk g_rk(P)`` over the 0/1 choice ``y_rk`` (request ``r`` takes candidate ``k``), and the
+least ``T`` over fractional choices that keep the capacity rows (one per layer: the resident blocks plus that layer's
+prefetch buffer; an integral choice meets them all exactly when it fits) bounds every plan from below. The paths
+are generated as needed: solve the LP over the paths known so far, take the recursion's critical path at the LP's
+fractional choice, add it while it is violated (scipy's HiGHS).
+
+This script measures that bound at the root of the (16, 80) batches of the speed table, against the plans the exact
+search finds in ``--exact-cap-s`` and the bound it certifies by then, and runs a best-first branch and bound on it
+(branching on a request's candidate range, preemptive link, the best plan found as its incumbent from the start) to
+see how many LP nodes a proof within a relative gap takes.
+
+Run:  python benchmarks/planner_lp.py [--calls 30] [--gap 1e-4] [--lp-cap-s 5] [--md docs/results/planner_lp.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from planner import EXACT, _machine, pct, speed_cases  # noqa: E402
+
+from orbitflow.plan import Placement, Planner, warm_up  # noqa: E402
+from orbitflow.plan.bounds import critical_windows, dp_bound  # noqa: E402
+from orbitflow.plan.search import BranchAndBound  # noqa: E402
+from orbitflow.plan.types import PlanStats  # noqa: E402
+
+
+class PathLP:
+    """The path relaxation of one batch's step 0 (module docstring), its path inequalities kept across solves (each
+    is valid for every plan, so a branch and bound shares them)."""
+
+    def __init__(self, tree: BranchAndBound):
+        t = tree.tables
+        self.n_req, self.n_cand, self.n_layers = tree.n_req, len(t.counts), tree.n_layers
+        self.x0, self.comp, self.mats = tree.x0, tree.comp0, t.mats
+        n_var = self.n_req * self.n_cand + 1  # y_rk, then T
+        resident = tree.bcap[:, None] * (self.n_layers - t.counts)[None, :]  # [R, K]
+        self.cap_rows = np.zeros((self.n_layers, n_var))
+        for layer in range(self.n_layers):
+            self.cap_rows[layer, :-1] = (resident + tree.bcap[:, None] * t.hosts_f[None, :, layer]).ravel()
+        self.cap = tree.cap
+        self.eq = np.zeros((self.n_req, n_var))
+        for r in range(self.n_req):
+            self.eq[r, r * self.n_cand:(r + 1) * self.n_cand] = 1.0
+        self.objective = np.zeros(n_var)
+        self.objective[-1] = 1.0
+        self.rows: list[np.ndarray] = []
+        self.rhs: list[float] = []
+        self.solves = 0
+        self._ms = np.empty(self.n_layers + 1, np.int64)
+        self._ls = np.empty(self.n_layers + 1, np.int64)
+
+    def path(self, y: np.ndarray) -> float:
+        """The recursion at the (fractional) choice ``y`` [R, K]; adds its critical path's inequality and returns the
+        recursion's value (= that path's value at ``y``)."""
+        v = np.einsum("rk,r,kml->ml", y, self.x0, self.mats)
+        codes = np.empty((1, self.n_layers), np.int64)
+        value = float(dp_bound(v[None], self.comp, codes)[0])
+        g = np.zeros(self.n_cand)
+        skipped = 0.0  # compute of the layers inside the path's windows: not on the path
+        for j in range(critical_windows(codes[0], self._ms, self._ls)):
+            m, layer = self._ms[j], self._ls[j]
+            skipped += float(self.comp[m + 1:layer].sum() if m >= 0 else self.comp[:layer].sum())
+            g += self.mats[:, m + 1, layer]
+        row = np.zeros(self.n_req * self.n_cand + 1)
+        row[:-1] = (self.x0[:, None] * g[None, :]).ravel()
+        row[-1] = -1.0
+        self.rows.append(row)
+        self.rhs.append(-(float(self.comp.sum()) - skipped))
+        return value
+
+    def solve(self, lo: list[int], hi: list[int], cutoff: float = math.inf) -> tuple[float, np.ndarray | None]:
+        """The least ``T`` with request ``r``'s candidates kept to ``lo[r]..hi[r]``, adding paths until none is
+        violated or the bound reaches ``cutoff``; ``(inf, None)`` when no fractional choice fits."""
+        from scipy.optimize import linprog
+
+        ranges = [(0.0, 1.0 if lo[r] <= k <= hi[r] else 0.0) for r in range(self.n_req) for k in range(self.n_cand)]
+        if not self.rows:
+            start = np.zeros((self.n_req, self.n_cand))
+            start[np.arange(self.n_req), lo] = 1.0
+            self.path(start)
+        while True:
+            res = linprog(self.objective, A_ub=np.vstack([self.cap_rows, *self.rows]),
+                          b_ub=np.concatenate([np.full(self.n_layers, self.cap), self.rhs]), A_eq=self.eq,
+                          b_eq=np.ones(self.n_req), bounds=[*ranges, (0.0, None)], method="highs")
+            self.solves += 1
+            if res.status == 2:
+                return math.inf, None
+            if res.status != 0:
+                raise RuntimeError(f"LP failed: {res.message}")
+            y, bound = res.x[:-1].reshape(self.n_req, self.n_cand), float(res.x[-1])
+            if bound >= cutoff or self.path(y) <= bound * (1 + 1e-9) + 1e-12:
+                return bound, y
+
+
+def lp_branch_and_bound(lp: PathLP, plan_of, best: float, gap: float, cap_s: float) -> dict:
+    """Best-first branch and bound on :class:`PathLP`: a node keeps each request to a range of its candidates and is
+    cut once its bound is within ``gap`` of ``best`` (the incumbent, known from the start); a fractional request's
+    range is split at its mean candidate; an integral LP choice is a plan, priced by ``plan_of(candidates)`` (its
+    latency, inf where it breaks a rule the LP does not see: the SLO window) and, unless the node is then cut, split
+    around it. Returns the LP nodes, solves, whether the search ended within ``cap_s`` seconds, and the best plan."""
+    n_req, n_cand = lp.n_req, lp.n_cand
+    heap = [(0.0, 0, (0,) * n_req, (n_cand - 1,) * n_req)]
+    pushed, nodes, plans, start = 1, 0, 0, time.perf_counter()
+
+    def push(bound, lo, hi, r, a, b):
+        nonlocal pushed
+        if a <= b:
+            heapq.heappush(heap, (bound, pushed, lo[:r] + (a,) + lo[r + 1:], hi[:r] + (b,) + hi[r + 1:]))
+            pushed += 1
+
+    while heap and time.perf_counter() - start < cap_s:
+        bound, _, lo, hi = heapq.heappop(heap)
+        if bound >= best * (1 - gap):
+            continue
+        nodes += 1
+        bound, y = lp.solve(list(lo), list(hi), best * (1 - gap))
+        if y is None or bound >= best * (1 - gap):
+            continue
+        spread = 1.0 - y.max(axis=1)
+        if spread.max() > 1e-6:  # fractional: split the most fractional request's range at its mean candidate
+            r = int(spread.argmax())
+            split = min(max(int(math.floor(float(np.arange(n_cand) @ y[r]))), lo[r]), hi[r] - 1)
+            push(bound, lo, hi, r, lo[r], split)
+            push(bound, lo, hi, r, split + 1, hi[r])
+            continue
+        ks = y.argmax(axis=1).tolist()
+        plans += 1
+        best = min(best, plan_of(ks))
+        open_ = [r for r in range(n_req) if hi[r] > lo[r]]
+        if open_:  # exclude this plan: split the widest range around it
+            r = max(open_, key=lambda q: hi[q] - lo[q])
+            k = ks[r]
+            push(bound, lo, hi, r, lo[r], k - 1)
+            push(bound, lo, hi, r, k + 1, hi[r])
+            push(bound, lo, hi, r, k, k)
+    return {"nodes": nodes, "solves": lp.solves, "plans": plans, "done": not heap, "best": best}
+
+
+def plan_pricer(pl: Planner, reqs, distances, n_layers: int):
+    """``plan_of`` of :func:`lp_branch_and_bound`: a plan's step latency by ``pl`` (inf where it is not feasible),
+    from one candidate index per request (into ``distances``)."""
+    def plan_of(ks: list[int]) -> float:
+        e = pl.evaluate(Placement.from_distances(n_layers, [distances[k] for k in ks]), reqs)
+        return e.predicted_step_s if e.feasible else math.inf
+    return plan_of
+
+
+def _solve(cm, cap, reqs, transfer: str, cap_s: float):
+    pl = Planner(cm.with_updates(transfer=transfer), cap, alpha=1.0, window=(4, 16), time_limit_s=cap_s, **EXACT)
+    return pl, pl.plan(reqs)
+
+
+def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: float, out: list[str],
+             n_req: int = 16, n_layers: int = 80) -> None:
+    """The section's tables (module docstring)."""
+    out.append(f"\n### The path relaxation at ({n_req}, {n_layers})\n")
+    out.append(f"The {calls} batches of the speed table, those with a plan within the SLO on the preemptive link (none "
+               f"is feasible on the EDF link alone). best: the plan the compiled exact search "
+               f"finds within {exact_cap_s:g} s (EDF: the executor's link; pre: the preemptive link, "
+               "`CostModel(transfer=\"preemptive\")`), proven or not; search lb: the bound it certifies by then; LP "
+               "root: the path relaxation's bound at the root (a bound on both links), how many paths it took, its "
+               f"time with scipy's HiGHS, and how many requests its solution splits between candidates. LP B&B: the "
+               f"best-first branch and bound on it (preemptive link, the best plan found as its incumbent from the "
+               f"start), cut at a relative gap of {gap:g} (Gurobi's default MIPGap is 1e-4), capped at {lp_cap_s:g} s: "
+               "LP nodes and LP solves, and whether it proved the plan within the gap.\n")
+    out.append("| batch | best EDF | proven | search lb under it | best pre | proven | search lb under it | LP root "
+               "under best pre | under best EDF | paths | LP root s | split requests | LP B&B nodes | LP solves | "
+               "proven within gap |")
+    out.append("|---" * 15 + "|")
+    summary = {"root": [], "search": [], "nodes": [], "done": 0, "rows": 0}
+    for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls), desc="lp", leave=False)):
+        _, edf = _solve(cm, cap, reqs, "edf", exact_cap_s)
+        pl, pre = _solve(cm, cap, reqs, "preemptive", exact_cap_s)
+        if not pre.feasible:
+            continue
+        tree = BranchAndBound(pl.constraints, pl.constraints.horizon(reqs), PlanStats())
+        lp = PathLP(tree)
+        t0 = time.perf_counter()
+        root, y = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
+        root_s, paths = time.perf_counter() - t0, len(lp.rows)
+        bb = lp_branch_and_bound(lp, plan_pricer(pl, reqs, tree.tables.distances, n_layers), pre.predicted_step_s, gap,
+                                 lp_cap_s)
+        under = lambda lb, best: f"{100 * (1 - lb / best):.3f}%" if lb is not None and math.isfinite(best) else "-"  # noqa: E731
+        edf_best = edf.predicted_step_s if edf.feasible else math.inf
+        out.append(f"| {i} | {edf_best:.5f} | {edf.stats.exact} | {under(edf.stats.lower_bound_s, edf_best)} | "
+                   f"{pre.predicted_step_s:.5f} | {pre.stats.exact} | "
+                   f"{under(pre.stats.lower_bound_s, pre.predicted_step_s)} | {under(root, pre.predicted_step_s)} | "
+                   f"{under(root, edf_best)} | {paths} | {root_s:.2f} | {int((1 - y.max(axis=1) > 1e-6).sum())} | "
+                   f"{bb['nodes']} | {bb['solves']} | {bb['done']} |")
+        summary["rows"] += 1
+        summary["root"].append(100 * (1 - root / pre.predicted_step_s))
+        if not pre.stats.exact and pre.stats.lower_bound_s is not None:
+            summary["search"].append(100 * (1 - pre.stats.lower_bound_s / pre.predicted_step_s))
+        summary["nodes"].append(bb["nodes"])
+        summary["done"] += bb["done"]
+    if summary["rows"]:
+        out.append(f"\nLP root bound under the best preemptive plan: p50 {pct(summary['root'], 50):.3f}%, max "
+                   f"{max(summary['root']):.3f}% (the search's own bound after {exact_cap_s:g} s, where it did not "
+                   f"prove: p50 {pct(summary['search'], 50):.3f}%). LP B&B within a gap of {gap:g}: "
+                   f"{summary['done']} of {summary['rows']} proven within {lp_cap_s:g} s, LP nodes p50 "
+                   f"{pct(summary['nodes'], 50):.0f}.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=30, help="(16, 80) batches of the speed table (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exact-cap-s", type=float, default=2.0, help="cap of each exact solve, s (default %(default)s)")
+    ap.add_argument("--gap", type=float, default=1e-4,
+                    help="relative gap of the LP branch and bound (default %(default)s)")
+    ap.add_argument("--lp-cap-s", type=float, default=5.0,
+                    help="cap of each LP branch and bound, s (default %(default)s)")
+    ap.add_argument("--md", metavar="PATH", help="write the table as a Markdown fragment (docs/results/planner_lp.md)")
+    args = ap.parse_args()
+    for name in ("calls", "exact_cap_s", "lp_cap_s"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 <= args.gap < 1:
+        ap.error(f"--gap must be in [0, 1), got {args.gap}")
+    warm_up()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out: list[str] = []
+    bench_lp(args.calls, args.seed, args.exact_cap_s, args.gap, args.lp_cap_s, out)
+    print("\n".join(out))
+    if args.md:
+        cmd = "python benchmarks/planner_lp.py " + " ".join(sys.argv[1:])
+        head = (f"## Planner: how tight a linear relaxation gets at (16, 80)\n\nProduced by `{cmd}` on {started} "
+                f"({_machine()}), seed {args.seed}. The batches of `benchmarks/planner.py`'s speed table.\n")
+        os.makedirs(os.path.dirname(os.path.abspath(args.md)), exist_ok=True)
+        with open(args.md, "w") as f:
+            f.write(head + "\n".join(out) + "\n")
+        print(f"wrote {args.md}")
+
+
+if __name__ == "__main__":
+    main()
