@@ -585,11 +585,13 @@ def bench_link(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str])
                "complete plans scheduled exactly because no bound cut them (their sum over the batches). 'best step, "
                "preemptive / edf': each batch's best plan's predicted step on the preemptive link over its best on "
                "the EDF link (mean with a 95% t interval, and the least: the largest gain), over the batches both "
-               "found feasible; where a solve hit the cap its plan is the best found, not a proven optimum. 'EDF "
-               "infeasible only': batches with no plan within the SLO on the EDF link but one on the preemptive link. "
-               "The executor runs the EDF link; the preemptive one is priced, not run.\n")
+               "found feasible; where a solve hit the cap its plan is the best found, not a proven optimum. "
+               "'preemptive only': batches where only the preemptive link's search found a plan within the SLO (the "
+               "EDF one proved there is none, or found none before the cap; a plan that meets the SLO on the EDF "
+               "link meets it on the preemptive one). The executor runs the EDF link; the preemptive one is priced, "
+               "not run.\n")
     out.append("| R | L | batches | link | exact p50 ms | exact p99 ms | unproven | leaves | nodes p50 | feasible | "
-               "best step, preemptive / edf: mean [95% CI] | least | EDF infeasible only |")
+               "best step, preemptive / edf: mean [95% CI] | least | preemptive only |")
     out.append("|---" * 13 + "|")
     for n_req, n_layers in sizes:  # load the compiled code before timing
         cm, cap, reqs = random_instance(np.random.default_rng(seed), n_req, n_layers)
@@ -1070,14 +1072,19 @@ def main() -> None:
             title = "Planner: the executor's link vs a preemptive one"
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
-        head = (f"## {title}\n\nProduced by `{cmd}` on {started} "
-                f"({machine}), seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` "
-                f"(8-1024 blocks per layer, link 1.9-6x a layer's compute, capacity 0.3-0.6 of the KV, SLO 1.5-2.5x "
-                f"the no-offload step).\n")
-        os.makedirs(os.path.dirname(os.path.abspath(args.md)), exist_ok=True)
-        with open(args.md, "w") as f:
-            f.write(head + "\n".join(out) + "\n")
-        print(f"wrote {args.md}")
+        about = (f"seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` (8-1024 blocks per "
+                 "layer, link 1.9-6x a layer's compute, capacity 0.3-0.6 of the KV, SLO 1.5-2.5x the no-offload step)")
+        write_fragment(args.md, title, cmd, started, machine, about, out)
+
+
+def write_fragment(path: str, title: str, cmd: str, started: str, machine: str, about: str, out: list[str]) -> None:
+    """Write a section's tables ``out`` as a Markdown fragment of docs/results.md, headed by ``title`` and the command,
+    start time and machine (:func:`_machine` at the start) that made it (``about``: what it ran on)."""
+    head = f"## {title}\n\nProduced by `{cmd}` on {started} ({machine}), {about}.\n"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(head + "\n".join(out) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

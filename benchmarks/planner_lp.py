@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from planner import EXACT, _machine, pct, speed_cases  # noqa: E402
+from planner import EXACT, _machine, pct, speed_cases, write_fragment  # noqa: E402
 
 from orbitflow.plan import Placement, Planner, warm_up  # noqa: E402
 from orbitflow.plan.bounds import critical_windows, dp_bound  # noqa: E402
@@ -42,9 +42,14 @@ from orbitflow.plan.types import PlanStats  # noqa: E402
 
 class PathLP:
     """The path relaxation of one batch's step 0 (module docstring), its path inequalities kept across solves (each
-    is valid for every plan, so a branch and bound shares them)."""
+    is valid for every plan, so a branch and bound shares them). One prefetch slot only (a deeper one releases
+    transfers earlier than the paths assume); with ``host_layer_s`` > 0 still a bound, no longer a plan's own step."""
+
+    ROUNDS = 200  # most paths one solve adds (then its bound, over the paths so far, is still a lower bound)
 
     def __init__(self, tree: BranchAndBound):
+        if tree.rules.cost_model.prefetch_slots != 1:
+            raise ValueError("PathLP models one prefetch slot per request")
         t = tree.tables
         self.n_req, self.n_cand, self.n_layers = tree.n_req, len(t.counts), tree.n_layers
         self.x0, self.comp, self.mats = tree.x0, tree.comp0, t.mats
@@ -86,7 +91,8 @@ class PathLP:
 
     def solve(self, lo: list[int], hi: list[int], cutoff: float = math.inf) -> tuple[float, np.ndarray | None]:
         """The least ``T`` with request ``r``'s candidates kept to ``lo[r]..hi[r]``, adding paths until none is
-        violated or the bound reaches ``cutoff``; ``(inf, None)`` when no fractional choice fits."""
+        violated by more than HiGHS's tolerance, the bound reaches ``cutoff``, or :attr:`ROUNDS` paths were added;
+        ``(inf, None)`` when no fractional choice fits."""
         from scipy.optimize import linprog
 
         ranges = [(0.0, 1.0 if lo[r] <= k <= hi[r] else 0.0) for r in range(self.n_req) for k in range(self.n_cand)]
@@ -94,7 +100,7 @@ class PathLP:
             start = np.zeros((self.n_req, self.n_cand))
             start[np.arange(self.n_req), lo] = 1.0
             self.path(start)
-        while True:
+        for _ in range(self.ROUNDS):
             res = linprog(self.objective, A_ub=np.vstack([self.cap_rows, *self.rows]),
                           b_ub=np.concatenate([np.full(self.n_layers, self.cap), self.rhs]), A_eq=self.eq,
                           b_eq=np.ones(self.n_req), bounds=[*ranges, (0.0, None)], method="highs")
@@ -104,16 +110,21 @@ class PathLP:
             if res.status != 0:
                 raise RuntimeError(f"LP failed: {res.message}")
             y, bound = res.x[:-1].reshape(self.n_req, self.n_cand), float(res.x[-1])
-            if bound >= cutoff or self.path(y) <= bound * (1 + 1e-9) + 1e-12:
+            if bound >= cutoff or self.path(y) <= bound + 1e-7 * max(bound, 1.0):  # HiGHS: 1e-7 feasibility
                 return bound, y
+        return bound, y
 
 
 def lp_branch_and_bound(lp: PathLP, plan_of, best: float, gap: float, cap_s: float) -> dict:
-    """Best-first branch and bound on :class:`PathLP`: a node keeps each request to a range of its candidates and is
-    cut once its bound is within ``gap`` of ``best`` (the incumbent, known from the start); a fractional request's
+    """Best-first branch and bound on :class:`PathLP` (one slot, the preemptive link, no ``host_layer_s``: there the
+    relaxation at an integral choice is the plan's step): a node keeps each request to a range of its candidates and
+    is cut once its bound is within ``gap`` of ``best`` (the incumbent, known from the start); a fractional request's
     range is split at its mean candidate; an integral LP choice is a plan, priced by ``plan_of(candidates)`` (its
-    latency, inf where it breaks a rule the LP does not see: the SLO window) and, unless the node is then cut, split
-    around it. Returns the LP nodes, solves, whether the search ended within ``cap_s`` seconds, and the best plan."""
+    latency, inf where it breaks a rule the LP does not see: the SLO window). A feasible one whose step is the node's
+    bound is the node's best plan, and the node is done; any other is cut out of the node: for the open
+    requests in turn, children that keep the earlier ones at the plan's candidate and move this one off it. Returns
+    the LP nodes, the LP solves (the path relaxation's rounds, the root's included), whether every node left is cut
+    (within ``cap_s`` seconds), and the best plan."""
     n_req, n_cand = lp.n_req, lp.n_cand
     heap = [(0.0, 0, (0,) * n_req, (n_cand - 1,) * n_req)]
     pushed, nodes, plans, start = 1, 0, 0, time.perf_counter()
@@ -141,15 +152,16 @@ def lp_branch_and_bound(lp: PathLP, plan_of, best: float, gap: float, cap_s: flo
             continue
         ks = y.argmax(axis=1).tolist()
         plans += 1
-        best = min(best, plan_of(ks))
-        open_ = [r for r in range(n_req) if hi[r] > lo[r]]
-        if open_:  # exclude this plan: split the widest range around it
-            r = max(open_, key=lambda q: hi[q] - lo[q])
-            k = ks[r]
-            push(bound, lo, hi, r, lo[r], k - 1)
-            push(bound, lo, hi, r, k + 1, hi[r])
-            push(bound, lo, hi, r, k, k)
-    return {"nodes": nodes, "solves": lp.solves, "plans": plans, "done": not heap, "best": best}
+        price = plan_of(ks)
+        best = min(best, price)
+        if price <= bound + 1e-7 * max(bound, 1.0):  # the node's bound is this plan's step: nothing in it is better
+            continue
+        for r in (q for q in range(n_req) if hi[q] > lo[q]):  # the node without this plan
+            push(bound, lo, hi, r, lo[r], ks[r] - 1)
+            push(bound, lo, hi, r, ks[r] + 1, hi[r])
+            lo, hi = lo[:r] + (ks[r],) + lo[r + 1:], hi[:r] + (ks[r],) + hi[r + 1:]
+    done = all(b >= best * (1 - gap) for b, *_ in heap)
+    return {"nodes": nodes, "solves": lp.solves, "plans": plans, "done": done, "best": best}
 
 
 def plan_pricer(pl: Planner, reqs, distances, n_layers: int):
@@ -170,15 +182,17 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
              n_req: int = 16, n_layers: int = 80) -> None:
     """The section's tables (module docstring)."""
     out.append(f"\n### The path relaxation at ({n_req}, {n_layers})\n")
-    out.append(f"The {calls} batches of the speed table, those with a plan within the SLO on the preemptive link (none "
-               f"is feasible on the EDF link alone). best: the plan the compiled exact search "
+    out.append(f"The {calls} batches of the speed table, those where the preemptive link's search found a plan within "
+               f"the SLO (a plan that meets it on the EDF link meets it there too). best: the plan the compiled exact "
+               f"search "
                f"finds within {exact_cap_s:g} s (EDF: the executor's link; pre: the preemptive link, "
                "`CostModel(transfer=\"preemptive\")`), proven or not; search lb: the bound it certifies by then; LP "
                "root: the path relaxation's bound at the root (a bound on both links), how many paths it took, its "
                f"time with scipy's HiGHS, and how many requests its solution splits between candidates. LP B&B: the "
                f"best-first branch and bound on it (preemptive link, the best plan found as its incumbent from the "
                f"start), cut at a relative gap of {gap:g} (Gurobi's default MIPGap is 1e-4), capped at {lp_cap_s:g} s: "
-               "LP nodes and LP solves, and whether it proved the plan within the gap.\n")
+               "LP nodes and LP solves (path rounds, the root's included), and whether it proved the plan within the "
+               "gap.\n")
     out.append("| batch | best EDF | proven | search lb under it | best pre | proven | search lb under it | LP root "
                "under best pre | under best EDF | paths | LP root s | split requests | LP B&B nodes | LP solves | "
                "proven within gap |")
@@ -234,18 +248,14 @@ def main() -> None:
     if not 0 <= args.gap < 1:
         ap.error(f"--gap must be in [0, 1), got {args.gap}")
     warm_up()
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    started, machine = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), _machine()
     out: list[str] = []
     bench_lp(args.calls, args.seed, args.exact_cap_s, args.gap, args.lp_cap_s, out)
     print("\n".join(out))
     if args.md:
-        cmd = "python benchmarks/planner_lp.py " + " ".join(sys.argv[1:])
-        head = (f"## Planner: how tight a linear relaxation gets at (16, 80)\n\nProduced by `{cmd}` on {started} "
-                f"({_machine()}), seed {args.seed}. The batches of `benchmarks/planner.py`'s speed table.\n")
-        os.makedirs(os.path.dirname(os.path.abspath(args.md)), exist_ok=True)
-        with open(args.md, "w") as f:
-            f.write(head + "\n".join(out) + "\n")
-        print(f"wrote {args.md}")
+        write_fragment(args.md, "Planner: how tight a linear relaxation gets at (16, 80)",
+                       "python benchmarks/planner_lp.py " + " ".join(sys.argv[1:]), started, machine,
+                       f"seed {args.seed}. The batches of `benchmarks/planner.py`'s speed table", out)
 
 
 if __name__ == "__main__":

@@ -167,4 +167,5 @@ def test_link_section_prices_both_links_on_the_same_batches_and_the_preemptive_i
     assert feasible[1] >= feasible[0] > 0  # a faster link never turns a plan infeasible
     mean, least = float(rows[1][10].split()[0]), float(rows[1][11])
     assert least <= mean <= 1.0
-    assert int(rows[1][7]) <= int(rows[0][7])  # fewer plans scheduled exactly: its last bound is its latency
+    # fewer plans scheduled exactly on these batches (its last bound is its latency; not a rule: the trees differ)
+    assert int(rows[1][7]) <= int(rows[0][7])

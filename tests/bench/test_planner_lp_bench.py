@@ -14,18 +14,20 @@ from orbitflow.plan.types import PlanStats
 pytest.importorskip("scipy")
 
 
-def _setup(bench, cm, cap, reqs, transfer):
-    pl = Planner(cm.with_updates(transfer=transfer), cap, alpha=1.0, window=(4, 16), node_limit=None,
-                 check_better=False)
-    tree = BranchAndBound(pl.constraints, pl.constraints.horizon(reqs), PlanStats())
-    return pl, tree, bench.PathLP(tree)
+def _cases(bench):
+    """The speed table's batches of 5 requests over 16 layers (seed 3), each with its exact planner on the preemptive
+    link and a search tree and path relaxation of it: (cost model, capacity, requests, planner, tree, relaxation)."""
+    for cm, cap, reqs in load_benchmark("planner").speed_cases(3, 5, 16, 6):
+        pl = Planner(cm.with_updates(transfer="preemptive"), cap, alpha=1.0, window=(4, 16), node_limit=None,
+                     check_better=False)
+        tree = BranchAndBound(pl.constraints, pl.constraints.horizon(reqs), PlanStats())
+        yield cm, cap, reqs, pl, tree, bench.PathLP(tree)
 
 
 def test_path_relaxation_is_below_both_links_optima_and_exact_at_a_plan():
     bench = load_benchmark("planner_lp")
     checked = 0
-    for cm, cap, reqs in load_benchmark("planner").speed_cases(3, 5, 16, 6):
-        pl, tree, lp = _setup(bench, cm, cap, reqs, "preemptive")
+    for cm, cap, reqs, pl, tree, lp in _cases(bench):
         pre = pl.plan(reqs)
         edf = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False).plan(reqs)
         if not pre.feasible:
@@ -44,8 +46,7 @@ def test_path_relaxation_is_below_both_links_optima_and_exact_at_a_plan():
 def test_lp_branch_and_bound_finds_the_exact_optimum_and_cuts_within_its_gap():
     bench = load_benchmark("planner_lp")
     proven = 0
-    for cm, cap, reqs in load_benchmark("planner").speed_cases(3, 5, 16, 6):
-        pl, tree, lp = _setup(bench, cm, cap, reqs, "preemptive")
+    for _, _, reqs, pl, tree, lp in _cases(bench):
         opt = pl.plan(reqs)
         dists = tree.tables.distances
         plan_of = bench.plan_pricer(pl, reqs, dists, 16)

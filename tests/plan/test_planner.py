@@ -126,11 +126,12 @@ def test_pruned_search_is_exact_vs_brute_force(seed, impl):
             assert got.placement is None and len(got.victims) == n_req
 
 
+@pytest.mark.parametrize("transfer", ["edf", "preemptive"])
 @pytest.mark.parametrize("seed", range(3))
-def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed, impl):
+def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed, impl, transfer):
     """A calibrated profile adds a fixed latency per transfer, a per-request compute overhead and extra compute
     on every layer that reads prefetched KV: the bounds must stay valid lower bounds and the search exact, in
-    both implementations."""
+    both implementations, on both links."""
     rng = np.random.default_rng(200 + seed)
     for _ in range(4):
         n_req = int(rng.integers(1, 5))
@@ -139,7 +140,7 @@ def test_search_is_exact_with_engine_overheads_in_the_cost_model(seed, impl):
         comp = base.compute()
         cm = CostModel(comp, base.link_blocks_per_s, request_overhead_s=float(rng.uniform(0, 2) * comp.mean()),
                        transfer_latency_s=float(rng.uniform(0, 1.5) * comp.mean()),
-                       host_layer_s=float(rng.uniform(0, 1.0) * comp.mean()))
+                       host_layer_s=float(rng.uniform(0, 1.0) * comp.mean()), transfer=transfer)
         pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 0.5, 1.0])), window=(2, 10), check_better=False)
         got, best = plan_matches_brute_force(pl, reqs, n_layers)
         if best is not None:

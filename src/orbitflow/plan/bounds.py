@@ -1,7 +1,8 @@
 """Lower bounds on the step latency of any link schedule (used by the branch and bound).
 
 All bounds hold for every schedule that respects the executor's rules (one buffer slot per request, one
-transfer at a time on the link), so they are valid for ``"edf"``; they only grow when host layers are added,
+transfer at a time on the link, preemptive or not), so they are valid for ``"edf"`` and for ``"preemptive"``, whose
+latency the release/need recursion is; they only grow when host layers are added,
 so a partial assignment (unassigned requests offload nothing) bounds all its completions. EDF's own latency does
 not have that property (another request's copies can shorten a step:
 ``tests/plan/test_cost_model.py::test_edf_is_not_monotone_in_added_copies``), so a bound that holds only for EDF's

@@ -1,4 +1,5 @@
-"""Compiled kernels of the planner: the executor's EDF schedule, the branch and bound's inner loop, the window
+"""Compiled kernels of the planner: the executor's EDF schedule (and the preemptive link's, ``CostModel(transfer=
+"preemptive")``, through :func:`_link`), the branch and bound's inner loop, the window
 rule of one assignment (:func:`leaf_feasible`), the first incumbents and their local improvement.
 
 Compiled with numba (nopython, ``nogil``, ``cache=True``), so a solve on the planner thread does not hold the
@@ -1211,8 +1212,8 @@ def root_probes(k_of, r, comp_total, x0, feas, order, bcap, cap, cand, probe):
 
 @_jit
 def step0_added(k_of, abort_above, x0, feas):
-    """What the assignment ``k_of`` adds to step 0's compute (:func:`_edf` over the window's first segment), or -1.0
-    once the step is known to take longer than ``abort_above``."""
+    """What the assignment ``k_of`` adds to step 0's compute (:func:`_link`, the cost model's link, over the window's
+    first segment), or -1.0 once the step is known to take longer than ``abort_above``."""
     scr = feas[15]
     return _link(feas[6][4] == 1, feas[9][0], feas[10][0], feas[2], feas[3], k_of, x0, 1, abort_above, scr[0], scr[1],
                  scr[2], scr[3], scr[4], feas[5][3])

@@ -15,10 +15,10 @@ Three transfer models:
   moment a transfer needed by an earlier layer is released, and resumes where it stopped (as a copy thread that
   moves a layer in chunks and re-picks between them would, chunk switches free). Then the transfers needed by
   layers ``<= l`` never wait for later ones: they are all done at ``max over release times rho of rho + their
-  work released at or after rho``, the release/need recursion of :func:`orbitflow.plan.bounds.dp_bound`, which
-  bounds every link order from below. The executor does not run it (it moves one layer of one request at a
-  time): it is here to measure what such a link would give the plans and the planner
-  (``benchmarks/planner.py --sections link``), as ``"fair"`` is kept to compare with the paper.
+  work released at or after rho``. With one slot and no ``host_layer_s`` that is the release/need recursion of
+  :func:`orbitflow.plan.bounds.dp_bound`, which bounds every link order from below. The executor does not run it
+  (it moves one layer of one request at a time): it is here to measure what such a link would give the plans and
+  the planner (``benchmarks/planner.py --sections link``), as ``"fair"`` is kept to compare with the paper.
 * ``"fair"`` is the paper's Algorithm 1 as printed (active streams share the bandwidth equally, the share
   is redistributed as the smallest finishes; transfers only advance at the boundary of a layer that needs
   them and overlap only with the previous layer's compute). Kept for comparison.

@@ -562,7 +562,7 @@ class BranchAndBound:
         if self.edf:
             lat_lb = np.maximum(np.maximum(lat_lb, kid_chain), sep_lb)
             key = np.maximum(np.maximum(key, kid_chain), sep_lb)
-        else:  # the bounds are proven for the executor's schedule only
+        else:  # the bounds are proven for one prefetch slot, on the EDF and the preemptive link, only
             lat_lb = key = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * self.counts[:n_kids]
         if self.edf and self._propagate_at(depth):
