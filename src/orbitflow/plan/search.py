@@ -256,7 +256,7 @@ class BranchAndBound:
         cm = rules.cost_model
         # the latency bounds are proven for ONE prefetch slot per request only (the preemptive link's latency is the
         # release/need bound); at a deeper prefetch the search keeps just the capacity cut (exact, weaker pruning)
-        self.edf = cm.transfer in ("edf", "preemptive") and cm.prefetch_slots == 1
+        self.one_slot = cm.transfer in ("edf", "preemptive") and cm.prefetch_slots == 1
         self.link = cm.link_blocks_per_s
         self.b0 = win.blocks[0]
         self.bcap = win.blocks[rules.min_steps - 1]
@@ -266,7 +266,7 @@ class BranchAndBound:
         self._init_order()
         self._init_bound_tables()
         self.lat_ok = rules.lat_prefilter(win)
-        self.compiled = rules.compiled and self.edf
+        self.compiled = rules.compiled and self.one_slot
         self.best_host: np.ndarray | None = None
         self.best_k: np.ndarray | None = None  # the incumbent's candidate per request
         self.best_key = (upper, math.inf)
@@ -559,13 +559,13 @@ class BranchAndBound:
             rest_cost = 0.0
         sep_lb = (self.sep_off[:, None] + kid_sep + rest_cost).max(axis=0)
         kid_chain = np.maximum(self.comp_total + self.chain[r, :n_kids], chain_lb)
-        if self.edf:
+        if self.one_slot:
             lat_lb = np.maximum(np.maximum(lat_lb, kid_chain), sep_lb)
             key = np.maximum(np.maximum(key, kid_chain), sep_lb)
         else:  # the bounds are proven for one prefetch slot, on the EDF and the preemptive link, only
             lat_lb = key = np.full(n_kids, self.comp_total)
         new_moved = moved + self.b0[r] * self.counts[:n_kids]
-        if self.edf and self._propagate_at(depth):
+        if self.one_slot and self._propagate_at(depth):
             # deep in the tree: the propagated release/need bound (bounds.dp_bound), the unassigned requests at their
             # least host layers; higher up the separable bound is about as tight and much cheaper
             tail = self._tail_at(depth)
@@ -954,7 +954,7 @@ class BranchAndBound:
         moved = float(sum(self.b0[r] * self.counts[k_of[r]] for r in range(self.n_req)))
         if host is None:
             host = self.hosts[k_of]
-        if self.edf:
+        if self.one_slot:
             best = self.best_key[0]
             lat0 = self._lat0(k_of, best + 2 * REL_TOL * max(abs(best), 1.0) if math.isfinite(best) else math.inf)
             if lat0 is None:  # slower than the incumbent: stopped part-way
@@ -965,7 +965,7 @@ class BranchAndBound:
         key = (lat0, moved)
         if not better(key, self.best_key):
             return False
-        if not self.rules.feasible(self.win, host, lat0, later_lb=lb if self.edf else 0.0):
+        if not self.rules.feasible(self.win, host, lat0, later_lb=lb if self.one_slot else 0.0):
             return False
         self._set_best(np.asarray(k_of, dtype=np.int64), key)
         return True
