@@ -39,6 +39,13 @@ from orbitflow.plan.bounds import critical_windows, dp_bound  # noqa: E402
 from orbitflow.plan.search import BranchAndBound  # noqa: E402
 from orbitflow.plan.types import PlanStats  # noqa: E402
 
+LP_TOL = 1e-7  # HiGHS's primal feasibility tolerance: a path (or a plan) within it of a bound does not raise it
+
+
+def _within_tol(value: float, bound: float) -> bool:
+    """Whether ``value`` is at most ``bound`` up to :data:`LP_TOL` (relative, absolute below 1)."""
+    return value <= bound + LP_TOL * max(bound, 1.0)
+
 
 class PathLP:
     """The path relaxation of one batch's step 0 (module docstring), its path inequalities kept across solves (each
@@ -110,7 +117,7 @@ class PathLP:
             if res.status != 0:
                 raise RuntimeError(f"LP failed: {res.message}")
             y, bound = res.x[:-1].reshape(self.n_req, self.n_cand), float(res.x[-1])
-            if bound >= cutoff or self.path(y) <= bound + 1e-7 * max(bound, 1.0):  # HiGHS: 1e-7 feasibility
+            if bound >= cutoff or _within_tol(self.path(y), bound):
                 return bound, y
         return bound, y
 
@@ -121,7 +128,8 @@ def lp_branch_and_bound(lp: PathLP, plan_of, best: float, gap: float, cap_s: flo
     is cut once its bound is within ``gap`` of ``best`` (the incumbent, known from the start); a fractional request's
     range is split at its mean candidate; an integral LP choice is a plan, priced by ``plan_of(candidates)`` (its
     latency, inf where it breaks a rule the LP does not see: the SLO window). A feasible one whose step is the node's
-    bound is the node's best plan, and the node is done; any other is cut out of the node: for the open
+    bound (within :data:`LP_TOL`) is the node's best plan, and the node is done; any other is cut out of the node:
+    for the open
     requests in turn, children that keep the earlier ones at the plan's candidate and move this one off it. Returns
     the LP nodes, the LP solves (the path relaxation's rounds, the root's included), whether every node left is cut
     (within ``cap_s`` seconds), and the best plan."""
@@ -154,7 +162,7 @@ def lp_branch_and_bound(lp: PathLP, plan_of, best: float, gap: float, cap_s: flo
         plans += 1
         price = plan_of(ks)
         best = min(best, price)
-        if price <= bound + 1e-7 * max(bound, 1.0):  # the node's bound is this plan's step: nothing in it is better
+        if _within_tol(price, bound):  # the node's bound is this plan's step: nothing in it is better
             continue
         for r in (q for q in range(n_req) if hi[q] > lo[q]):  # the node without this plan
             push(bound, lo, hi, r, lo[r], ks[r] - 1)

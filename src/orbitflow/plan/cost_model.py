@@ -479,6 +479,12 @@ class CostModel:
         return float(blocks) / self._link + (self._latency if blocks > 0 else 0.0)
 
     # -- prediction -------------------------------------------------------------------------------------
+    @property
+    def link_stalls(self) -> Callable[..., list[float] | None]:
+        """The per-layer stall evaluator of the ``"edf"`` or ``"preemptive"`` link (:func:`edf_stalls` or
+        :func:`preemptive_stalls`, the same arguments): what :meth:`stalls` and the search's leaves run."""
+        return preemptive_stalls if self._transfer == "preemptive" else edf_stalls
+
     def stalls(
         self, host_mask: np.ndarray, blocks_per_layer: Sequence[float] | np.ndarray, comp: np.ndarray
     ) -> list[float]:
@@ -488,8 +494,7 @@ class CostModel:
         if self._transfer == "fair":
             return fair_stalls((comp + self.host_layer_compute(host_mask)).tolist(), host_mask, xfer)
         hosts = [np.flatnonzero(row).tolist() for row in host_mask]
-        link = preemptive_stalls if self._transfer == "preemptive" else edf_stalls
-        return link(comp.tolist(), hosts, xfer, slots=self._slots, host_layer_s=self._host_layer)
+        return self.link_stalls(comp.tolist(), hosts, xfer, slots=self._slots, host_layer_s=self._host_layer)
 
     def host_layer_compute(self, host_mask: np.ndarray) -> np.ndarray:
         """Per-layer extra compute of a host mask ``[R, L]``: ``host_layer_s`` where some request's KV is on the

@@ -98,7 +98,7 @@ from orbitflow.plan.bounds import (
     separable_tables,
     tail_cover,
 )
-from orbitflow.plan.cost_model import edf_stalls, host_layers_s, preemptive_stalls
+from orbitflow.plan.cost_model import host_layers_s
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import distance_row, memory_blocks, pruned_distances
 from orbitflow.plan.types import REL_TOL, PlanStats, better
@@ -291,7 +291,6 @@ class BranchAndBound:
         self.suffix_comp = np.cumsum(comp0[::-1])[::-1]  # sum_{k>=l} comp_k
         self.x0 = self.rules.cost_model.transfer_s(self.b0)  # per transfer, with the link's fixed latency
         self.preemptive = self.rules.cost_model.transfer == "preemptive"
-        self._link_stalls = preemptive_stalls if self.preemptive else edf_stalls  # the leaves' schedule
         # requests by transfer-to-compute ratio, lowest first (the greedy's order): what tightening and the local
         # improvement's moves walk
         self.ratio_order = np.argsort(self.x0, kind="stable")
@@ -975,7 +974,8 @@ class BranchAndBound:
         compiled one's floats (:func:`orbitflow.plan.compiled.step0_added`); None once above ``abort_above``."""
         lists = [self.lists[k] for k in k_of]
         h = self.rules.cost_model.host_layer_s
-        stalls = self._link_stalls(self.comp0_list, lists, self.x0_list, abort_above=abort_above, host_layer_s=h)
+        stalls = self.rules.cost_model.link_stalls(self.comp0_list, lists, self.x0_list, abort_above=abort_above,
+                                                   host_layer_s=h)
         if stalls is None:
             return None
         return self.comp_total + (float(sum(stalls)) + host_layers_s(lists, h))
