@@ -6,6 +6,8 @@ On a CUDA machine, for SmolLM2-135M (and every `--llama DIR`, a local 1B-8B Llam
 2. overlap: decode steps with host-resident layers (`--overlap-placement`) under a measured hardware profile:
    per step, GPU time the compute stream stalled on prefetches vs the link's busy time (both from CUDA events,
    kv/events.py), and the step latency vs the planner's prediction for that step;
+   1 and 2 run on each link order of `--kv-links` (`--kv-link edf`, and `preemptive`: chunked copies that yield
+   to an earlier layer's, each chunk waited on by the copy worker; preemptions per step are counted);
 3. host syncs: the protocol's own count per decode step (expected: 1, the sampled tokens) and, independently,
    PyTorch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`): every synchronizing CUDA call in the
    step warns, so nothing outside the protocol can sync unseen.
@@ -41,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated fixed placements checked for token identity (default %(default)s)")
     p.add_argument("--overlap-placement", default="distance:2",
                    help="placement of the overlap / latency measurement (default %(default)s)")
+    p.add_argument("--kv-links", default="edf,preemptive",
+                   help="comma list of the link orders to run (--kv-link; default %(default)s)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per batch (default %(default)s)")
     p.add_argument("--context", type=int, default=512, help="prompt length in tokens (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default %(default)s)")
@@ -55,6 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("prompts", "context", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    from orbitflow.config import LINK_CHOICES
+
+    bad = [link for link in args.kv_links.split(",") if link not in LINK_CHOICES]
+    if bad or not args.kv_links:
+        p.error(f"--kv-links takes a comma list of {', '.join(LINK_CHOICES)}, got {args.kv_links!r}")
     return args
 
 
@@ -83,14 +92,14 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def make_llm(loaded, spec: str, args, profile):
+def make_llm(loaded, spec: str, args, profile, link: str = "edf"):
     from orbitflow.config import EngineConfig
     from orbitflow.llm import LLM
     from orbitflow.policies import FixedPlacementPolicy
 
     blocks = args.prompts * (-(-(args.context + args.max_tokens) // 16)) * loaded.config.num_layers
     config = EngineConfig.build(model=loaded.name, device_kv_blocks=blocks + 4 * loaded.config.num_layers,
-                                host_kv_blocks=blocks + 64, max_num_seqs=args.prompts)
+                                host_kv_blocks=blocks + 64, max_num_seqs=args.prompts, kv_link=link)
     return LLM(config, policy=FixedPlacementPolicy(spec), profile=profile, loaded=loaded)
 
 
@@ -99,8 +108,8 @@ def check_identity(loaded, model_dir, prompts, args, dtype) -> list[dict]:
 
     reference = hf_reference(model_dir, prompts, args.max_tokens, dtype)
     rows = []
-    for spec in args.placements.split(","):
-        llm = make_llm(loaded, spec, args, "rough")
+    for link, spec in ((link, spec) for link in args.kv_links.split(",") for spec in args.placements.split(",")):
+        llm = make_llm(loaded, spec, args, "rough", link)
         try:
             reqs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens))  # both stop at EOS
             outs = [r.output_ids for r in reqs]
@@ -108,18 +117,18 @@ def check_identity(loaded, model_dir, prompts, args, dtype) -> list[dict]:
         finally:
             llm.close()
         diverged = [first_divergence(o, r) for o, r in zip(outs, reference)]
-        rows.append({"placement": spec, "identical": sum(d is None for d in diverged), "of": len(prompts),
+        rows.append({"link": link, "placement": spec, "identical": sum(d is None for d in diverged), "of": len(prompts),
                      "first_divergence": min((d for d in diverged if d is not None), default=None),
                      "leaked": leaked})
     return rows
 
 
-def measure_overlap(loaded, prompts, args) -> dict:
+def measure_overlap(loaded, prompts, args, link: str = "edf") -> dict:
     """Decode steps under the overlap placement with a measured profile: stall, link busy, step vs prediction,
     host syncs (the protocol's count and PyTorch's sync debug mode)."""
     from orbitflow.runtime.sampling import SamplingParams
 
-    llm = make_llm(loaded, args.overlap_placement, args, "measure")
+    llm = make_llm(loaded, args.overlap_placement, args, "measure", link)
     engine, transfer = llm.engine, llm.kv.transfer
     steps = []
     executed = []  # the ScheduleOutput of each executed step: is it decode, and what was predicted for it
@@ -135,7 +144,7 @@ def measure_overlap(loaded, prompts, args) -> dict:
             engine.add_request(f"s{i}", p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
         while engine.has_work():
             executed.clear()
-            busy, syncs = transfer.busy_s, transfer.device.host_syncs
+            busy, syncs, preempted = transfer.busy_s, transfer.device.host_syncs, transfer.preemptions
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
@@ -149,15 +158,16 @@ def measure_overlap(loaded, prompts, args) -> dict:
             steps.append({
                 "step_s": result.step_s, "stall_s": result.stall_s, "compute_s": result.compute_s,
                 "link_busy_s": transfer.busy_s - busy, "predicted_s": out.predicted_step_s,
-                "protocol_syncs": transfer.device.host_syncs - syncs,
+                "protocol_syncs": transfer.device.host_syncs - syncs, "preemptions": transfer.preemptions - preempted,
                 "cuda_sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
             })
     finally:
         llm.close()
     if not steps:
-        return {"steps": 0}
+        return {"link": link, "steps": 0}
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-    med["steps"] = len(steps)
+    med["steps"], med["link"] = len(steps), link
+    med["preemptions"] = statistics.mean(s["preemptions"] for s in steps)
     med["max_protocol_syncs"] = max(s["protocol_syncs"] for s in steps)
     med["max_cuda_sync_warnings"] = max(s["cuda_sync_warnings"] for s in steps)
     med["overlap"] = 1 - med["stall_s"] / med["link_busy_s"] if med["link_busy_s"] > 0 else None
@@ -174,7 +184,7 @@ def run_model(name_or_dir: str, args) -> dict:
     loaded.model.to("cuda")
     prompts = prompts_for(args, loaded.config.vocab_size)
     identity = check_identity(loaded, loaded.path, prompts, args, dtype)
-    overlap = measure_overlap(loaded, prompts, args)
+    overlap = [measure_overlap(loaded, prompts, args, link) for link in args.kv_links.split(",")]
     return {"model": name_or_dir, "identity": identity, "overlap": overlap}
 
 
@@ -189,27 +199,27 @@ def render(results: list[dict], args, argv) -> str:
         f"{args.prompts} x {args.context} tokens, {args.max_tokens} new, {args.dtype}." + (f" {args.note}" if args.note
                                                                                        else ""),
         "",
-        "| model | placement | identical to transformers | first divergence | blocks leaked |",
-        "|---|---|---|---|---|",
+        "| model | link | placement | identical to transformers | first divergence | blocks leaked |",
+        "|---|---|---|---|---|---|",
     ]
     for res in results:
         for row in res["identity"]:
-            lines.append(f"| {res['model']} | {row['placement']} | {row['identical']}/{row['of']} | "
+            lines.append(f"| {res['model']} | {row['link']} | {row['placement']} | {row['identical']}/{row['of']} | "
                          f"{row['first_divergence'] if row['first_divergence'] is not None else '-'} | "
                          f"{'yes' if row['leaked'] else 'no'} |")
     lines += ["", f"Decode steps under `{args.overlap_placement}` (medians; times in ms, GPU time from CUDA events):",
-              "", "| model | steps | step | predicted | error | compute | stall | link busy | overlap | "
-              "host syncs/step (protocol, max) | sync warnings/step (torch, max) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "", "| model | link | steps | step | predicted | error | compute | stall | link busy | overlap | "
+              "preemptions/step (mean) | host syncs/step (protocol, max) | sync warnings/step (torch, max) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
-        o = res["overlap"]
-        if not o.get("steps"):
-            lines.append(f"| {res['model']} | 0 | | | | | | | | | |")
-            continue
-        lines.append(f"| {res['model']} | {o['steps']} | {f(o['step_s'])} | {f(o['predicted_s'])} | "
-                     f"{f(o['error_vs_prediction'], 100, 1)}% | {f(o['compute_s'])} | {f(o['stall_s'])} | "
-                     f"{f(o['link_busy_s'])} | {f(o['overlap'], 100, 0)}% | {o['max_protocol_syncs']} | "
-                     f"{o['max_cuda_sync_warnings']} |")
+        for o in res["overlap"]:
+            if not o.get("steps"):
+                lines.append(f"| {res['model']} | {o['link']} | 0 | | | | | | | | | | |")
+                continue
+            lines.append(f"| {res['model']} | {o['link']} | {o['steps']} | {f(o['step_s'])} | {f(o['predicted_s'])} | "
+                         f"{f(o['error_vs_prediction'], 100, 1)}% | {f(o['compute_s'])} | {f(o['stall_s'])} | "
+                         f"{f(o['link_busy_s'])} | {f(o['overlap'], 100, 0)}% | {o['preemptions']:.2f} | "
+                         f"{o['max_protocol_syncs']} | {o['max_cuda_sync_warnings']} |")
     return "\n".join(lines) + "\n"
 
 

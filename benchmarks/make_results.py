@@ -8,7 +8,8 @@ Run:  python benchmarks/make_results.py                 # simulator stage + the 
 
 Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% CIs), planner
 (benchmarks/planner.py), planner_proof (its proof section), planner_link (its link section: the same batches planned
-for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), engine_vs_hf
+for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), kv_link (benchmarks/kv_link.py:
+the preemptive link on the engine), engine_vs_hf
 (benchmarks/engine_vs_hf.py),
 host_copy_bound (benchmarks/host_copy_bound.py), sim_fidelity (benchmarks/sim_vs_engine.py).
 The page always includes whichever fragments exist. Every simulator run is appended to a cache
@@ -70,6 +71,7 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("planner_proof", "Planner: what an exact proof at (16, 80) takes"),
              ("planner_link", "Planner: the executor's link vs a preemptive one"),
              ("planner_lp", "Planner: how tight a linear relaxation gets at (16, 80)"),
+             ("kv_link", "The preemptive KV link on the real engine"),
              ("planner_engine_gpu", "The planner beside the engine (CUDA, 16 cores)"),
              ("planner_engine_cpu", "The planner beside the engine (CPU, 16 cores)"),
              ("planner_engine_cpu2", "The planner beside the engine (CPU, 2 cores)"),
@@ -83,6 +85,7 @@ OTHER_STAGES = {
     "planner_proof": ["benchmarks/planner.py", "--sections", "proof", "--md", "docs/results/planner_proof.md"],
     "planner_link": ["benchmarks/planner.py", "--sections", "link", "--md", "docs/results/planner_link.md"],
     "planner_lp": ["benchmarks/planner_lp.py", "--md", "docs/results/planner_lp.md"],
+    "kv_link": ["benchmarks/kv_link.py", "--rounds", "4", "--repeat", "3", "--md", "docs/results/kv_link.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],
     "host_copy_bound": ["benchmarks/host_copy_bound.py", "--md", "docs/results/host_copy_bound.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3",
@@ -560,9 +563,7 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="sim",
-                    help="comma list of sim, planner, engine_vs_hf, host_copy_bound, sim_fidelity, sim_fidelity_tight, "
-                         "tensor_parallel, "
-                         "cluster, or 'all'; "
+                    help=f"comma list of sim, {', '.join(OTHER_STAGES)}, or 'all'; "
                          "'none' re-assembles the page from the fragments already in docs/results/ (the simulator "
                          "section included, with the line saying which commit made it)")
     ap.add_argument("--reduced", action="store_true",

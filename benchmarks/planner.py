@@ -588,8 +588,8 @@ def bench_link(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str])
                "found feasible; where a solve hit the cap its plan is the best found, not a proven optimum. "
                "'preemptive only': batches where only the preemptive link's search found a plan within the SLO (the "
                "EDF one proved there is none, or found none before the cap; a plan that meets the SLO on the EDF "
-               "link meets it on the preemptive one). The executor runs the EDF link; the preemptive one is priced, "
-               "not run.\n")
+               "link meets it on the preemptive one). The executor runs the EDF link by default and the preemptive one "
+               "with `--kv-link preemptive` (in chunks, `benchmarks/kv_link.py` measures it on the engine).\n")
     out.append("| R | L | batches | link | exact p50 ms | exact p99 ms | unproven | leaves | nodes p50 | feasible | "
                "best step, preemptive / edf: mean [95% CI] | least | preemptive only |")
     out.append("|---" * 13 + "|")

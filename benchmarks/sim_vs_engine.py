@@ -76,7 +76,7 @@ class StepSample:
     plan_s: float | None  # the controller's prediction for the plan in force
     measured_stall_s: float = 0.0
     sim_stall_s: float = 0.0
-    # the transfer model alone: EDF stall of this step given its MEASURED per-layer compute (so the compute
+    # the transfer model alone: its link's stall of this step given its MEASURED per-layer compute (so the compute
     # model's error does not enter); splits a stall error into transfer-model and compute-model parts
     transfer_stall_s: float = 0.0
 
@@ -86,6 +86,7 @@ class EngineRun:
     metrics: RunMetrics
     steps: list[StepSample] = field(default_factory=list)
     overhead_s: float = 0.0  # mean engine time per step outside the executor (planning, placement changes)
+    preemptions: int = 0  # fetches that yielded the link to a more urgent one (--kv-link preemptive)
 
 
 def make_trace(num: int, span_s: float, inputs: tuple[int, int], outputs: tuple[int, int], seed: int) -> Trace:
@@ -125,8 +126,9 @@ def capture_steps(llm: LLM, cost_model: CostModel, samples: list[StepSample]) ->
 
 
 def step_model(profile: HardwareProfile, llm: LLM) -> CostModel:
-    """The cost model the simulator charges this engine's steps with: the profile's, at the engine's depth."""
-    return profile.cost_model(prefetch_slots=llm.kv.transfer.prefetch_slots)
+    """The cost model the simulator charges this engine's steps with: the profile's, at the engine's depth and
+    link order."""
+    return profile.cost_model(llm.kv.transfer.link, llm.kv.transfer.prefetch_slots)
 
 
 def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfile, trace: Trace,
@@ -164,6 +166,7 @@ def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfi
                                       device_mem_util=stats.device_mem_util, solver_calls=c.solver_calls,
                                       solver_time_s=c.solver_time_s, pauses=stats.pauses)
         run.overhead_s = (step_wall - stats.busy_s) / max(stats.steps, 1)
+        run.preemptions = llm.kv.transfer.preemptions
         llm.close()
     return run
 

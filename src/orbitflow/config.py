@@ -29,6 +29,7 @@ from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"
 SCHEDULING_CHOICES = ("fcfs", "srtf")
+LINK_CHOICES = ("edf", "preemptive")  # kv.transfer.LINKS: the link orders the KV copy worker runs
 VICTIM_CHOICES = ("largest-kv+deposit", "longest", "shortest", "random")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 BACKGROUND_PLANNER_CHOICES = ("auto", "process", "thread", "off")
@@ -153,6 +154,17 @@ class CacheConfig(_Validated):
         None, "prefetch depth: KV layers of one request in flight at once (default: the policy's own, DeepSpeed "
               "2, others 1); the capacity equation charges D layers of buffer per request", type=int,
         check="count?", metavar="D")
+
+    # The link order of the KV copies, which the planner's cost model also assumes (its `transfer`).
+    kv_link: str = option(
+        "edf", "KV prefetch link order: edf (a copy holds the link to its end, earliest-needed layer first) or "
+               "preemptive (copies move in chunks of --kv-link-chunk-ms of link time and yield between two to an "
+               "earlier layer's); the planner plans for the link the engine runs", choices=LINK_CHOICES)
+    # 0.5 ms: on the CPU engine (benchmarks/kv_link.py) 0.1 ms chunks cost the step loop up to ~3% in copy-worker
+    # wake-ups; on CUDA the worker keeps two chunks queued, so an urgent copy waits for at most about 1 ms.
+    kv_link_chunk_ms: float = option(
+        0.5, "--kv-link preemptive: link time of one chunk, ms (at least one block); shorter chunks let an urgent "
+             "copy in sooner, at one more copy call and worker wake-up each", type=float, check="positive")
 
     @property
     def link_bytes_per_s(self) -> float | None:

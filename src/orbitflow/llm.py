@@ -83,6 +83,8 @@ class LLM:
         max_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
         ctx = PlanContext.from_profile(cfg, self.profile, self.policy)
         self.kv.transfer.prefetch_slots = ctx.cost_model.prefetch_slots  # the engine runs the depth it plans for
+        self.kv.transfer.link = ctx.cost_model.transfer  # ... and the link order
+        self.kv.transfer.chunk_s = cfg.cache.kv_link_chunk_ms / 1e3
         self.engine = Engine(
             cfg, self.executor, self.policy, ctx, self.clock,
             default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,

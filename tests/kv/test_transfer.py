@@ -88,6 +88,8 @@ def test_depth_two_lets_the_next_layer_land_before_this_one_is_consumed():
 
 
 # ---- strict async emulation: each protocol step, removed, is a race that strict mode catches ---------------
+import time  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -238,4 +240,94 @@ def test_scattered_copies_are_per_run_slice_copies_and_keep_the_data():
     engine.move_to_device(src, dst)
     for i, b in enumerate(dst):
         assert float(device.storage[0, b].mean()) == i and float(device.storage[1, b].mean()) == -i
+    engine.close()
+
+
+# ---- the preemptive link: a fetch yields the link between chunks to a more urgent one -----------------------
+LONG = 24  # blocks of request 0's layer 5: on the throttled link it takes 0.3 s, 6 chunks of 4
+
+
+def until(condition, timeout_s=5.0):
+    deadline = time.perf_counter() + timeout_s
+    while not condition():
+        assert time.perf_counter() < deadline, "the copy worker never got there"
+        time.sleep(0.001)
+
+
+def overtaking_step(link, strict=None, device_blocks=64, abort=False):
+    """Request 0 fetches a long layer 5; request 1 fetches layers 0 and 1 (2 blocks each), so its layer 1 is
+    released (its layer 0 consumed) while request 0's layer 5 is on the link. Returns the order in which fetches
+    were handed to the compute stream, the preemptions, and the long fetch (its progress)."""
+    device, host = BlockPool("device", device_blocks, BS, H, D), BlockPool("host", 64, BS, H, D)
+    engine = TransferEngine(device, host, LONG * host.bytes_per_block / 0.3, strict=strict)
+    engine.link, engine.chunk_s = link, 0.05  # 4 blocks
+    long, short = host.allocate(LONG), {layer: host.allocate(2) for layer in (0, 1)}
+    for i, b in enumerate(long):
+        host.storage[0, b], host.storage[1, b] = float(i + 1), float(-i - 1)
+    for layer, ids in short.items():
+        host.storage[:, ids] = 100.0 + layer
+    handed, original = [], engine._hand_over
+    engine._hand_over = lambda fetch, event: (handed.append((fetch.batch_index, fetch.layer)), original(fetch, event))
+    engine.start_step({0: [(5, long)], 1: [(0, short[0]), (1, short[1])]})
+    engine.wait_layer(0, [1])
+    assert float(torch.as_tensor(device.storage[:, engine.staged(1, 0)]).mean()) == 100.0
+    fetch = engine._fetches[(0, 5)]
+    until(lambda: fetch.staging is not None or fetch.scratch is not None)  # request 0's layer 5 is on the link
+    engine.release(1, 0, after=engine.device.record_compute())
+    if abort:  # the step ends while the long fetch is set aside: its slot must come back all the same
+        until(lambda: engine.preemptions > 0)
+        engine.end_step()
+        assert device.num_used == 0 and engine.overflow_blocks == 0
+        engine.close()
+        return handed, engine.preemptions, fetch
+    engine.wait_layer(1, [1])
+    assert float(device.storage[:, engine.staged(1, 1)].mean()) == 101.0
+    engine.release(1, 1, after=engine.device.record_compute())
+    engine.wait_layer(5, [0])
+    staged = engine.staged(0, 5)
+    data = staged[:, :LONG] if isinstance(staged, torch.Tensor) else device.storage[:, staged]
+    assert torch.equal(data, host.storage[:, long])  # every chunk landed in its place
+    engine.release(0, 5, after=engine.device.record_compute())
+    engine.end_step()
+    assert device.num_used == 0 and engine.overflow_blocks == 0
+    assert engine.bytes_h2d == (LONG + 4) * host.bytes_per_block
+    engine.close()
+    return handed, engine.preemptions, fetch
+
+
+
+def test_edf_link_makes_the_urgent_fetch_wait_for_the_long_one():
+    handed, preemptions, _ = overtaking_step("edf")
+    assert handed == [(1, 0), (0, 5), (1, 1)] and preemptions == 0
+
+
+@pytest.mark.parametrize("device_blocks", [64, 16], ids=["slot", "scratch"])
+def test_preemptive_link_lets_the_urgent_fetch_overtake_and_resumes_the_long_one(device_blocks):
+    handed, preemptions, fetch = overtaking_step("preemptive", device_blocks=device_blocks)
+    assert handed == [(1, 0), (1, 1), (0, 5)] and preemptions == 1
+    assert fetch.done == LONG
+
+
+def test_preemptive_link_under_strict_emulation_keeps_the_protocol():
+    """Copies and kernels land late (strict mode): every read still waits on its copy event, every slot refill
+    on its fence, and the chunks of a preempted fetch all land before its event completes."""
+    handed, preemptions, _ = overtaking_step("preemptive", strict=StrictAsync(enabled=True, max_delay_s=0.05))
+    assert handed == [(1, 0), (1, 1), (0, 5)] and preemptions == 1
+
+
+@pytest.mark.parametrize("device_blocks", [64, 16], ids=["slot", "scratch"])
+def test_a_fetch_set_aside_when_the_step_ends_frees_its_slot(device_blocks):
+    _, preemptions, fetch = overtaking_step("preemptive", device_blocks=device_blocks, abort=True)
+    assert preemptions == 1 and 0 < fetch.done < LONG and fetch.staging is None and fetch.scratch is None
+
+
+def test_the_link_order_is_checked_and_the_config_offers_the_same_ones():
+    from orbitflow.config import LINK_CHOICES, CacheConfig
+    from orbitflow.kv.transfer import CHUNK_S, LINKS
+
+    engine, _, _ = make_engine()
+    with pytest.raises(ValueError, match="link must be one of edf, preemptive"):
+        engine.link = "fair"
+    assert LINK_CHOICES == LINKS
+    assert CacheConfig().kv_link_chunk_ms == pytest.approx(1e3 * CHUNK_S)  # one default, written in two layers
     engine.close()

@@ -84,6 +84,22 @@ def test_strict_tokens_match_hf_under_placements(tiny_llama, strict):
             llm.close()
 
 
+def test_strict_preemptive_link_tokens_match_hf(tiny_llama, strict):
+    """Preempted fetches under strict emulation: a resumed fetch's chunks all land before its copy event
+    completes, and its slot is only refilled after its release fence."""
+    ps = prompts(3, 20, seed=3)
+    reference = [hf_greedy(tiny_llama.hf, p, 12) for p in ps]
+    llm = make_llm(tiny_llama, FixedPlacementPolicy("random:7"), max_num_seqs=3, device="cpu", kv_link="preemptive",
+                   link_gbps=0.02, kv_link_chunk_ms=1e-6)
+    try:
+        reqs = llm.generate(ps, SamplingParams(max_tokens=12))
+        assert [r.output_ids for r in reqs] == reference
+        assert llm.kv.usage() == (0, 0)
+        assert llm.kv.transfer.preemptions > 0
+    finally:
+        llm.close()
+
+
 def test_strict_pause_resume_and_abort(tiny_llama, strict):
     ps = prompts(4, 40)
     reference = [hf_greedy(tiny_llama.hf, p, 24) for p in ps]

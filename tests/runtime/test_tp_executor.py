@@ -7,6 +7,7 @@ import time
 import pytest
 from tiny_models import make_llm
 
+from orbitflow.kv.transfer import CHUNK_S
 from orbitflow.policies.base import PlanContext, default_slo_s
 from orbitflow.policies.fixed import FixedPlacementPolicy
 from orbitflow.runtime.clock import WallClock
@@ -56,6 +57,24 @@ def test_tp2_token_identical_to_tp1_under_every_placement(tiny_llama, tp2):
         else:
             assert moved == [0, 0]
     assert started < tp2.executor.progress_at < time.monotonic()  # what /health reads: rank 0's last layer
+
+
+def test_tp2_ranks_run_the_drivers_link_order(tiny_llama, tp2):
+    """--kv-link preemptive (and its chunk) reaches every rank with each step, and the tokens are still those of
+    one process (what preemption does on a rank is the transfer engine's own, tested in tests/kv)."""
+    one = make_llm(tiny_llama, policy=FixedPlacementPolicy("random:3"), max_num_seqs=3, compute_threads=1)
+    expected = [r.output_ids for r in one.generate(PROMPTS, SAMPLING)]
+    one.close()
+    _swap_engine(tp2, FixedPlacementPolicy("random:3"))
+    tp2.kv.transfer.link = "preemptive"
+    tp2.kv.transfer.chunk_s = 1e-9  # one block
+    try:
+        got = [r.output_ids for r in tp2.generate(PROMPTS, SAMPLING)]
+        assert got == expected
+        ranks = tp2.executor.sync()
+        assert [r.link for r in ranks] == ["preemptive", "preemptive"]
+    finally:
+        tp2.kv.transfer.link, tp2.kv.transfer.chunk_s = "edf", CHUNK_S
 
 
 def test_shadow_kv_replay_reaches_the_same_state():

@@ -1,11 +1,14 @@
 """Moves KV blocks between the host and device pools over one (optionally throttled) link.
 
-Within a decode step the schedule is the one the planner's `edf` cost model assumes:
+Within a decode step the schedule is the one the planner's cost model assumes (`edf`, or `preemptive`):
 - every request has `prefetch_slots` prefetch slots (the prefetch depth d, default ONE); its first d
   host-resident layers may start moving at step start, its k-th (k >= d) only after its (k-d)-th fetched
   layer has been consumed (`release`);
 - the link serves one transfer at a time, non-preemptively, earliest-needed layer first
   (ties: lower batch index);
+- or, with `link = "preemptive"` (the cost model's `preemptive` transfer), the same order, except that a
+  fetch moves in chunks (about `CHUNK_S` of link time each) and yields the link between two chunks to a
+  fetch of an earlier layer released meanwhile, keeping its slot and resuming where it stopped;
 - a layer waits until all of its host-resident KV has arrived (`wait_layer`); that wait is its stall.
 
 Staging slots are carved from the device pool, so fetched KV counts against the device budget. A slot is
@@ -47,6 +50,10 @@ import torch
 from orbitflow.kv.events import AsyncDevice, AsyncRaceError, Event, LayerClock, StrictAsync
 from orbitflow.kv.pool import BlockPool, OutOfBlocks, block_tensor, head_planes, is_run
 
+LINKS = ("edf", "preemptive")  # the link orders the copy worker can run (the cost model's `transfer` names them)
+CHUNK_S = 5e-4  # preemptive link: link seconds of one chunk (a fetch yields the link only between two)
+UNTHROTTLED_BYTES_PER_S = 25e9  # the rate chunks are sized for without a throttle: pinned copies on PCIe 4.0 x16
+
 
 @dataclass
 class _Fetch:
@@ -58,6 +65,8 @@ class _Fetch:
     scratch: torch.Tensor | None = None
     event: Event | None = None  # the copy event (set when the copy has been issued)
     read_serial: int = 0  # the device's event serial at the last READ: a release fence must be newer
+    done: int = 0  # host blocks copied so far (the preemptive link moves a fetch in chunks)
+    partial: Event | None = None  # CUDA: the copy event of its last chunk so far (a fetch preempted for good)
 
 
 class TransferEngine:
@@ -67,6 +76,9 @@ class TransferEngine:
         self.host_pool = host_pool
         self.link_bytes_per_s = link_bytes_per_s
         self.prefetch_slots = 1  # prefetch depth: fetches of one request that may be in flight at once
+        self._link_order = "edf"
+        self.chunk_s = CHUNK_S  # preemptive link: link seconds of one chunk (at least one block)
+        self.preemptions = 0  # times a fetch yielded the link to a more urgent one
         self.materialized = device_pool.storage is not None
         self.device = AsyncDevice(device_pool.storage.device if self.materialized else "cpu", strict)
         self.is_cuda = self.device.is_cuda
@@ -106,6 +118,18 @@ class TransferEngine:
             self._d2h_queue = queue.SimpleQueue()
             self._d2h_thread = threading.Thread(target=self._run_d2h, name="orbitflow-kv-d2h", daemon=True)
             self._d2h_thread.start()
+
+    @property
+    def link(self) -> str:
+        """The link order (`LINKS`): "edf", a fetch holds the link to its end; "preemptive", it moves in chunks of
+        `chunk_s` seconds of link time and yields between two to a fetch of an earlier layer."""
+        return self._link_order
+
+    @link.setter
+    def link(self, value: str) -> None:
+        if value not in LINKS:
+            raise ValueError(f"link must be one of {', '.join(LINKS)}, got {value!r}")
+        self._link_order = value
 
     @property
     def busy_s(self) -> float:
@@ -388,8 +412,9 @@ class TransferEngine:
             self._pending.clear()
             self._cond.wait_for(lambda: self._in_flight == 0)
             for key, fetch in self._fetches.items():
-                if key in self._issued and fetch.event is not None and "compute" not in fetch.event.waited:
-                    self.device.compute_wait(fetch.event)  # never consumed: compute reuse waits for the copy
+                copied = fetch.event if key in self._issued else fetch.partial  # a preempted fetch's chunks
+                if copied is not None and "compute" not in copied.waited:
+                    self.device.compute_wait(copied)  # never consumed: compute reuse waits for the copy
             after = self.device.record_compute() if self._fetches and self.materialized else None
             for fetch in self._fetches.values():
                 self._free_slot(fetch, after)
@@ -419,75 +444,128 @@ class TransferEngine:
 
     def _stage(self, fetch: _Fetch) -> None:
         """ACQUIRE point (copy worker): take the request's slot (the lowest free run, so its pages stay warm),
-        wait on its fence and on the host blocks' pending writes, fill its first blocks, record the copy event
-        and hand it to the compute stream (`_issued`)."""
+        wait on its fence and on the host blocks' pending writes, fill it, record the copy event and hand it to
+        the compute stream (`_issued`). On the preemptive link (`link`) the fill goes a chunk (`chunk_s`) at a time,
+        and between two chunks the fetch yields the link to a more urgent one (an earlier layer's) released
+        meanwhile: it goes back to the ready heap with its slot and its progress (`done`), and resumes there."""
         n = len(fetch.host_blocks)
-        try:
-            staging = self.device_pool.allocate(fetch.capacity, placement="first")
-        except OutOfBlocks:
-            staging = None
+        staging = None
+        if fetch.staging is None and fetch.scratch is None:  # first visit (a resumed fetch has its slot)
+            try:
+                staging = self.device_pool.allocate(fetch.capacity, placement="first")
+            except OutOfBlocks:
+                staging = None
         if not self.materialized:
             fetch.staging = staging
             self.bytes_h2d += n * self.host_pool.bytes_per_block
             self._hand_over(fetch, self.device.done_event())
             return
+        step = n if self.link == "edf" else self._chunk()
+        first = fetch.done
         with self._link:
             start = time.perf_counter()
             if self.is_cuda:
-                with torch.cuda.stream(self.stream):
-                    self._fill(fetch, staging, n, prepare_only=True)  # the stream waits on the fences
-                    begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
-                    begin.record(self.stream)
-                    self._fill(fetch, staging, n)
-                    end = torch.cuda.Event(enable_timing=True)
-                    end.record(self.stream)
-                with self._busy_lock:
-                    self._busy_events.append((begin, end))
-                event = self.device.record_copy()
-                self._hand_over(fetch, event)
-                if self.link_bytes_per_s:  # an emulated slow link must know when the copy ended
-                    self.device.worker_host_wait(event)
-                    self._throttle(n * self.host_pool.bytes_per_block, start)
-            elif self.device.strict.enabled:  # the copy lands late: the event is handed over before it does
-                event = self.device.record_copy()
-                self._fill(fetch, staging, n, prepare_only=True)
-                self._hand_over(fetch, event)
-                time.sleep(self.device.delay())
-                self._fill(fetch, staging, n)
-                event.complete()
-                self._throttle(n * self.host_pool.bytes_per_block, start)
-                self._busy_s += time.perf_counter() - start
+                self._stage_cuda(fetch, staging, n, step, start)
             else:
-                self._fill(fetch, staging, n)
-                self._throttle(n * self.host_pool.bytes_per_block, start)
+                strict = self.device.strict.enabled
+                self._prepare(fetch, staging)
+                while fetch.done < n:
+                    a, b = fetch.done, min(n, fetch.done + step)
+                    if b == n and strict:  # the last chunk lands late: its event is handed over before it does
+                        event = self.device.record_copy()
+                        self._hand_over(fetch, event)
+                        time.sleep(self.device.delay())
+                        self._copy(fetch, a, b)
+                        event.complete()
+                    else:
+                        self._copy(fetch, a, b)
+                    fetch.done = b
+                    self._throttle((b - first) * self.host_pool.bytes_per_block, start)  # the visit's bytes
+                    if b < n and self._yield_to_urgent(fetch):
+                        break
                 self._busy_s += time.perf_counter() - start
-                self._hand_over(fetch, self.device.done_event())
-        self.bytes_h2d += n * self.host_pool.bytes_per_block
+                if fetch.done == n and not strict:
+                    self._hand_over(fetch, self.device.done_event())
+        self.bytes_h2d += (fetch.done - first) * self.host_pool.bytes_per_block
 
-    def _fill(self, fetch: _Fetch, staging: list[int] | None, n: int, prepare_only: bool = False) -> None:
-        """Wait on the fences, take the slot (or a scratch tensor when the pool is full) and, unless
-        `prepare_only`, copy the host blocks into it."""
-        if fetch.staging is None and fetch.scratch is None:
-            if staging is not None:
-                fetch.staging = staging  # owned by the fetch from here on (freed by release or end_step)
-                self._wait_and_check(self.device_pool, staging, "copy", "slot refill")
-                if self.device.strict.enabled:  # strict: the slot holds garbage until the copy lands
-                    self.device.poison(self._slot_view(staging))
-            else:
-                src = self.host_pool.storage
-                fetch.scratch = block_tensor(fetch.capacity, *src.shape[2:], src.dtype, self.device_pool.storage.device)
-                self.device.poison(fetch.scratch)
-                with self._cond:
-                    self.overflow_blocks += fetch.capacity
-                    self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
-            self._wait_and_check(self.host_pool, fetch.host_blocks, "copy", "prefetch reads")
-        if prepare_only:
+    def _stage_cuda(self, fetch: _Fetch, staging: list[int] | None, n: int, step: int, start: float) -> None:
+        """`_stage` on CUDA: the chunks are queued on the copy stream; before choosing what follows a chunk, the
+        worker waits for the chunk before it, so at most two are queued and a more urgent fetch waits for at most
+        one chunk of this one (the link does not idle while the worker decides)."""
+        first, before = fetch.done, None
+        with torch.cuda.stream(self.stream):
+            self._prepare(fetch, staging)  # the stream waits on the fences
+            begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
+            begin.record(self.stream)
+            while fetch.done < n:
+                chunk_start = time.perf_counter()
+                a, b = fetch.done, min(n, fetch.done + step)
+                self._copy(fetch, a, b)
+                fetch.done = b
+                if b == n:
+                    break
+                fetch.partial = self.device.record_copy()  # what end_step must wait for if the fetch never resumes
+                if self.link_bytes_per_s:  # an emulated slow link must know when each chunk ended
+                    self.device.worker_host_wait(fetch.partial)
+                    self._throttle((b - a) * self.host_pool.bytes_per_block, chunk_start)
+                elif before is not None:
+                    self.device.worker_host_wait(before)
+                before = fetch.partial
+                if self._yield_to_urgent(fetch):
+                    break
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+        with self._busy_lock:
+            self._busy_events.append((begin, end))
+        if fetch.done < n:
             return
+        event = self.device.record_copy()
+        self._hand_over(fetch, event)
+        if self.link_bytes_per_s:
+            self.device.worker_host_wait(event)
+            self._throttle((n - first) * self.host_pool.bytes_per_block, start)
+
+    def _chunk(self) -> int:
+        """Blocks per chunk of the preemptive link: as many as take `chunk_s` on the link, at least one."""
+        rate = self.link_bytes_per_s or UNTHROTTLED_BYTES_PER_S
+        return max(1, int(self.chunk_s * rate / self.host_pool.bytes_per_block))
+
+    def _yield_to_urgent(self, fetch: _Fetch) -> bool:
+        """Preemptive link, between two chunks: whether a fetch of an earlier layer is ready; then this one goes
+        back to the ready heap (it keeps its slot and `done`) and the copy worker takes that one next."""
+        with self._cond:
+            if self._ready and self._ready[0][0] < fetch.layer:
+                self._push_ready(fetch)
+                self.preemptions += 1
+                return True
+        return False
+
+    def _prepare(self, fetch: _Fetch, staging: list[int] | None) -> None:
+        """First visit of a fetch: take the slot (or a scratch tensor when the pool is full) and wait on its
+        fences and on the host blocks' pending writes."""
+        if fetch.staging is not None or fetch.scratch is not None:
+            return
+        if staging is not None:
+            fetch.staging = staging  # owned by the fetch from here on (freed by release or end_step)
+            self._wait_and_check(self.device_pool, staging, "copy", "slot refill")
+            if self.device.strict.enabled:  # strict: the slot holds garbage until the copy lands
+                self.device.poison(self._slot_view(staging))
+        else:
+            src = self.host_pool.storage
+            fetch.scratch = block_tensor(fetch.capacity, *src.shape[2:], src.dtype, self.device_pool.storage.device)
+            self.device.poison(fetch.scratch)
+            with self._cond:
+                self.overflow_blocks += fetch.capacity
+                self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
+        self._wait_and_check(self.host_pool, fetch.host_blocks, "copy", "prefetch reads")
+
+    def _copy(self, fetch: _Fetch, a: int, b: int) -> None:
+        """Copy the fetch's host blocks ``a..b-1`` into the same places of its slot (or scratch tensor)."""
         if fetch.staging is not None:
-            self._issue(self.host_pool, fetch.host_blocks, self.device_pool, fetch.staging[:n])
+            self._issue(self.host_pool, fetch.host_blocks[a:b], self.device_pool, fetch.staging[a:b])
         else:
             target = _ScratchPool(fetch.scratch, self.host_pool)
-            self._issue(self.host_pool, fetch.host_blocks, target, list(range(n)))
+            self._issue(self.host_pool, fetch.host_blocks[a:b], target, list(range(a, b)))
 
     def _hand_over(self, fetch: _Fetch, event: Event) -> None:
         with self._cond:

@@ -16,9 +16,10 @@ Three transfer models:
   moves a layer in chunks and re-picks between them would, chunk switches free). Then the transfers needed by
   layers ``<= l`` never wait for later ones: they are all done at ``max over release times rho of rho + their
   work released at or after rho``. With one slot and no ``host_layer_s`` that is the release/need recursion of
-  :func:`orbitflow.plan.bounds.dp_bound`, which bounds every link order from below. The executor does not run it
-  (it moves one layer of one request at a time): it is here to measure what such a link would give the plans and
-  the planner (``benchmarks/planner.py --sections link``), as ``"fair"`` is kept to compare with the paper.
+  :func:`orbitflow.plan.bounds.dp_bound`, which bounds every link order from below. The executor runs it with
+  ``--kv-link preemptive`` (kv/transfer.py: chunks of ``--kv-link-chunk-ms``, so a switch waits for at most a chunk,
+  which this model takes as free); ``benchmarks/planner.py --sections link`` measures what it gives the plans and
+  the planner, ``benchmarks/kv_link.py`` the engine.
 * ``"fair"`` is the paper's Algorithm 1 as printed (active streams share the bandwidth equally, the share
   is redistributed as the smallest finishes; transfers only advance at the boundary of a layer that needs
   them and overlap only with the previous layer's compute). Kept for comparison.
@@ -406,8 +407,8 @@ class CostModel:
     # -- parameters (read-only) -------------------------------------------------------------------------
     num_layers = _read_only("_num_layers", "Layers of the model.")
     link_blocks_per_s = _read_only("_link", "Link rate in KV blocks per second.")
-    transfer = _read_only("_transfer", "Transfer model: 'edf' (the executor's schedule), 'preemptive' (the same link, "
-                                       "preemptive) or 'fair' (Algorithm 1).")
+    transfer = _read_only("_transfer", "Transfer model: 'edf' (the executor's default), 'preemptive' (the same link, "
+                                       "preemptive: --kv-link preemptive) or 'fair' (Algorithm 1).")
     prefetch_slots = _read_only("_slots", "Prefetch depth: buffer slots per request (layers of it in flight at once).")
     request_overhead_s = _read_only("_req_overhead", "Compute seconds per request beyond the first, per step.")
     transfer_latency_s = _read_only("_latency", "Fixed seconds per transfer on top of blocks / link rate.")

@@ -51,7 +51,7 @@ class PlanContext:
             block_size=config.cache.block_size,
             capacity_blocks=config.cache.device_kv_blocks,
             # the one cost model the simulator also runs on, at this policy's prefetch depth
-            cost_model=profile.cost_model(prefetch_slots=prefetch_slots_for(config, policy)),
+            cost_model=profile.cost_model(config.cache.kv_link, prefetch_slots_for(config, policy)),
             alpha=config.planner.alpha,
             window=(config.planner.window_min, config.planner.window_max),
             victim=config.planner.victim,

@@ -47,6 +47,7 @@ class SimExecutor(Executor):
         seed: int = 0,
         noise_cv: float = 0.0,
         prefetch_slots: int = 1,
+        link: str = "edf",
     ):
         if not (noise_cv >= 0 and np.isfinite(noise_cv)):
             raise ValueError(f"noise_cv must be a finite number >= 0, got {noise_cv!r}")
@@ -55,7 +56,7 @@ class SimExecutor(Executor):
         self.clock = clock
         self.num_layers = profile.num_layers
         self.block_size = profile.block_size
-        self.cost_model = profile.cost_model(prefetch_slots=prefetch_slots)  # the engine planner's very model
+        self.cost_model = profile.cost_model(link, prefetch_slots)  # the engine planner's very model
         self.noise = noise
         self.noise_cv = noise_cv
         self._ln_sigma = float(np.sqrt(np.log1p(noise_cv**2)))  # lognormal with mean 1 and CV noise_cv

@@ -144,6 +144,7 @@ class RankStats:
     bytes_d2h: int
     step_s: float  # of its last step (0 before the first)
     stall_s: float
+    link: str = "edf"  # the link order it runs (the driver's, sent with every step)
 
 
 @dataclass
@@ -166,7 +167,8 @@ class _WorkerSpec:
 def _rank_stats(rank: int, kv: KVManager, result: StepResult | None = None) -> RankStats:
     device_used, host_used = kv.usage()
     return RankStats(rank, device_used, host_used, kv.device_pool.bytes_per_block, kv.transfer.bytes_h2d,
-                     kv.transfer.bytes_d2h, result.step_s if result else 0.0, result.stall_s if result else 0.0)
+                     kv.transfer.bytes_d2h, result.step_s if result else 0.0, result.stall_s if result else 0.0,
+                     kv.transfer.link)
 
 
 def _measure_allreduce(hidden: int, dtype: torch.dtype, device, repeats: int = 15) -> dict[str, float]:
@@ -231,8 +233,7 @@ def _serve_rank(rank: int, spec: _WorkerSpec, conn, executor, local) -> None:
         try:
             replay(kv, message[1])
             if kind == "step":
-                _, _, slots, seqs = message
-                kv.transfer.prefetch_slots = slots
+                _, _, (kv.transfer.prefetch_slots, kv.transfer.link, kv.transfer.chunk_s), seqs = message
                 result = executor.step(seqs)
                 conn.send(("ok", result, _rank_stats(rank, kv, result)))
             elif kind == "sync":
@@ -436,11 +437,12 @@ class TensorParallelExecutor(Executor):
 
     def step(self, seqs: list[SeqInput]) -> StepResult:
         ops = self.kv.take_ops()
-        slots = self.kv.transfer.prefetch_slots
+        transfer = self.kv.transfer
+        schedule = transfer.prefetch_slots, transfer.link, transfer.chunk_s  # every rank runs this depth, link
         # Only rank 0 samples: the others get the batch without sampling inputs (and without the token histories
         # that penalties read).
         silent = [replace(s, sample=False, prompt_ids=(), output_ids=()) for s in seqs]
-        self._send([("step", ops, slots, seqs)] + [("step", ops, slots, silent)] * (self.size - 1))
+        self._send([("step", ops, schedule, seqs)] + [("step", ops, schedule, silent)] * (self.size - 1))
         replies = self._gather()
         results: list[StepResult] = [reply[1] for reply in replies]
         self.rank_stats = [reply[2] for reply in replies]

@@ -45,7 +45,8 @@ def build_sim_engine(profile: HardwareProfile, config: EngineConfig, noise: floa
     kv = accounting_kv(profile, config.cache.device_kv_blocks, config.cache.host_kv_blocks)
     policy = make_policy(config.planner.policy)
     executor = SimExecutor(profile, kv, clock, noise=noise, contention=contention, seed=config.model.seed,
-                           noise_cv=noise_cv, prefetch_slots=prefetch_slots_for(config, policy))
+                           noise_cv=noise_cv, prefetch_slots=prefetch_slots_for(config, policy),
+                           link=config.cache.kv_link)
     ctx = PlanContext.from_profile(config, profile, policy)
     engine = Engine(config, executor, policy, ctx, clock, default_slo_s(config, profile))
     # Expiries are solved ahead as the engine solves them (its planner process or thread; the config's "off" only
