@@ -7,7 +7,9 @@ On a CUDA machine, for SmolLM2-135M (and every `--llama DIR`, a local 1B-8B Llam
    per step, GPU time the compute stream stalled on prefetches vs the link's busy time (both from CUDA events,
    kv/events.py), and the step latency vs the planner's prediction for that step;
    1 and 2 run on each link order of `--kv-links` (`--kv-link edf`, and `preemptive`: chunked copies that yield
-   to an earlier layer's, each chunk waited on by the copy worker; preemptions per step are counted);
+   to an earlier layer's, at most two chunks queued on the copy stream), the preemptive one in chunks of
+   `--kv-link-chunk-ms` (default a few blocks, so that fetches do yield); preemptions are counted, and a report
+   whose preemptive runs never preempted says that the chunk path did not run;
 3. host syncs: the protocol's own count per decode step (expected: 1, the sampled tokens) and, independently,
    PyTorch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`): every synchronizing CUDA call in the
    step warns, so nothing outside the protocol can sync unseen.
@@ -45,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="placement of the overlap / latency measurement (default %(default)s)")
     p.add_argument("--kv-links", default="edf,preemptive",
                    help="comma list of the link orders to run (--kv-link; default %(default)s)")
+    p.add_argument("--kv-link-chunk-ms", type=float, default=0.002,
+                   help="chunk of the preemptive link, ms of link time (default %(default)s: a few blocks, so the "
+                        "chunk path runs)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per batch (default %(default)s)")
     p.add_argument("--context", type=int, default=512, help="prompt length in tokens (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default %(default)s)")
@@ -61,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     from orbitflow.config import LINK_CHOICES
 
+    if not args.kv_link_chunk_ms > 0:
+        p.error(f"--kv-link-chunk-ms must be > 0, got {args.kv_link_chunk_ms}")
     bad = [link for link in args.kv_links.split(",") if link not in LINK_CHOICES]
     if bad or not args.kv_links:
         p.error(f"--kv-links takes a comma list of {', '.join(LINK_CHOICES)}, got {args.kv_links!r}")
@@ -99,7 +106,8 @@ def make_llm(loaded, spec: str, args, profile, link: str = "edf"):
 
     blocks = args.prompts * (-(-(args.context + args.max_tokens) // 16)) * loaded.config.num_layers
     config = EngineConfig.build(model=loaded.name, device_kv_blocks=blocks + 4 * loaded.config.num_layers,
-                                host_kv_blocks=blocks + 64, max_num_seqs=args.prompts, kv_link=link)
+                                host_kv_blocks=blocks + 64, max_num_seqs=args.prompts, kv_link=link,
+                                kv_link_chunk_ms=args.kv_link_chunk_ms)
     return LLM(config, policy=FixedPlacementPolicy(spec), profile=profile, loaded=loaded)
 
 
@@ -113,13 +121,13 @@ def check_identity(loaded, model_dir, prompts, args, dtype) -> list[dict]:
         try:
             reqs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens))  # both stop at EOS
             outs = [r.output_ids for r in reqs]
-            leaked = llm.kv.usage() != (0, 0)
+            leaked, preemptions = llm.kv.usage() != (0, 0), llm.kv.transfer.preemptions
         finally:
             llm.close()
         diverged = [first_divergence(o, r) for o, r in zip(outs, reference)]
         rows.append({"link": link, "placement": spec, "identical": sum(d is None for d in diverged), "of": len(prompts),
                      "first_divergence": min((d for d in diverged if d is not None), default=None),
-                     "leaked": leaked})
+                     "leaked": leaked, "preemptions": preemptions})
     return rows
 
 
@@ -199,14 +207,14 @@ def render(results: list[dict], args, argv) -> str:
         f"{args.prompts} x {args.context} tokens, {args.max_tokens} new, {args.dtype}." + (f" {args.note}" if args.note
                                                                                        else ""),
         "",
-        "| model | link | placement | identical to transformers | first divergence | blocks leaked |",
-        "|---|---|---|---|---|---|",
+        "| model | link | placement | identical to transformers | first divergence | blocks leaked | preemptions |",
+        "|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for row in res["identity"]:
             lines.append(f"| {res['model']} | {row['link']} | {row['placement']} | {row['identical']}/{row['of']} | "
                          f"{row['first_divergence'] if row['first_divergence'] is not None else '-'} | "
-                         f"{'yes' if row['leaked'] else 'no'} |")
+                         f"{'yes' if row['leaked'] else 'no'} | {row['preemptions']} |")
     lines += ["", f"Decode steps under `{args.overlap_placement}` (medians; times in ms, GPU time from CUDA events):",
               "", "| model | link | steps | step | predicted | error | compute | stall | link busy | overlap | "
               "preemptions/step (mean) | host syncs/step (protocol, max) | sync warnings/step (torch, max) |",
@@ -220,6 +228,10 @@ def render(results: list[dict], args, argv) -> str:
                          f"{f(o['error_vs_prediction'], 100, 1)}% | {f(o['compute_s'])} | {f(o['stall_s'])} | "
                          f"{f(o['link_busy_s'])} | {f(o['overlap'], 100, 0)}% | {o['preemptions']:.2f} | "
                          f"{o['max_protocol_syncs']} | {o['max_cuda_sync_warnings']} |")
+    preempted = [row["preemptions"] for res in results for row in res["identity"] if row["link"] == "preemptive"]
+    if preempted and not any(preempted):
+        lines += ["", "WARNING: no fetch of the preemptive runs yielded the link: the chunk path did not run (try a "
+                      "smaller --kv-link-chunk-ms or longer --context)."]
     return "\n".join(lines) + "\n"
 
 

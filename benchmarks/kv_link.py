@@ -16,6 +16,11 @@ tell whether the profile, measured afresh, moves the ratio more than the rounds 
 (`fixed:random:7`, each layer of each request on the host with probability 1/2) runs the very same placements on
 both links; OrbitFlow plans for the link it runs.
 
+Then the same comparison at the paper's scale on the simulator (`orbitflow simulate --policies orbitflow --kv-link
+edf,preemptive`: the A5000 / Llama-3-8B preset, 64 requests of the long-context mix per seed, noise and solve time
+charged), where many more requests share the link: attainment, P95 TBT, mean generated TBT and the planner's time
+per solve, mean with 95% CI over the seeds, and the preemptive-minus-EDF difference per seed (paired: same trace).
+
 Run:  python benchmarks/kv_link.py [--rounds 3] [--repeat 2] [--policies fixed:random:7,orbitflow]
           [--md docs/results/kv_link.md]
 """
@@ -28,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +44,12 @@ from sim_vs_engine import MODEL, loadavg, make_trace, run_engine, step_errors  #
 from orbitflow.config import LINK_CHOICES, EngineConfig  # noqa: E402
 from orbitflow.llm import LLM  # noqa: E402
 from orbitflow.model.loader import load_model  # noqa: E402
+from orbitflow.plan.hardware import load_preset  # noqa: E402
+from orbitflow.sim.sweep import PAPER_SETUP, grid, run_points  # noqa: E402
+
+SIM_PRESET = "a5000-llama3-8b"
+SIM_METRICS = (("tbt_attainment", "TBT attainment", 1.0, "{:.4f}"), ("p95_tbt_s", "P95 TBT ms", 1e3, "{:.2f}"),
+               ("tbt_mean_s", "mean TBT ms", 1e3, "{:.3f}"))
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float, float]:
@@ -113,7 +125,7 @@ def tables(repeats: list[dict]) -> list[str]:
                        f"{', '.join(f'{x:.3f}' for x in measured)} | {mm:.3f} | [{mlo:.3f}, {mhi:.3f}] |")
             intervals.append((lo, hi))
         lo, hi = intervals[-1]
-        verdict = (f"{policy}: {m:.3f} measured against {mm:.3f} predicted over {len(measured)} rounds, "
+        verdict = (f"{policy}: {m:.3f} measured against {mm:.3f} predicted over {len(measured)} round(s), "
                    + ("the interval holds 1 (no difference the rounds can tell)" if lo <= 1.0 <= hi else
                       "faster on the preemptive link" if hi < 1.0 else
                       "slower on the preemptive link" if lo > 1.0 else "one round: no interval"))
@@ -123,6 +135,38 @@ def tables(repeats: list[dict]) -> list[str]:
                         "rounds show)")
         verdicts.append(verdict)
     return [*out, "", "Verdict: " + "; ".join(verdicts) + "."]
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    """Mean [95% t-interval] of ``values`` (the mean alone for one value)."""
+    m, lo, hi = mean_ci95(values)
+    return fmt.format(m) if len(values) < 2 else f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def sim_section(seeds: int, slo_scales: list[float], rate: float, **setup_changes) -> list[str]:
+    """OrbitFlow on both links on the simulator at the paper's setup (module docstring; ``setup_changes``: fields
+    of the setup changed, e.g. fewer requests for a test)."""
+    setup = replace(PAPER_SETUP, seeds=seeds, **setup_changes)
+    points = [pt for link in LINK_CHOICES for pt in grid(["orbitflow"], slo_scales, [rate], kv_link=link)]
+    runs = run_points(load_preset(SIM_PRESET), setup, points)
+    by = {(r["slo_scale"], r["kv_link"], r["seed"]): r for r in runs}
+    out = ["", f"### At the paper's scale (simulator, preset `{SIM_PRESET}`, OrbitFlow, rate x{rate:g}, {seeds} "
+               f"seeds x {setup.num_requests} requests)", "",
+           "| SLO scale | link | " + " | ".join(name for _, name, _, _ in SIM_METRICS) + " | ms per solve | pauses | "
+           "preemptive - EDF per seed: " + ", ".join(name for _, name, _, _ in SIM_METRICS) + " |",
+           "|---" * (5 + len(SIM_METRICS)) + "|"]
+    for slo in slo_scales:
+        for link in LINK_CHOICES:
+            rs = [by[(slo, link, s)] for s in range(seeds)]
+            cells = [_cell([scale * r[key] for r in rs], fmt) for key, _, scale, fmt in SIM_METRICS]
+            solve = 1e3 * sum(r["solver_time_s"] for r in rs) / max(sum(r["solver_calls"] for r in rs), 1)
+            diffs = ""
+            if link == "preemptive":
+                diffs = "; ".join(_cell([scale * (by[(slo, link, s)][key] - by[(slo, "edf", s)][key])
+                                         for s in range(seeds)], fmt) for key, _, scale, fmt in SIM_METRICS)
+            out.append(f"| {slo:g} | {link} | " + " | ".join(cells) + f" | {solve:.2f} | "
+                       f"{statistics.mean(r['num_pauses'] for r in rs):.1f} | {diffs} |")
+    return out
 
 
 def main() -> None:
@@ -137,11 +181,20 @@ def main() -> None:
     ap.add_argument("--chunk-ms", type=float, default=None,
                     help="--kv-link-chunk-ms of the preemptive link (default: the engine's)")
     ap.add_argument("--seed", type=int, default=0, help="trace seed")
+    ap.add_argument("--sim-seeds", type=int, default=5, help="seeds of the simulator section (0: skip it)")
+    ap.add_argument("--sim-slo-scales", default="1.0,1.5", help="SLO scales of the simulator section")
+    ap.add_argument("--sim-rate", type=float, default=3.0, help="arrival-rate scale of the simulator section")
     ap.add_argument("--md", metavar="PATH", help="write the tables as a Markdown fragment (docs/results/kv_link.md)")
     args = ap.parse_args()
     for name in ("rounds", "repeat"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.sim_seeds < 0:
+        ap.error(f"--sim-seeds must be >= 0, got {args.sim_seeds}")
+    try:
+        sim_slos = [float(x) for x in args.sim_slo_scales.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sim-slo-scales takes a comma list of numbers, got {args.sim_slo_scales!r}")
     if args.chunk_ms is not None and not args.chunk_ms > 0:
         ap.error(f"--chunk-ms must be > 0, got {args.chunk_ms}")
     policies = [p for p in args.policies.split(",") if p]
@@ -170,6 +223,8 @@ def main() -> None:
            f"{args.link_gbps} GB/s, preemptive chunks of {config.cache.kv_link_chunk_ms:g} ms, {args.repeat} run(s) of "
            f"{args.rounds} rounds (a fresh profile per run), links alternating; load average before / after: "
            f"{before} / {loadavg()}; {(time.perf_counter() - wall0) / 60:.1f} min.", "", *tables(repeats)]
+    if args.sim_seeds:
+        out += sim_section(args.sim_seeds, sim_slos, args.sim_rate)
     print("\n".join(out))
     if args.md:
         from planner import _machine, write_fragment

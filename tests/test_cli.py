@@ -72,6 +72,16 @@ def test_simulate_writes_json_and_plots(tmp_path, capsys):
     assert any((tmp_path / "plots").glob("*.png"))
 
 
+def test_simulate_sweeps_the_link_order(tmp_path):
+    """--kv-link edf,preemptive: each point on both links, the engine and its planner on the same one."""
+    out = tmp_path / "runs.json"
+    assert main([*TINY_SWEEP, "--num-requests", "4", "--kv-link", "edf,preemptive", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert sorted(r["kv_link"] for r in data["runs"]) == ["edf", "preemptive"]
+    assert sorted(row["label"] for row in data["summary"]) == ["orbitflow", "orbitflow (preemptive link)"]
+    assert data["config"]["kv_link"] == ["edf", "preemptive"]
+
+
 def test_simulate_defaults_are_the_papers_setup():
     from orbitflow.cli import build_parser
 
@@ -176,6 +186,7 @@ def _write(path, data: bytes):
     (["simulate", "--policies", ","], "--policies: no policy named"),
     (["simulate", "--device-kv-fraction", "20"], "--device-kv-fraction must list fractions in (0, 10]"),
     (["simulate", "--link-gbps", "nan"], "--link-gbps must list positive numbers"),
+    (["simulate", "--kv-link", "edf,fair"], "--kv-link must list link orders among edf, preemptive"),
     (["simulate", "--alpha", "nan"], "--alpha must be a finite number"),
     (["simulate", "--window-min", "9", "--window-max", "8"], "--window-min"),
     (["simulate", "--json", "/nonexistent-dir/x.json"], "--json: /nonexistent-dir is not an existing directory"),

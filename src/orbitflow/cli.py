@@ -9,6 +9,7 @@ import sys
 from dataclasses import fields
 
 from orbitflow.config import (
+    LINK_CHOICES,
     SERVING_ONLY,
     VICTIM_CHOICES,
     CacheConfig,
@@ -155,13 +156,17 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
                            f"{args.device_kv_fraction!r}")
     links = [None] if args.link_gbps is None else _floats(args.link_gbps, "--link-gbps")
     slots = [None] if args.prefetch_slots == "policy" else _ints(args.prefetch_slots, "--prefetch-slots")
+    orders = [x.strip() for x in args.kv_link.split(",") if x.strip()]
+    if not orders or any(x not in LINK_CHOICES for x in orders):
+        raise CLIError(f"--kv-link must list link orders among {', '.join(LINK_CHOICES)}, got {args.kv_link!r}")
     deposit = (True, False) if args.no_deposit_runs else (True,)
     points = []
     for f in fractions:
         for link in links:
             for d in slots:
-                points += grid(policies, slo_scales, rate_scales, deposit, device_kv_fraction=f, link_gbps=link,
-                               prefetch_slots=d)
+                for order in orders:
+                    points += grid(policies, slo_scales, rate_scales, deposit, device_kv_fraction=f, link_gbps=link,
+                                   prefetch_slots=d, kv_link=order)
     return points
 
 
@@ -391,11 +396,7 @@ def _add_simulate_parser(sub) -> None:
     add_config_args(p, CacheConfig, only=("device_kv_blocks",), defaults={"device_kv_blocks": None},
                     helps={"device_kv_blocks": "device KV budget in layer-blocks (overrides --device-kv-fraction "
                                                "and a trace's own)"})
-    p.add_argument("--link-gbps", default=None, metavar="X[,X...]",
-                   help="host-to-device link rate in GB/s (default: the profile's); a comma list sweeps it")
-    p.add_argument("--prefetch-slots", default="policy", metavar="policy|D[,D...]",
-                   help="prefetch depth (KV buffer slots per request): 'policy' = each policy's real one "
-                        "(DeepSpeed 2, others 1), or a comma list of depths for every policy")
+    _add_simulate_link_args(p)
     p.add_argument("--noise-cv", type=float, default=None,
                    help="CV of the seeded lognormal noise, one factor per step on its compute and transfers, unseen by "
                         "the planner (0: the planner's model exactly) (default: the profile's measured step jitter, "
@@ -413,6 +414,19 @@ def _add_simulate_parser(sub) -> None:
                    help="write {config, summary (mean and ci95 per metric), runs (one per seed)} as JSON")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots mirroring paper Figs. 9-13")
     p.set_defaults(func=cmd_simulate)
+
+
+def _add_simulate_link_args(p) -> None:
+    """The link flags of simulate: its rate, the prefetch depth and the link order, each a sweepable list."""
+    p.add_argument("--link-gbps", default=None, metavar="X[,X...]",
+                   help="host-to-device link rate in GB/s (default: the profile's); a comma list sweeps it")
+    p.add_argument("--prefetch-slots", default="policy", metavar="policy|D[,D...]",
+                   help="prefetch depth (KV buffer slots per request): 'policy' = each policy's real one "
+                        "(DeepSpeed 2, others 1), or a comma list of depths for every policy")
+    p.add_argument("--kv-link", default="edf", metavar="edf|preemptive[,...]",
+                   help="link order of the KV prefetches, which the planner plans for (edf: a copy holds the link to "
+                        "its end; preemptive: it yields to an earlier layer's; chunk switches free); a comma list "
+                        "sweeps it (default %(default)s)")
 
 
 def _add_simulate_engine_args(p) -> None:

@@ -161,7 +161,7 @@ class CacheConfig(_Validated):
                "preemptive (copies move in chunks of --kv-link-chunk-ms of link time and yield between two to an "
                "earlier layer's); the planner plans for the link the engine runs", choices=LINK_CHOICES)
     # 0.5 ms: on the CPU engine (benchmarks/kv_link.py) 0.1 ms chunks cost the step loop up to ~3% in copy-worker
-    # wake-ups; on CUDA the worker keeps two chunks queued, so an urgent copy waits for at most about 1 ms.
+    # wake-ups; on CUDA the worker keeps at most two chunks queued, so an urgent copy waits for at most about 1 ms.
     kv_link_chunk_ms: float = option(
         0.5, "--kv-link preemptive: link time of one chunk, ms (at least one block); shorter chunks let an urgent "
              "copy in sooner, at one more copy call and worker wake-up each", type=float, check="positive")

@@ -69,6 +69,9 @@ class LLM:
                         mc.max_position_embeddings)
         self.executor = self._build_executor(mc)
         self.kv = self.executor.kv
+        # the link order the engine runs, set before the profile is measured (its per-transfer latency then includes
+        # the chunks' own cost)
+        self.kv.transfer.link, self.kv.transfer.chunk_s = cfg.cache.kv_link, cfg.cache.kv_link_chunk_ms / 1e3
         if profile == "measure":
             log.info("loaded in %.1f s; measuring this machine's decode step and link (the SLO and the planner's "
                      "cost model come from it)", time.perf_counter() - started)
@@ -83,8 +86,6 @@ class LLM:
         max_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
         ctx = PlanContext.from_profile(cfg, self.profile, self.policy)
         self.kv.transfer.prefetch_slots = ctx.cost_model.prefetch_slots  # the engine runs the depth it plans for
-        self.kv.transfer.link = ctx.cost_model.transfer  # ... and the link order
-        self.kv.transfer.chunk_s = cfg.cache.kv_link_chunk_ms / 1e3
         self.engine = Engine(
             cfg, self.executor, self.policy, ctx, self.clock,
             default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,

@@ -33,12 +33,15 @@ def test_the_report_has_a_row_per_link(gpu_smoke, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Fake GPU")
     args = gpu_smoke.parse_args([])
     identity = [{"link": link, "placement": "all", "identical": 4, "of": 4, "first_divergence": None,
-                 "leaked": False} for link in ("edf", "preemptive")]
+                 "leaked": False, "preemptions": 0} for link in ("edf", "preemptive")]
     overlap = [{"link": "edf", "steps": 0},
                {"link": "preemptive", "steps": 31, "step_s": 0.012, "predicted_s": 0.011, "error_vs_prediction": 0.09,
                 "compute_s": 0.010, "stall_s": 0.002, "link_busy_s": 0.008, "overlap": 0.75, "preemptions": 1.5,
                 "max_protocol_syncs": 1, "max_cuda_sync_warnings": 0}]
     text = gpu_smoke.render([{"model": "m", "identity": identity, "overlap": overlap}], args, [])
-    assert "| m | preemptive | all | 4/4 | - | no |" in text
+    assert "| m | preemptive | all | 4/4 | - | no | 0 |" in text
+    assert "WARNING: no fetch of the preemptive runs yielded the link" in text  # nothing showed the chunk path ran
+    identity[1]["preemptions"] = 7
+    assert "WARNING" not in gpu_smoke.render([{"model": "m", "identity": identity, "overlap": overlap}], args, [])
     assert "| m | edf | 0 |" in text
     assert "| m | preemptive | 31 | 12.00 | 11.00 | 9.0% | 10.00 | 2.00 | 8.00 | 75% | 1.50 | 1 | 0 |" in text

@@ -32,8 +32,8 @@ def test_the_ratio_is_per_round_with_a_t_interval(kvl):
     per_link = next(line for line in lines if line.startswith("| fixed:random:7 | preemptive |"))
     assert "| 4 |" in per_link and "| 1.00 |" in per_link  # 4 steps, 4 preemptions: one per step
     assert per_link.endswith("| 4 | 2.00 |")  # two solves of 2 ms a run
-    assert lines[-1] == ("Verdict: fixed:random:7: 0.925 measured against 0.950 predicted over 2 rounds, the interval "
-                         "holds 1 (no difference the rounds can tell).")
+    assert lines[-1] == ("Verdict: fixed:random:7: 0.925 measured against 0.950 predicted over 2 round(s), the "
+                         "interval holds 1 (no difference the rounds can tell).")
 
 
 def test_runs_that_disagree_beyond_their_intervals_are_flagged(kvl):
@@ -50,3 +50,10 @@ def test_runs_that_disagree_beyond_their_intervals_are_flagged(kvl):
 def test_one_round_has_no_interval(kvl):
     m, lo, hi = kvl.mean_ci95([0.97])
     assert m == 0.97 and lo != lo and hi != hi  # nan
+
+
+def test_the_simulator_section_pairs_the_links_by_seed(kvl):
+    lines = kvl.sim_section(2, [1.5], 3.0, num_requests=3, solver_time="off", noise_cv=0.0)
+    rows = [line for line in lines if line.startswith("| 1.5 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["edf", "preemptive"]
+    assert rows[0].endswith("|  |") and rows[1].count("[") == 2 * len(kvl.SIM_METRICS)  # 3 means + 3 differences

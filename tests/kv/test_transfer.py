@@ -255,19 +255,29 @@ def until(condition, timeout_s=5.0):
 
 
 def overtaking_step(link, strict=None, device_blocks=64, abort=False):
-    """Request 0 fetches a long layer 5; request 1 fetches layers 0 and 1 (2 blocks each), so its layer 1 is
+    """Request 0 fetches a long layer 5; request 1 fetches layers 0 and 1 (2 and 8 blocks), so its layer 1 is
     released (its layer 0 consumed) while request 0's layer 5 is on the link. Returns the order in which fetches
     were handed to the compute stream, the preemptions, and the long fetch (its progress)."""
     device, host = BlockPool("device", device_blocks, BS, H, D), BlockPool("host", 64, BS, H, D)
     engine = TransferEngine(device, host, LONG * host.bytes_per_block / 0.3, strict=strict)
     engine.link, engine.chunk_s = link, 0.05  # 4 blocks
-    long, short = host.allocate(LONG), {layer: host.allocate(2) for layer in (0, 1)}
+    long, short = host.allocate(LONG), {0: host.allocate(2), 1: host.allocate(8)}
     for i, b in enumerate(long):
         host.storage[0, b], host.storage[1, b] = float(i + 1), float(-i - 1)
     for layer, ids in short.items():
         host.storage[:, ids] = 100.0 + layer
     handed, original = [], engine._hand_over
     engine._hand_over = lambda fetch, event: (handed.append((fetch.batch_index, fetch.layer)), original(fetch, event))
+    if abort:  # the step ends right after the long fetch yields, before the urgent one starts: nothing is queued
+        yield_ = engine._yield_to_urgent  # after its chunk, which is the last copy issued
+
+        def yield_then_wait_for_end_step(fetch):
+            if not yield_(fetch):
+                return False
+            until(lambda: not engine._ready)  # end_step has dropped every fetch not started
+            return True
+
+        engine._yield_to_urgent = yield_then_wait_for_end_step
     engine.start_step({0: [(5, long)], 1: [(0, short[0]), (1, short[1])]})
     engine.wait_layer(0, [1])
     assert float(torch.as_tensor(device.storage[:, engine.staged(1, 0)]).mean()) == 100.0
@@ -278,6 +288,7 @@ def overtaking_step(link, strict=None, device_blocks=64, abort=False):
         until(lambda: engine.preemptions > 0)
         engine.end_step()
         assert device.num_used == 0 and engine.overflow_blocks == 0
+        assert fetch.partial is None or fetch.partial.query(), "its slot was freed before its chunk landed"
         engine.close()
         return handed, engine.preemptions, fetch
     engine.wait_layer(1, [1])
@@ -290,7 +301,7 @@ def overtaking_step(link, strict=None, device_blocks=64, abort=False):
     engine.release(0, 5, after=engine.device.record_compute())
     engine.end_step()
     assert device.num_used == 0 and engine.overflow_blocks == 0
-    assert engine.bytes_h2d == (LONG + 4) * host.bytes_per_block
+    assert engine.bytes_h2d == (LONG + 10) * host.bytes_per_block
     engine.close()
     return handed, engine.preemptions, fetch
 
@@ -316,9 +327,15 @@ def test_preemptive_link_under_strict_emulation_keeps_the_protocol():
 
 
 @pytest.mark.parametrize("device_blocks", [64, 16], ids=["slot", "scratch"])
-def test_a_fetch_set_aside_when_the_step_ends_frees_its_slot(device_blocks):
-    _, preemptions, fetch = overtaking_step("preemptive", device_blocks=device_blocks, abort=True)
+@pytest.mark.parametrize("strict", [None, StrictAsync(enabled=True, max_delay_s=0.2)], ids=["cpu", "strict"])
+def test_a_fetch_set_aside_when_the_step_ends_frees_its_slot(device_blocks, strict):
+    """Request 1's layer 1 makes request 0's layer 5 yield, and the step ends then: neither runs on, and the long
+    fetch's slot is freed only after its chunk has landed (strict: it lands 0.1-0.2 s late, as a set-aside fetch's
+    chunks may still be on the copy stream, with no later copy behind them that end_step would wait for)."""
+    _, preemptions, fetch = overtaking_step("preemptive", strict=strict, device_blocks=device_blocks, abort=True)
     assert preemptions == 1 and 0 < fetch.done < LONG and fetch.staging is None and fetch.scratch is None
+    if strict is not None:
+        assert fetch.partial is not None  # its chunk was on the (emulated) stream: end_step waited for it
 
 
 def test_the_link_order_is_checked_and_the_config_offers_the_same_ones():

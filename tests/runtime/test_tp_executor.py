@@ -73,6 +73,7 @@ def test_tp2_ranks_run_the_drivers_link_order(tiny_llama, tp2):
         assert got == expected
         ranks = tp2.executor.sync()
         assert [r.link for r in ranks] == ["preemptive", "preemptive"]
+        assert [(r.device_blocks_used, r.host_blocks_used) for r in ranks] == [(0, 0), (0, 0)]
     finally:
         tp2.kv.transfer.link, tp2.kv.transfer.chunk_s = "edf", CHUNK_S
 

@@ -38,6 +38,19 @@ def test_the_host_pool_is_the_configured_one(a5000):
     assert build_sim_engine(a5000, sim_config(a5000)).kv.host_pool.num_blocks == a5000.host_kv_blocks
 
 
+def test_the_simulator_charges_the_link_the_planner_plans_for(a5000):
+    """--kv-link preemptive: the simulated executor prices steps on the preemptive link and the planner plans for
+    it (a batch that must offload: 2 x 32 layers of 560-750 blocks against 9000)."""
+    trace = Trace([TraceRequest("a", 0.0, 12000, 20), TraceRequest("b", 0.0, 9000, 20)])
+    for link in ("edf", "preemptive"):
+        result = simulate_trace(a5000, trace, sim_config(a5000, policy="orbitflow", slo_scale=1.5,
+                                                         device_kv_blocks=9000, kv_link=link))
+        assert result.engine.executor.cost_model.transfer == link
+        assert result.engine.controller.ctx.cost_model.transfer == link
+        assert result.engine.kv.usage() == (0, 0) and result.metrics.num_finished == 2
+        assert result.engine.kv.host_pool.peak_used > 0
+
+
 def test_orbitflow_beats_deepspeed_and_pauses_under_pressure(a5000):
     orbit = simulate_trace(a5000, small_trace(), sim_config(a5000, policy="orbitflow", slo_scale=1.0)).metrics
     deep = simulate_trace(a5000, small_trace(), sim_config(a5000, policy="deepspeed", slo_scale=1.0)).metrics

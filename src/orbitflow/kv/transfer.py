@@ -7,7 +7,7 @@ Within a decode step the schedule is the one the planner's cost model assumes (`
 - the link serves one transfer at a time, non-preemptively, earliest-needed layer first
   (ties: lower batch index);
 - or, with `link = "preemptive"` (the cost model's `preemptive` transfer), the same order, except that a
-  fetch moves in chunks (about `CHUNK_S` of link time each) and yields the link between two chunks to a
+  fetch moves in chunks (about `chunk_s` of link time each) and yields the link between two chunks to a
   fetch of an earlier layer released meanwhile, keeping its slot and resuming where it stopped;
 - a layer waits until all of its host-resident KV has arrived (`wait_layer`); that wait is its stall.
 
@@ -31,12 +31,13 @@ Every access follows the event-ordered protocol of kv/events.py, the same code o
   after the compute stream and make it wait on them, so nothing in the step loop syncs the host.
 On CUDA the copies run on dedicated streams (host memory is pinned; gathers go into pinned buffers; index
 tensors live on the device they index). On the CPU a copy worker thread does the prefetches, sleeping so that
-each copy lasts bytes / link rate; device-to-host writes are synchronous, or, in strict emulation, done late
-by a worker of their own.
+each copy lasts bytes / link rate; device-to-host writes are synchronous. In strict emulation both land late,
+each through a worker of its own that lands its copies in issue order (a stream), after their events were handed on.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import queue
 import sys
@@ -66,7 +67,8 @@ class _Fetch:
     event: Event | None = None  # the copy event (set when the copy has been issued)
     read_serial: int = 0  # the device's event serial at the last READ: a release fence must be newer
     done: int = 0  # host blocks copied so far (the preemptive link moves a fetch in chunks)
-    partial: Event | None = None  # CUDA: the copy event of its last chunk so far (a fetch preempted for good)
+    partial: Event | None = None  # the copy event of its last chunk so far (CUDA, strict emulation): a fetch set
+    # aside when the step ends frees its slot after it
 
 
 class TransferEngine:
@@ -111,13 +113,17 @@ class TransferEngine:
         # would add up to that much latency to every transfer.
         if sys.getswitchinterval() > 0.001:
             sys.setswitchinterval(0.001)
+        self._queued: collections.deque[Event] = collections.deque()  # CUDA, preemptive: chunks on the copy stream
         self._thread = threading.Thread(target=self._run, name="orbitflow-kv-copy", daemon=True)
         self._thread.start()
         self._d2h_queue: queue.SimpleQueue | None = None
-        if self.materialized and self.device.strict.enabled:  # strict: device-to-host writes land late
+        if self.materialized and self.device.strict.enabled:  # strict: device-to-host writes and prefetches land late
             self._d2h_queue = queue.SimpleQueue()
             self._d2h_thread = threading.Thread(target=self._run_d2h, name="orbitflow-kv-d2h", daemon=True)
             self._d2h_thread.start()
+            self._late_queue: queue.SimpleQueue = queue.SimpleQueue()
+            self._late_thread = threading.Thread(target=self._run_late, name="orbitflow-kv-late", daemon=True)
+            self._late_thread.start()
 
     @property
     def link(self) -> str:
@@ -449,6 +455,7 @@ class TransferEngine:
         and between two chunks the fetch yields the link to a more urgent one (an earlier layer's) released
         meanwhile: it goes back to the ready heap with its slot and its progress (`done`), and resumes there."""
         n = len(fetch.host_blocks)
+        step = n if self.link == "edf" else self._chunk()
         staging = None
         if fetch.staging is None and fetch.scratch is None:  # first visit (a resumed fetch has its slot)
             try:
@@ -460,7 +467,6 @@ class TransferEngine:
             self.bytes_h2d += n * self.host_pool.bytes_per_block
             self._hand_over(fetch, self.device.done_event())
             return
-        step = n if self.link == "edf" else self._chunk()
         first = fetch.done
         with self._link:
             start = time.perf_counter()
@@ -471,12 +477,13 @@ class TransferEngine:
                 self._prepare(fetch, staging)
                 while fetch.done < n:
                     a, b = fetch.done, min(n, fetch.done + step)
-                    if b == n and strict:  # the last chunk lands late: its event is handed over before it does
+                    if strict:  # the chunk lands late, as on a stream: its event is handed on before it does
                         event = self.device.record_copy()
-                        self._hand_over(fetch, event)
-                        time.sleep(self.device.delay())
-                        self._copy(fetch, a, b)
-                        event.complete()
+                        if b == n:
+                            self._hand_over(fetch, event)
+                        else:
+                            fetch.partial = event
+                        self._land_late(event, fetch, a, b)
                     else:
                         self._copy(fetch, a, b)
                     fetch.done = b
@@ -489,28 +496,28 @@ class TransferEngine:
         self.bytes_h2d += (fetch.done - first) * self.host_pool.bytes_per_block
 
     def _stage_cuda(self, fetch: _Fetch, staging: list[int] | None, n: int, step: int, start: float) -> None:
-        """`_stage` on CUDA: the chunks are queued on the copy stream; before choosing what follows a chunk, the
-        worker waits for the chunk before it, so at most two are queued and a more urgent fetch waits for at most
-        one chunk of this one (the link does not idle while the worker decides)."""
-        first, before = fetch.done, None
+        """`_stage` on CUDA: the chunks are queued on the copy stream, each followed by its copy event. On the
+        preemptive link the worker keeps at most two chunks queued (`_make_room`, here and before it picks the next
+        fetch), so whatever it queues next, an urgent fetch released meanwhile waits for at most two chunks."""
+        first, preemptive = fetch.done, self.link == "preemptive"
         with torch.cuda.stream(self.stream):
             self._prepare(fetch, staging)  # the stream waits on the fences
             begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
             begin.record(self.stream)
-            while fetch.done < n:
-                chunk_start = time.perf_counter()
+            while True:
                 a, b = fetch.done, min(n, fetch.done + step)
                 self._copy(fetch, a, b)
                 fetch.done = b
+                copied = self.device.record_copy()
                 if b == n:
                     break
-                fetch.partial = self.device.record_copy()  # what end_step must wait for if the fetch never resumes
+                fetch.partial = copied  # what end_step must wait for if the fetch is set aside for good
                 if self.link_bytes_per_s:  # an emulated slow link must know when each chunk ended
-                    self.device.worker_host_wait(fetch.partial)
-                    self._throttle((b - a) * self.host_pool.bytes_per_block, chunk_start)
-                elif before is not None:
-                    self.device.worker_host_wait(before)
-                before = fetch.partial
+                    self.device.worker_host_wait(copied)
+                    self._throttle((b - first) * self.host_pool.bytes_per_block, start)
+                if preemptive:
+                    self._queued.append(copied)
+                    self._make_room()
                 if self._yield_to_urgent(fetch):
                     break
             end = torch.cuda.Event(enable_timing=True)
@@ -519,11 +526,38 @@ class TransferEngine:
             self._busy_events.append((begin, end))
         if fetch.done < n:
             return
-        event = self.device.record_copy()
-        self._hand_over(fetch, event)
+        if preemptive:
+            self._queued.append(copied)
+        self._hand_over(fetch, copied)
         if self.link_bytes_per_s:
-            self.device.worker_host_wait(event)
+            self.device.worker_host_wait(copied)
             self._throttle((n - first) * self.host_pool.bytes_per_block, start)
+
+    def _make_room(self) -> None:
+        """Preemptive link on CUDA: wait until at most one chunk is left queued on the copy stream (the worker then
+        queues one more, so the link does not idle while it chooses)."""
+        while len(self._queued) > 1:
+            self.device.worker_host_wait(self._queued.popleft())
+
+    def _land_late(self, event: Event, fetch: _Fetch, a: int, b: int) -> None:
+        """Strict emulation: the copy of blocks ``a..b-1`` lands after a random delay, in issue order (a stream),
+        written by a worker of its own, which then completes ``event``."""
+        if fetch.staging is not None:
+            target, ids = self.device_pool, fetch.staging[a:b]
+        else:
+            target, ids = _ScratchPool(fetch.scratch, self.host_pool), list(range(a, b))
+        self._late_queue.put((time.perf_counter() + self.device.delay(), fetch.host_blocks[a:b], target, ids, event))
+
+    def _run_late(self) -> None:
+        """Strict emulation's copy stream: lands each copy at its due time, in order."""
+        while True:
+            item = self._late_queue.get()
+            if item is None:
+                return
+            due, src_ids, target, ids, event = item
+            time.sleep(max(0.0, due - time.perf_counter()))
+            self._issue(self.host_pool, src_ids, target, ids)
+            event.complete()
 
     def _chunk(self) -> int:
         """Blocks per chunk of the preemptive link: as many as take `chunk_s` on the link, at least one."""
@@ -587,10 +621,14 @@ class TransferEngine:
         if self._d2h_queue is not None:
             self._d2h_queue.put(None)
             self._d2h_thread.join(timeout=5)
+            self._late_queue.put(None)
+            self._late_thread.join(timeout=5)
 
     # ---- copy thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            if self._queued:  # CUDA, preemptive: choose the next fetch only once the stream has room for it
+                self._make_room()
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or bool(self._ready))
                 if self._closed:

@@ -1,7 +1,8 @@
 """The simulated executor: the same step interface as ModelExecutor, on a virtual clock.
 
-A step costs what the planner's own step-latency model (`edf`, over a hardware profile) predicts
-for the placement the KV manager holds, at the run's prefetch depth (``prefetch_slots``), optionally perturbed
+A step costs what the planner's own step-latency model (over a hardware profile) predicts for the placement the
+KV manager holds, at the run's prefetch depth (``prefetch_slots``) and link order (``link``: `edf`, or `preemptive`
+for ``--kv-link preemptive``), optionally perturbed
 by link-contention episodes and by seeded multiplicative noise the planner does not see: with ``noise_cv``
 each step (its prefill, decode compute, transfers and interference alike) takes one lognormal factor of mean 1
 and that coefficient of variation, the step-to-step jitter `orbitflow profile` measures (``step_noise_cv``) (the

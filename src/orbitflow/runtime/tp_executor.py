@@ -239,6 +239,7 @@ def _serve_rank(rank: int, spec: _WorkerSpec, conn, executor, local) -> None:
             elif kind == "sync":
                 conn.send(("ok", _rank_stats(rank, kv)))
             elif kind == "profile":
+                kv.transfer.link, kv.transfer.chunk_s = message[3]
                 from orbitflow.runtime.profiler import profile_executor
 
                 profile = profile_executor(executor, name=message[2])
@@ -479,7 +480,8 @@ class TensorParallelExecutor(Executor):
         """`profile_executor` on every rank at once (they run the same steps, in lock-step through the
         all-reduces), plus an all-reduce micro-benchmark. Returns rank 0's profile, in one rank's units (its
         shard's block bytes, its own link), with every rank's figures in ``extra["tensor_parallel"]``."""
-        self._send([("profile", self.kv.take_ops(), name)] * self.size)
+        transfer = self.kv.transfer
+        self._send([("profile", self.kv.take_ops(), name, (transfer.link, transfer.chunk_s))] * self.size)
         replies = self._gather()
         profile, _ = replies[0][1], replies[0][2]
         per_rank = []

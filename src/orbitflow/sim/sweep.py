@@ -134,9 +134,11 @@ class Point:
     device_kv_fraction: float | None = None  # None: the setup's
     link_gbps: float | None = None  # None: the setup's (or the profile's)
     prefetch_slots: int | None = None  # None: the policy's own
+    kv_link: str = "edf"  # the link order the engine runs and the planner plans for (--kv-link)
 
     def label(self) -> str:
-        return self.policy + ("" if self.prefetch_slots is None else f" (depth {self.prefetch_slots})")
+        return (self.policy + ("" if self.prefetch_slots is None else f" (depth {self.prefetch_slots})")
+                + ("" if self.kv_link == "edf" else f" ({self.kv_link} link)"))
 
 
 def paper_trace(num_requests: int, rate_scale: float, seed: int, base_rate_per_s: float | None = None) -> Trace:
@@ -185,14 +187,14 @@ def run_one(profile: HardwareProfile, setup: SimSetup, point: Point, seed: int) 
     config = sim_config(prof, policy=policy, slo_scale=point.slo_scale, token_deposit=point.token_deposit, seed=seed,
                         device_kv_blocks=blocks, max_num_seqs=setup.max_num_seqs,
                         max_num_batched_tokens=setup.max_num_batched_tokens, prefetch_slots=point.prefetch_slots,
-                        **extra)
+                        kv_link=point.kv_link, **extra)
     start = time.perf_counter()
     result = simulate_trace(prof, trace, config, noise_cv=setup.noise_cv, solver_time=setup.solver_time)
     metrics = result.metrics.to_dict()
     metrics["wall_s"] = time.perf_counter() - start  # the run's own wall time (for timing the sweep)
     metrics.update(policy=point.policy, slo_scale=point.slo_scale, rate_scale=point.rate_scale,
                    token_deposit=point.token_deposit, seed=seed, device_kv_blocks=blocks,
-                   link_gbps=prof.link_bytes_per_s / 1e9, label=point.label(),
+                   link_gbps=prof.link_bytes_per_s / 1e9, kv_link=point.kv_link, label=point.label(),
                    device_kv_fraction=blocks / largest_batch_blocks(profile, setup.max_num_batched_tokens))
     return metrics
 
@@ -255,7 +257,7 @@ def mean_ci95(values: Iterable[float]) -> dict:
 
 
 GROUP_KEYS = ("label", "policy", "slo_scale", "rate_scale", "token_deposit", "device_kv_blocks", "device_kv_fraction",
-              "link_gbps", "prefetch_slots")
+              "link_gbps", "prefetch_slots", "kv_link")
 
 
 def summarize(runs: Sequence[dict], metrics: Sequence[str] = SUMMARY_METRICS) -> list[dict]:
@@ -298,6 +300,7 @@ def config_record(profile: HardwareProfile, setup: SimSetup, points: Sequence[Po
         "device_kv_fraction": setup.device_kv_fraction,
         "link_gbps": links[0] if len(links) == 1 else links,
         "prefetch_slots": [("policy default" if s is None else s) for s in slots],
+        "kv_link": sorted({p.kv_link for p in points}),
         "noise_cv": setup.noise_cv,
         "solver_time": setup.solver_time,
         "seeds": list(range(setup.first_seed, setup.first_seed + setup.seeds)),
