@@ -6,8 +6,11 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import numpy as np
+
 from orbitflow.plan import Placement, Plan
 from orbitflow.policies.base import Policy
+from orbitflow.policies.fixed import FixedPlacementPolicy
 from orbitflow.policies.orbitflow import OrbitFlowPolicy
 
 
@@ -60,3 +63,19 @@ class StallsInPlannerProcess(OrbitFlowPolicy):
         ):
             time.sleep(3600)
         return super().plan(requests, ctx)
+
+
+class OvertakingPolicy(FixedPlacementPolicy):
+    """The shortest request on the host at layers 0-1, the longest at layers 4-5, the others on the device: the
+    longest's layer-4 fetch is on the link when the shortest's layer 1 is released (after layer 0 computes), every
+    decode step, whatever the timing (the fetch lasts ~10x a tiny layer's compute on the slow link)."""
+
+    def __init__(self):
+        super().__init__("none")
+
+    def plan(self, requests, ctx):
+        rows = np.ones((len(requests), ctx.num_layers), dtype=bool)
+        order = sorted(range(len(requests)), key=lambda i: requests[i].tokens)
+        rows[order[0], :2] = False
+        rows[order[-1], 4:6] = False
+        return ctx.planner(alpha=float("inf")).evaluate(Placement.from_mask(rows), requests)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from scripted_policies import OvertakingPolicy
 from tiny_models import hf_greedy, make_llm
 
 from orbitflow.policies import FixedPlacementPolicy, PlacementError
@@ -42,19 +43,20 @@ def test_batched_greedy_matches_hf_under_placement(tiny_llama, reference, spec):
         assert stats.host_blocks_peak > 0
 
 
-@pytest.mark.parametrize("spec", ["random:1", "random:7"])
-def test_preemptive_link_matches_hf_under_placement(tiny_llama, reference, spec):
+@pytest.mark.parametrize("policy", [OvertakingPolicy(), FixedPlacementPolicy("random:7")], ids=["overtaking", "random"])
+def test_preemptive_link_matches_hf_under_placement(tiny_llama, reference, policy):
     """The preemptive link (--kv-link preemptive) on a slow link in one-block chunks: fetches yield the link to
     earlier layers' mid-copy and resume, and the tokens do not change; the planner's model follows the link."""
-    llm = make_llm(tiny_llama, FixedPlacementPolicy(spec), max_num_seqs=len(PROMPTS), kv_link="preemptive",
-                   link_gbps=0.02, kv_link_chunk_ms=1e-6)
+    llm = make_llm(tiny_llama, policy, max_num_seqs=len(PROMPTS), kv_link="preemptive", link_gbps=0.002,
+                   kv_link_chunk_ms=1e-6)
     try:
         transfer = llm.kv.transfer
         assert transfer.link == "preemptive" and llm.engine.controller.ctx.cost_model.transfer == "preemptive"
         reqs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert [r.output_ids for r in reqs] == reference
         assert llm.kv.usage() == (0, 0), "blocks leaked after a normal finish"
-        assert transfer.preemptions > 0, "no fetch was preempted: the test would prove nothing"
+        if isinstance(policy, OvertakingPolicy):
+            assert transfer.preemptions >= MAX_TOKENS // 2, "fetches did not yield: the test would prove nothing"
     finally:
         llm.close()
 

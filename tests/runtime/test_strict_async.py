@@ -5,6 +5,7 @@ freed slots are poisoned, a read before its event raises). The whole suite runs 
 
 import pytest
 import torch
+from scripted_policies import OvertakingPolicy
 from tiny_models import hf_greedy, make_llm
 
 from orbitflow.plan.hardware import HardwareProfile
@@ -89,8 +90,8 @@ def test_strict_preemptive_link_tokens_match_hf(tiny_llama, strict):
     completes, and its slot is only refilled after its release fence."""
     ps = prompts(3, 20, seed=3)
     reference = [hf_greedy(tiny_llama.hf, p, 12) for p in ps]
-    llm = make_llm(tiny_llama, FixedPlacementPolicy("random:7"), max_num_seqs=3, device="cpu", kv_link="preemptive",
-                   link_gbps=0.02, kv_link_chunk_ms=1e-6)
+    llm = make_llm(tiny_llama, OvertakingPolicy(), max_num_seqs=3, device="cpu", kv_link="preemptive",
+                   link_gbps=0.002, kv_link_chunk_ms=1e-6)
     try:
         reqs = llm.generate(ps, SamplingParams(max_tokens=12))
         assert [r.output_ids for r in reqs] == reference

@@ -540,24 +540,31 @@ class TransferEngine:
             self.device.worker_host_wait(self._queued.popleft())
 
     def _land_late(self, event: Event, fetch: _Fetch, a: int, b: int) -> None:
-        """Strict emulation: the copy of blocks ``a..b-1`` lands after a random delay, in issue order (a stream),
-        written by a worker of its own, which then completes ``event``."""
+        """Strict emulation: the copy of blocks ``a..b-1`` lands a random delay after the copy before it (a stream
+        runs one copy at a time), written by a worker of its own, which then completes ``event``."""
         if fetch.staging is not None:
             target, ids = self.device_pool, fetch.staging[a:b]
         else:
             target, ids = _ScratchPool(fetch.scratch, self.host_pool), list(range(a, b))
-        self._late_queue.put((time.perf_counter() + self.device.delay(), fetch.host_blocks[a:b], target, ids, event))
+        self._late_queue.put((self.device.delay(), fetch.host_blocks[a:b], target, ids, event))
 
     def _run_late(self) -> None:
-        """Strict emulation's copy stream: lands each copy at its due time, in order."""
+        """Strict emulation's copy stream: lands the copies in issue order, each its delay after the one before (or
+        after its issue, when the stream was idle)."""
         while True:
             item = self._late_queue.get()
             if item is None:
                 return
-            due, src_ids, target, ids, event = item
-            time.sleep(max(0.0, due - time.perf_counter()))
-            self._issue(self.host_pool, src_ids, target, ids)
-            event.complete()
+            delay, src_ids, target, ids, event = item
+            time.sleep(delay)
+            try:
+                self._issue(self.host_pool, src_ids, target, ids)
+            except BaseException as exc:  # surfaced to the step loop by wait_layer, not a hang on the event
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+            finally:
+                event.complete()
 
     def _chunk(self) -> int:
         """Blocks per chunk of the preemptive link: as many as take `chunk_s` on the link, at least one."""
