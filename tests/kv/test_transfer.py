@@ -88,6 +88,7 @@ def test_depth_two_lets_the_next_layer_land_before_this_one_is_consumed():
 
 
 # ---- strict async emulation: each protocol step, removed, is a race that strict mode catches ---------------
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -347,4 +348,42 @@ def test_the_link_order_is_checked_and_the_config_offers_the_same_ones():
         engine.link = "fair"
     assert LINK_CHOICES == LINKS
     assert CacheConfig().kv_link_chunk_ms == pytest.approx(1e3 * CHUNK_S)  # one default, written in two layers
+    engine.close()
+
+
+def test_a_failure_between_two_fetches_fails_the_step_not_the_copy_worker(monkeypatch):
+    """An error while the worker waits for room on the copy stream (CUDA) reaches wait_layer as 'KV prefetch
+    failed'; the worker goes on, so the next step runs (it used to die silently and every later step hung)."""
+    engine, device, host = make_engine()
+    ids = fill_host(host, [0, 1])
+
+    def no_room():
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(engine, "_make_room", no_room)
+    engine._queued.append(engine.device.done_event())  # as if a chunk were queued on the copy stream
+    engine.start_step({0: [(0, ids[0]), (1, ids[1])]})
+    failed = []
+
+    def step():
+        try:
+            engine.wait_layer(0, [0])
+            engine.release(0, 0, after=engine.device.record_compute())
+            engine.wait_layer(1, [0])  # the error comes after the first fetch, at the latest
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    waiter = threading.Thread(target=step, daemon=True)
+    waiter.start()
+    waiter.join(5)
+    assert not waiter.is_alive(), "the step hangs: the copy worker died"
+    assert "KV prefetch failed" in str(failed[0]) and "illegal memory access" in str(failed[0].__cause__)
+    engine.end_step()
+    monkeypatch.undo()
+    engine.start_step({0: [(0, ids[0])]})
+    engine.wait_layer(0, [0])
+    assert float(device.storage[:, engine.staged(0, 0)].mean()) == 1.0
+    engine.release(0, 0, after=engine.device.record_compute())
+    engine.end_step()
+    assert device.num_used == 0
     engine.close()

@@ -635,7 +635,13 @@ class TransferEngine:
     def _run(self) -> None:
         while True:
             if self._queued:  # CUDA, preemptive: choose the next fetch only once the stream has room for it
-                self._make_room()
+                try:
+                    self._make_room()
+                except BaseException as exc:  # surfaced to the waiting compute thread; the worker lives on
+                    with self._cond:
+                        self._error = exc
+                        self._queued.clear()
+                        self._cond.notify_all()
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or bool(self._ready))
                 if self._closed:
