@@ -38,27 +38,25 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from scipy import stats as sstats  # noqa: E402
 from sim_vs_engine import MODEL, loadavg, make_trace, run_engine, step_errors  # noqa: E402
 
 from orbitflow.config import LINK_CHOICES, EngineConfig  # noqa: E402
 from orbitflow.llm import LLM  # noqa: E402
 from orbitflow.model.loader import load_model  # noqa: E402
 from orbitflow.plan.hardware import load_preset  # noqa: E402
-from orbitflow.sim.sweep import PAPER_SETUP, grid, run_points  # noqa: E402
+from orbitflow.sim.sweep import PAPER_SETUP, grid, mean_ci95, run_points  # noqa: E402
 
 SIM_PRESET = "a5000-llama3-8b"
 SIM_METRICS = (("tbt_attainment", "TBT attainment", 1.0, "{:.4f}"), ("p95_tbt_s", "P95 TBT ms", 1e3, "{:.2f}"),
                ("tbt_mean_s", "mean TBT ms", 1e3, "{:.3f}"))
 
 
-def mean_ci95(values: list[float]) -> tuple[float, float, float]:
-    """Mean and 95% t-interval (nan bounds for one value)."""
-    m = float(np.mean(values))
-    if len(values) < 2:
-        return m, math.nan, math.nan
-    half = float(sstats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values)))
-    return m, m - half, m + half
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and the bounds of its 95% t-interval (``sim.sweep.mean_ci95``; nan bounds for one value)."""
+    ci = mean_ci95(values)
+    if ci["n"] < 2:
+        return ci["mean"], math.nan, math.nan
+    return ci["mean"], ci["mean"] - ci["ci95"], ci["mean"] + ci["ci95"]
 
 
 def run_rounds(config: EngineConfig, loaded, profile, trace, policies: list[str], rounds: int,
@@ -120,7 +118,7 @@ def tables(repeats: list[dict]) -> list[str]:
         for label, pairs in [*((f"{k + 1}/{len(per_run)}", p) for k, p in enumerate(per_run)),
                              *((("all", [x for p in per_run for x in p]),) if len(per_run) > 1 else ())]:
             measured, model = _ratios(pairs, "measured_s"), _ratios(pairs, "sim_model_s")
-            (m, lo, hi), (mm, mlo, mhi) = mean_ci95(measured), mean_ci95(model)
+            (m, lo, hi), (mm, mlo, mhi) = interval(measured), interval(model)
             out.append(f"| {policy} | {label} | {m:.3f} | [{lo:.3f}, {hi:.3f}] | "
                        f"{', '.join(f'{x:.3f}' for x in measured)} | {mm:.3f} | [{mlo:.3f}, {mhi:.3f}] |")
             intervals.append((lo, hi))
@@ -139,7 +137,7 @@ def tables(repeats: list[dict]) -> list[str]:
 
 def _cell(values: list[float], fmt: str) -> str:
     """Mean [95% t-interval] of ``values`` (the mean alone for one value)."""
-    m, lo, hi = mean_ci95(values)
+    m, lo, hi = interval(values)
     return fmt.format(m) if len(values) < 2 else f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 

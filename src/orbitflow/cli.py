@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -160,14 +161,9 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
     if not orders or any(x not in LINK_CHOICES for x in orders):
         raise CLIError(f"--kv-link must list link orders among {', '.join(LINK_CHOICES)}, got {args.kv_link!r}")
     deposit = (True, False) if args.no_deposit_runs else (True,)
-    points = []
-    for f in fractions:
-        for link in links:
-            for d in slots:
-                for order in orders:
-                    points += grid(policies, slo_scales, rate_scales, deposit, device_kv_fraction=f, link_gbps=link,
-                                   prefetch_slots=d, kv_link=order)
-    return points
+    return [point for f, link, d, order in itertools.product(fractions, links, slots, orders)
+            for point in grid(policies, slo_scales, rate_scales, deposit, device_kv_fraction=f, link_gbps=link,
+                              prefetch_slots=d, kv_link=order)]
 
 
 SIMULATE_PLANNER_FLAGS = ("alpha", "window_min", "window_max", "plan_node_limit", "plan_time_limit_ms")

@@ -27,7 +27,7 @@ def test_the_ratio_is_per_round_with_a_t_interval(kvl):
     row = next(line for line in lines if line.startswith("| fixed:random:7 | 1/1 | 0."))
     assert "| 0.925 |" in row  # mean of 0.90 and 0.95: round k against round k, not pooled means
     assert "0.900, 0.950" in row and "| 0.950 |" in row  # the models' ratio: 0.095 / 0.10 both rounds
-    m, lo, hi = kvl.mean_ci95([0.90, 0.95])
+    m, lo, hi = kvl.interval([0.90, 0.95])
     assert m == pytest.approx(0.925) and lo < 0.90 and hi > 0.95  # t with 1 degree of freedom: wide
     per_link = next(line for line in lines if line.startswith("| fixed:random:7 | preemptive |"))
     assert "| 4 |" in per_link and "| 1.00 |" in per_link  # 4 steps, 4 preemptions: one per step
@@ -48,7 +48,7 @@ def test_runs_that_disagree_beyond_their_intervals_are_flagged(kvl):
 
 
 def test_one_round_has_no_interval(kvl):
-    m, lo, hi = kvl.mean_ci95([0.97])
+    m, lo, hi = kvl.interval([0.97])
     assert m == 0.97 and lo != lo and hi != hi  # nan
 
 

@@ -38,6 +38,7 @@ each through a worker of its own that lands its copies in issue order (a stream)
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import queue
 import sys
@@ -116,14 +117,15 @@ class TransferEngine:
         self._queued: collections.deque[Event] = collections.deque()  # CUDA, preemptive: chunks on the copy stream
         self._thread = threading.Thread(target=self._run, name="orbitflow-kv-copy", daemon=True)
         self._thread.start()
-        self._d2h_queue: queue.SimpleQueue | None = None
-        if self.materialized and self.device.strict.enabled:  # strict: device-to-host writes and prefetches land late
-            self._d2h_queue = queue.SimpleQueue()
-            self._d2h_thread = threading.Thread(target=self._run_d2h, name="orbitflow-kv-d2h", daemon=True)
-            self._d2h_thread.start()
-            self._late_queue: queue.SimpleQueue = queue.SimpleQueue()
-            self._late_thread = threading.Thread(target=self._run_late, name="orbitflow-kv-late", daemon=True)
-            self._late_thread.start()
+        # strict emulation: device-to-host writes and prefetches land late, each stream through a worker of its own
+        self._late: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
+        if self.materialized and self.device.strict.enabled:
+            for stream in ("copy", "d2h"):
+                lane: queue.SimpleQueue = queue.SimpleQueue()
+                worker = threading.Thread(target=self._run_late, args=(lane, stream), name=f"orbitflow-kv-{stream}",
+                                          daemon=True)
+                worker.start()
+                self._late[stream] = (lane, worker)
 
     @property
     def link(self) -> str:
@@ -272,7 +274,7 @@ class TransferEngine:
         k, v = k.to(dtype=pool.storage.dtype), v.to(dtype=pool.storage.dtype)
         n, bs = k.shape[0], pool.block_size
         span = ids[start // bs:(start + n - 1) // bs + 1]
-        if not self.is_cuda and self._d2h_queue is None:  # CPU: the copy is a synchronous memcpy
+        if not self.is_cuda and not self._late:  # CPU: the copy is a synchronous memcpy
             pool.write(ids, start, k.to("cpu"), v.to("cpu"))
             return
         produced = self.device.record_compute()
@@ -286,7 +288,7 @@ class TransferEngine:
             event = self.device.record_copy("d2h")
         else:  # strict emulation: the d2h worker writes them late
             event = self.device.record_copy("d2h")
-            self._d2h_queue.put((produced, ids, start, k.clone(), v.clone(), event))
+            self._land_late("d2h", event, functools.partial(pool.write, ids, start, k.clone(), v.clone()), produced)
         self._fence(pool, span, event)
 
     def _host_write_async(self, ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -302,18 +304,6 @@ class TransferEngine:
                 planes[0, head, block, offset:offset + m].copy_(k[i:i + m, head], non_blocking=True)
                 planes[1, head, block, offset:offset + m].copy_(v[i:i + m, head], non_blocking=True)
             i += m
-
-    def _run_d2h(self) -> None:
-        """Strict emulation's device-to-host stream: in order, late."""
-        while True:
-            item = self._d2h_queue.get()
-            if item is None:
-                return
-            produced, ids, start, k, v, event = item
-            self.device.copy_wait(produced, "d2h")
-            time.sleep(self.device.delay())
-            self.host_pool.write(ids, start, k, v)
-            event.complete()
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """The step's one host sync: `tensor` (the logits) read on the host. On CUDA the step's GPU timeline
@@ -483,7 +473,7 @@ class TransferEngine:
                             self._hand_over(fetch, event)
                         else:
                             fetch.partial = event
-                        self._land_late(event, fetch, a, b)
+                        self._land_chunk_late(event, fetch, a, b)
                     else:
                         self._copy(fetch, a, b)
                     fetch.done = b
@@ -539,27 +529,34 @@ class TransferEngine:
         while len(self._queued) > 1:
             self.device.worker_host_wait(self._queued.popleft())
 
-    def _land_late(self, event: Event, fetch: _Fetch, a: int, b: int) -> None:
-        """Strict emulation: the copy of blocks ``a..b-1`` lands a random delay after the copy before it (a stream
-        runs one copy at a time), written by a worker of its own, which then completes ``event``."""
+    def _land_chunk_late(self, event: Event, fetch: _Fetch, a: int, b: int) -> None:
+        """Strict emulation: the copy of the fetch's blocks ``a..b-1`` lands late on the copy stream."""
         if fetch.staging is not None:
             target, ids = self.device_pool, fetch.staging[a:b]
         else:
             target, ids = _ScratchPool(fetch.scratch, self.host_pool), list(range(a, b))
-        self._late_queue.put((self.device.delay(), fetch.host_blocks[a:b], target, ids, event))
+        self._land_late("copy", event, functools.partial(self._issue, self.host_pool, fetch.host_blocks[a:b], target,
+                                                         ids))
 
-    def _run_late(self) -> None:
-        """Strict emulation's copy stream: lands the copies in issue order, each its delay after the one before (or
-        after its issue, when the stream was idle)."""
+    def _land_late(self, stream: str, event: Event, land, after: Event | None = None) -> None:
+        """Strict emulation: ``land()`` (a copy) runs on ``stream``'s worker after ``after`` and a random delay after
+        the copy before it (a stream runs one copy at a time), which then completes ``event``."""
+        self._late[stream][0].put((after, self.device.delay(), land, event))
+
+    def _run_late(self, lane: queue.SimpleQueue, stream: str) -> None:
+        """Strict emulation's worker of one stream: its copies in issue order, each after the event it waits for
+        and its delay; a copy that fails is surfaced to the step loop by wait_layer, not a hang on its event."""
         while True:
-            item = self._late_queue.get()
+            item = lane.get()
             if item is None:
                 return
-            delay, src_ids, target, ids, event = item
+            after, delay, land, event = item
+            if after is not None:
+                self.device.copy_wait(after, stream)
             time.sleep(delay)
             try:
-                self._issue(self.host_pool, src_ids, target, ids)
-            except BaseException as exc:  # surfaced to the step loop by wait_layer, not a hang on the event
+                land()
+            except BaseException as exc:
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()
@@ -625,11 +622,9 @@ class TransferEngine:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
-        if self._d2h_queue is not None:
-            self._d2h_queue.put(None)
-            self._d2h_thread.join(timeout=5)
-            self._late_queue.put(None)
-            self._late_thread.join(timeout=5)
+        for lane, worker in self._late.values():
+            lane.put(None)
+            worker.join(timeout=5)
 
     # ---- copy thread -----------------------------------------------------------------------------
     def _run(self) -> None:
