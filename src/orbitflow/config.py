@@ -164,7 +164,8 @@ class CacheConfig(_Validated):
     # wake-ups; on CUDA the worker keeps at most two chunks queued, so an urgent copy waits for at most about 1 ms.
     kv_link_chunk_ms: float = option(
         0.5, "--kv-link preemptive: link time of one chunk, ms (at least one block); shorter chunks let an urgent "
-             "copy in sooner, at one more copy call and worker wake-up each", type=float, check="positive")
+             "copy in sooner, at one more copy call and worker wake-up each (a copy that no earlier layer's can "
+             "overtake moves in one)", type=float, check="positive")
 
     @property
     def link_bytes_per_s(self) -> float | None:

@@ -269,6 +269,12 @@ def overtaking_step(link, strict=None, device_blocks=64, abort=False):
         host.storage[:, ids] = 100.0 + layer
     handed, original = [], engine._hand_over
     engine._hand_over = lambda fetch, event: (handed.append((fetch.batch_index, fetch.layer)), original(fetch, event))
+    copy, land_late = engine._copy, engine._land_chunk_late  # the chunks issued, in order, with what had been
+    engine.copies = []  # handed over by then (strict emulation issues a chunk to land late instead of copying it)
+    engine._copy = lambda fetch, a, b: (engine.copies.append(((fetch.batch_index, fetch.layer), a, b, len(handed))),
+                                        copy(fetch, a, b))
+    engine._land_chunk_late = lambda event, fetch, a, b: (
+        engine.copies.append(((fetch.batch_index, fetch.layer), a, b, len(handed))), land_late(event, fetch, a, b))
     if abort:  # the step ends right after the long fetch yields, before the urgent one starts: nothing is queued
         yield_ = engine._yield_to_urgent  # after its chunk, which is the last copy issued
 
@@ -304,6 +310,7 @@ def overtaking_step(link, strict=None, device_blocks=64, abort=False):
     assert device.num_used == 0 and engine.overflow_blocks == 0
     assert engine.bytes_h2d == (LONG + 10) * host.bytes_per_block
     engine.close()
+    overtaking_step.copies = engine.copies
     return handed, engine.preemptions, fetch
 
 
@@ -318,6 +325,21 @@ def test_preemptive_link_lets_the_urgent_fetch_overtake_and_resumes_the_long_one
     handed, preemptions, fetch = overtaking_step("preemptive", device_blocks=device_blocks)
     assert handed == [(1, 0), (1, 1), (0, 5)] and preemptions == 1
     assert fetch.done == LONG
+
+
+def test_a_fetch_no_earlier_layer_can_overtake_moves_in_one_chunk():
+    """The long fetch moves in chunks of 4 blocks while request 1's layer 1 is still to be copied; once that one
+    has been handed over nothing can preempt it, and its rest moves in one copy (a chunk costs a host round trip
+    on CUDA). On the EDF link it moves in one copy from the start."""
+    _, preemptions, _ = overtaking_step("preemptive")
+    long = [(a, b, handed) for key, a, b, handed in overtaking_step.copies if key == (0, 5)]
+    assert preemptions == 1 and len(long) >= 2
+    before = [(a, b) for a, b, handed in long if handed < 2]  # while (1, 1) was still to be copied: chunks
+    after = [(a, b) for a, b, handed in long if handed >= 2]  # once it was handed over: the rest, in one copy
+    assert before and all(b - a == 4 for a, b in before)
+    assert after == [(before[-1][1], LONG)]
+    overtaking_step("edf")
+    assert [(a, b) for key, a, b, _ in overtaking_step.copies if key == (0, 5)] == [(0, LONG)]
 
 
 def test_preemptive_link_under_strict_emulation_keeps_the_protocol():

@@ -8,7 +8,8 @@ Within a decode step the schedule is the one the planner's cost model assumes (`
   (ties: lower batch index);
 - or, with `link = "preemptive"` (the cost model's `preemptive` transfer), the same order, except that a
   fetch moves in chunks (about `chunk_s` of link time each) and yields the link between two chunks to a
-  fetch of an earlier layer released meanwhile, keeping its slot and resuming where it stopped;
+  fetch of an earlier layer released meanwhile, keeping its slot and resuming where it stopped (once no
+  fetch of an earlier layer is left to copy, the rest moves in one chunk: nothing can preempt it);
 - a layer waits until all of its host-resident KV has arrived (`wait_layer`); that wait is its stall.
 
 Staging slots are carved from the device pool, so fetched KV counts against the device budget. A slot is
@@ -466,7 +467,7 @@ class TransferEngine:
                 strict = self.device.strict.enabled
                 self._prepare(fetch, staging)
                 while fetch.done < n:
-                    a, b = fetch.done, min(n, fetch.done + step)
+                    a, b = fetch.done, self._chunk_end(fetch, n, step)
                     if strict:  # the chunk lands late, as on a stream: its event is handed on before it does
                         event = self.device.record_copy()
                         if b == n:
@@ -495,7 +496,7 @@ class TransferEngine:
             begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
             begin.record(self.stream)
             while True:
-                a, b = fetch.done, min(n, fetch.done + step)
+                a, b = fetch.done, self._chunk_end(fetch, n, step)
                 self._copy(fetch, a, b)
                 fetch.done = b
                 copied = self.device.record_copy()
@@ -567,6 +568,22 @@ class TransferEngine:
         """Blocks per chunk of the preemptive link: as many as take `chunk_s` on the link, at least one."""
         rate = self.link_bytes_per_s or UNTHROTTLED_BYTES_PER_S
         return max(1, int(self.chunk_s * rate / self.host_pool.bytes_per_block))
+
+    def _chunk_end(self, fetch: _Fetch, n: int, step: int) -> int:
+        """Where the fetch's next chunk ends: `step` blocks on, or at its end once no fetch of an earlier layer is
+        left to copy (released or not), since only such a fetch can make it yield. A chunk costs the worker a
+        host round trip (on CUDA, a wait on the copy stream and the GIL back); a fetch that cannot be preempted
+        pays it once, as on the EDF link, and the schedule is the same."""
+        if n - fetch.done <= step:
+            return n
+        with self._cond:
+            for queue_ in self._pending.values():  # each in layer order, those copied (or on the link) first
+                for other in queue_:
+                    if other.layer >= fetch.layer:
+                        break
+                    if (other.batch_index, other.layer) not in self._issued:
+                        return fetch.done + step
+        return n
 
     def _yield_to_urgent(self, fetch: _Fetch) -> bool:
         """Preemptive link, between two chunks: whether a fetch of an earlier layer is ready; then this one goes
