@@ -273,8 +273,9 @@ def overtaking_step(link, strict=None, device_blocks=64, abort=False):
     engine.copies = []  # handed over by then (strict emulation issues a chunk to land late instead of copying it)
     engine._copy = lambda fetch, a, b: (engine.copies.append(((fetch.batch_index, fetch.layer), a, b, len(handed))),
                                         copy(fetch, a, b))
-    engine._land_chunk_late = lambda event, fetch, a, b: (
-        engine.copies.append(((fetch.batch_index, fetch.layer), a, b, len(handed))), land_late(event, fetch, a, b))
+    engine._land_chunk_late = lambda event, fetch, a, b, *when: (
+        engine.copies.append(((fetch.batch_index, fetch.layer), a, b, len(handed))),
+        land_late(event, fetch, a, b, *when))
     if abort:  # the step ends right after the long fetch yields, before the urgent one starts: nothing is queued
         yield_ = engine._yield_to_urgent  # after its chunk, which is the last copy issued
 
@@ -340,6 +341,27 @@ def test_a_fetch_no_earlier_layer_can_overtake_moves_in_one_chunk():
     assert after == [(before[-1][1], LONG)]
     overtaking_step("edf")
     assert [(a, b) for key, a, b, _ in overtaking_step.copies if key == (0, 5)] == [(0, LONG)]
+
+
+@pytest.mark.parametrize("link", ["edf", "preemptive"])
+def test_strict_emulation_lands_a_prefetch_no_sooner_than_the_throttled_link_moves_it(link):
+    """Strict emulation hands a copy's event on when the copy is issued and lands it late; on a throttled link not
+    before the link has moved it, or a step could read a layer the link is still moving (and release the request's
+    next fetch early: the link order the tests of the preemptive link rely on would not hold there)."""
+    device, host = BlockPool("device", 64, BS, H, D), BlockPool("host", 64, BS, H, D)
+    engine = TransferEngine(device, host, LONG * host.bytes_per_block / 0.3,
+                            strict=StrictAsync(enabled=True, max_delay_s=0.002))
+    engine.link, engine.chunk_s = link, 0.05
+    ids = host.allocate(LONG)
+    host.storage[:, ids] = 7.0
+    start = time.perf_counter()
+    engine.start_step({0: [(0, ids)]})
+    engine.wait_layer(0, [0])
+    assert time.perf_counter() - start >= 0.29  # 24 blocks take 0.3 s on this link
+    assert float(device.storage[:, engine.staged(0, 0)].mean()) == 7.0
+    engine.release(0, 0, after=engine.device.record_compute())
+    engine.end_step()
+    engine.close()
 
 
 def test_preemptive_link_under_strict_emulation_keeps_the_protocol():

@@ -33,7 +33,8 @@ Every access follows the event-ordered protocol of kv/events.py, the same code o
 On CUDA the copies run on dedicated streams (host memory is pinned; gathers go into pinned buffers; index
 tensors live on the device they index). On the CPU a copy worker thread does the prefetches, sleeping so that
 each copy lasts bytes / link rate; device-to-host writes are synchronous. In strict emulation both land late,
-each through a worker of its own that lands its copies in issue order (a stream), after their events were handed on.
+each through a worker of its own that lands its copies in issue order (a stream), after their events were handed on,
+and a prefetch no sooner than the throttled link has moved it.
 """
 
 from __future__ import annotations
@@ -468,17 +469,18 @@ class TransferEngine:
                 self._prepare(fetch, staging)
                 while fetch.done < n:
                     a, b = fetch.done, self._chunk_end(fetch, n, step)
+                    visit_bytes = (b - first) * self.host_pool.bytes_per_block
                     if strict:  # the chunk lands late, as on a stream: its event is handed on before it does
                         event = self.device.record_copy()
                         if b == n:
                             self._hand_over(fetch, event)
                         else:
                             fetch.partial = event
-                        self._land_chunk_late(event, fetch, a, b)
+                        self._land_chunk_late(event, fetch, a, b, self._link_end(visit_bytes, start))
                     else:
                         self._copy(fetch, a, b)
                     fetch.done = b
-                    self._throttle((b - first) * self.host_pool.bytes_per_block, start)  # the visit's bytes
+                    self._throttle(visit_bytes, start)
                     if b < n and self._yield_to_urgent(fetch):
                         break
                 self._busy_s += time.perf_counter() - start
@@ -530,19 +532,20 @@ class TransferEngine:
         while len(self._queued) > 1:
             self.device.worker_host_wait(self._queued.popleft())
 
-    def _land_chunk_late(self, event: Event, fetch: _Fetch, a: int, b: int) -> None:
-        """Strict emulation: the copy of the fetch's blocks ``a..b-1`` lands late on the copy stream."""
+    def _land_chunk_late(self, event: Event, fetch: _Fetch, a: int, b: int, not_before: float) -> None:
+        """Strict emulation: the copy of the fetch's blocks ``a..b-1`` lands late on the copy stream, and not before
+        ``not_before`` (perf_counter), when the throttled link has moved it."""
         if fetch.staging is not None:
             target, ids = self.device_pool, fetch.staging[a:b]
         else:
             target, ids = _ScratchPool(fetch.scratch, self.host_pool), list(range(a, b))
         self._land_late("copy", event, functools.partial(self._issue, self.host_pool, fetch.host_blocks[a:b], target,
-                                                         ids))
+                                                         ids), not_before=not_before)
 
-    def _land_late(self, stream: str, event: Event, land, after: Event | None = None) -> None:
+    def _land_late(self, stream: str, event: Event, land, after: Event | None = None, not_before: float = 0.0) -> None:
         """Strict emulation: ``land()`` (a copy) runs on ``stream``'s worker after ``after`` and a random delay after
-        the copy before it (a stream runs one copy at a time), which then completes ``event``."""
-        self._late[stream][0].put((after, self.device.delay(), land, event))
+        the copy before it (a stream runs one copy at a time), not before ``not_before``, then completes ``event``."""
+        self._late[stream][0].put((after, self.device.delay(), not_before, land, event))
 
     def _run_late(self, lane: queue.SimpleQueue, stream: str) -> None:
         """Strict emulation's worker of one stream: its copies in issue order, each after the event it waits for
@@ -551,10 +554,10 @@ class TransferEngine:
             item = lane.get()
             if item is None:
                 return
-            after, delay, land, event = item
+            after, delay, not_before, land, event = item
             if after is not None:
                 self.device.copy_wait(after, stream)
-            time.sleep(delay)
+            time.sleep(max(delay, not_before - time.perf_counter()))
             try:
                 land()
             except BaseException as exc:
@@ -628,9 +631,14 @@ class TransferEngine:
             self._issued.add((fetch.batch_index, fetch.layer))
             self._cond.notify_all()
 
+    def _link_end(self, nbytes: int, start: float) -> float:
+        """When the throttled link, busy since ``start``, has moved ``nbytes`` (perf_counter; 0 unthrottled)."""
+        return start + nbytes / self.link_bytes_per_s if self.link_bytes_per_s else 0.0
+
     def _throttle(self, nbytes: int, start: float) -> None:
+        """Sleep until the throttled link, busy since ``start``, has moved ``nbytes`` (the visit's bytes so far)."""
         if self.link_bytes_per_s:
-            remaining = nbytes / self.link_bytes_per_s - (time.perf_counter() - start)
+            remaining = self._link_end(nbytes, start) - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
 
