@@ -68,6 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "stats": {
                 "device_blocks_peak": stats.device_blocks_peak, "host_blocks_peak": stats.host_blocks_peak,
                 "bytes_h2d": stats.bytes_h2d, "stall_s": stats.stall_s, "step_s": stats.step_s,
+                "link_preemptions": stats.link_preemptions,
             },
         }))
     else:
@@ -77,7 +78,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"\n[{len(stats.step_s)} steps, mean {1000 * sum(decode) / max(len(decode), 1):.1f} ms/step, "
             f"stall {stats.stall_s:.3f} s, {stats.bytes_h2d / 1e6:.1f} MB host->device, "
-            f"device blocks peak {stats.device_blocks_peak}, host blocks peak {stats.host_blocks_peak}]",
+            f"device blocks peak {stats.device_blocks_peak}, host blocks peak {stats.host_blocks_peak}"
+            + (f", {stats.link_preemptions} link preemptions" if stats.link_preemptions else "") + "]",
             file=sys.stderr,
         )
     return 0

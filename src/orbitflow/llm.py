@@ -38,6 +38,7 @@ class GenerateStats:
     step_s: list[float]
     pauses: int
     solver_calls: int
+    link_preemptions: int = 0  # prefetches that yielded the link to an earlier layer's (--kv-link preemptive)
 
 
 class LLM:
@@ -179,7 +180,7 @@ class LLM:
         return GenerateStats(
             device_blocks_peak=self.kv.device_pool.peak_used, host_blocks_peak=self.kv.host_pool.peak_used,
             bytes_h2d=s.bytes_h2d, bytes_d2h=s.bytes_d2h, stall_s=s.stall_s, step_s=list(s.step_s), pauses=s.pauses,
-            solver_calls=self.engine.controller.solver_calls,
+            solver_calls=self.engine.controller.solver_calls, link_preemptions=s.link_preemptions,
         )
 
     def close(self) -> None:

@@ -55,12 +55,13 @@ def test_preemptive_link_matches_hf_under_placement(tiny_llama, reference, polic
         reqs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert [r.output_ids for r in reqs] == reference
         assert llm.kv.usage() == (0, 0), "blocks leaked after a normal finish"
+        assert llm.stats().link_preemptions == transfer.preemptions  # every yield happened in a step, and counts
         if isinstance(policy, OvertakingPolicy):
-            # Under strict emulation (ORBITFLOW_STRICT_ASYNC=1) a copy's event is handed on when it is queued and
-            # lands after a random delay, not after its link time, so the step may consume the shortest's layer 0
-            # and release its layer 1 while the link still moves layer 0: EDF then takes layer 1 first, and the
-            # longest's fetch is never overtaken in that step (about half of them). Without it, every step is.
-            enough = 1 if transfer.device.strict.enabled else MAX_TOKENS // 2
+            # Every step, here (23 of 23). Under strict emulation (ORBITFLOW_STRICT_ASYNC=1) the shortest's layer 0
+            # lands from a worker of its own when the link has moved it, so the step thread, woken then, races the
+            # copy worker, woken by its throttle at the same moment: where it releases layer 1 first (on a busy
+            # machine: 7-10 of 23 steps), EDF takes layer 1 before the longest's fetch starts, and nothing yields.
+            enough = MAX_TOKENS // 4 if transfer.device.strict.enabled else MAX_TOKENS // 2
             assert transfer.preemptions >= enough, "fetches did not yield: the test would prove nothing"
     finally:
         llm.close()

@@ -5,9 +5,9 @@ import signal
 import time
 
 import pytest
+from scripted_policies import OvertakingPolicy
 from tiny_models import make_llm
 
-from orbitflow.kv.transfer import CHUNK_S
 from orbitflow.policies.base import PlanContext, default_slo_s
 from orbitflow.policies.fixed import FixedPlacementPolicy
 from orbitflow.runtime.clock import WallClock
@@ -59,23 +59,26 @@ def test_tp2_token_identical_to_tp1_under_every_placement(tiny_llama, tp2):
     assert started < tp2.executor.progress_at < time.monotonic()  # what /health reads: rank 0's last layer
 
 
-def test_tp2_ranks_run_the_drivers_link_order(tiny_llama, tp2):
-    """--kv-link preemptive (and its chunk) reaches every rank with each step, and the tokens are still those of
-    one process (what preemption does on a rank is the transfer engine's own, tested in tests/kv)."""
+def test_tp2_ranks_run_the_drivers_link_order(tiny_llama):
+    """--kv-link preemptive (and its chunk) reaches every rank with each step: on slow links in one-block chunks the
+    ranks' fetches yield to earlier layers' (OvertakingPolicy), the tokens are still those of one process, and the
+    driver counts every rank's yields (/metrics: orbitflow:kv_link_preemptions, and per rank tp_link_preemptions).
+    What preemption does on a rank is the transfer engine's own, tested in tests/kv."""
     one = make_llm(tiny_llama, policy=FixedPlacementPolicy("random:3"), max_num_seqs=3, compute_threads=1)
     expected = [r.output_ids for r in one.generate(PROMPTS, SAMPLING)]
     one.close()
-    _swap_engine(tp2, FixedPlacementPolicy("random:3"))
-    tp2.kv.transfer.link = "preemptive"
-    tp2.kv.transfer.chunk_s = 1e-9  # one block
+    tp2 = make_llm(tiny_llama, policy=OvertakingPolicy(), max_num_seqs=3, link_gbps=0.0005, tensor_parallel_size=2,
+                   collective_timeout=TIMEOUT_S, kv_link="preemptive", kv_link_chunk_ms=1e-6)
     try:
         got = [r.output_ids for r in tp2.generate(PROMPTS, SAMPLING)]
         assert got == expected
         ranks = tp2.executor.sync()
         assert [r.link for r in ranks] == ["preemptive", "preemptive"]
         assert [(r.device_blocks_used, r.host_blocks_used) for r in ranks] == [(0, 0), (0, 0)]
+        assert all(r.preemptions > 0 for r in ranks), "no rank's fetch yielded: the test would prove nothing"
+        assert tp2.stats().link_preemptions == sum(r.preemptions for r in ranks)
     finally:
-        tp2.kv.transfer.link, tp2.kv.transfer.chunk_s = "edf", CHUNK_S
+        tp2.close()
 
 
 def test_shadow_kv_replay_reaches_the_same_state():

@@ -14,12 +14,16 @@ def test_replica_values_are_the_unlabelled_families_only():
     profile = load_preset("a100-llama3-8b")
     engine = build_sim_engine(profile, sim_config(profile))
     try:
-        engine.executor.rank_stats = [RankStats(r, 10 + r, 20 + r, 64, 1000 * (r + 1), 0, 0.0, 0.0) for r in range(2)]
+        engine.executor.rank_stats = [RankStats(r, 10 + r, 20 + r, 64, 1000 * (r + 1), 0, 0.0, 0.0, "preemptive", 3 * r)
+                                      for r in range(2)]
+        engine.stats.link_preemptions = 3
         values = {name: value for name, _, _, value in engine_metric_values(engine)}
         assert not any(name.startswith("orbitflow:tp_") for name in values), values
         assert values["orbitflow:kv_device_blocks_total"] == engine.kv.device_pool.num_blocks
         # the single-process /metrics still shows every rank
         text = ServerMetrics(engine).render().decode()
         assert 'orbitflow:tp_kv_blocks_used{rank="1",tier="host"} 21.0' in text
+        assert 'orbitflow:tp_link_preemptions_total{rank="1"} 3.0' in text
+        assert values["orbitflow:kv_link_preemptions"] == 3
     finally:
         engine.close()

@@ -67,6 +67,7 @@ class EngineStats:
     stall_s: float = 0.0
     bytes_h2d: int = 0
     bytes_d2h: int = 0
+    link_preemptions: int = 0  # prefetches that yielded the link to an earlier layer's (--kv-link preemptive)
     device_blocks_peak: int = 0
     host_blocks_peak: int = 0
     device_util_sum: float = 0.0  # sum over decode steps of device blocks used / budget
@@ -316,6 +317,7 @@ class Engine:
         s.stall_s += result.stall_s
         s.bytes_h2d += result.bytes_h2d
         s.bytes_d2h += result.bytes_d2h
+        s.link_preemptions += result.link_preemptions
         s.device_blocks_peak = max(s.device_blocks_peak, result.device_blocks_used)
         s.host_blocks_peak = max(s.host_blocks_peak, result.host_blocks_used)
         if out.is_decode:

@@ -97,7 +97,7 @@ class ModelExecutor(Executor):
         gathered."""
         st = self._bind_placement(seqs)
         transfer = self.kv.transfer
-        before = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s
+        before = transfer.bytes_h2d, transfer.bytes_d2h, transfer.busy_s, transfer.preemptions
         gc_was_enabled = gc.isenabled()
         if self.hold_gc:
             gc.disable()
@@ -231,7 +231,7 @@ class ModelExecutor(Executor):
             transfer.device.host_sync("step timing")
         return samples
 
-    def _result(self, st: _StepState, samples: list[Sample | None], before: tuple[int, int, float]) -> StepResult:
+    def _result(self, st: _StepState, samples: list[Sample | None], before: tuple[int, int, float, int]) -> StepResult:
         kv, transfer = self.kv, self.kv.transfer
         compute, stalls, step_s = transfer.clock.resolve(self.num_layers)  # CUDA: event times, after the sync
         device_used, host_used = kv.usage()
@@ -247,6 +247,7 @@ class ModelExecutor(Executor):
             host_blocks_used=host_used,
             prefill_tokens=sum(len(s.token_ids) for s in st.seqs if not s.is_decode),
             link_blocks_per_s=moved / busy / kv.host_pool.bytes_per_block if moved and busy > 0 else None,
+            link_preemptions=transfer.preemptions - before[3],
             samples=samples,
         )
 

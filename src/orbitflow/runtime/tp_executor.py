@@ -145,6 +145,7 @@ class RankStats:
     step_s: float  # of its last step (0 before the first)
     stall_s: float
     link: str = "edf"  # the link order it runs (the driver's, sent with every step)
+    preemptions: int = 0  # its fetches that yielded the link to an earlier layer's (cumulative)
 
 
 @dataclass
@@ -168,7 +169,7 @@ def _rank_stats(rank: int, kv: KVManager, result: StepResult | None = None) -> R
     device_used, host_used = kv.usage()
     return RankStats(rank, device_used, host_used, kv.device_pool.bytes_per_block, kv.transfer.bytes_h2d,
                      kv.transfer.bytes_d2h, result.step_s if result else 0.0, result.stall_s if result else 0.0,
-                     kv.transfer.link)
+                     kv.transfer.link, kv.transfer.preemptions)
 
 
 def _measure_allreduce(hidden: int, dtype: torch.dtype, device, repeats: int = 15) -> dict[str, float]:
@@ -458,6 +459,7 @@ class TensorParallelExecutor(Executor):
             bytes_h2d=sum(r.bytes_h2d for r in results),
             bytes_d2h=sum(r.bytes_d2h for r in results),
             link_blocks_per_s=min(rates) if rates else None,
+            link_preemptions=sum(r.link_preemptions for r in results),
         )
 
     def sync(self) -> list[RankStats]:

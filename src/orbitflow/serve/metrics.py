@@ -52,6 +52,8 @@ class _EngineCollector:
             ("orbitflow:recomputes", "Paused requests whose KV was dropped, to be computed again",
              stats.recomputes),
             ("orbitflow:engine_steps", "Engine steps run", stats.steps),
+            ("orbitflow:kv_link_preemptions", "KV prefetches that yielded the link to an earlier layer's "
+             "(--kv-link preemptive; summed over tensor-parallel ranks)", stats.link_preemptions),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
@@ -73,13 +75,16 @@ def _rank_metrics(executor) -> Iterator[Metric]:
                                    "(its shard of the KV heads)", labels=["rank", "tier"])
     link = CounterMetricFamily("orbitflow:tp_link_bytes", "KV bytes moved over one rank's host link",
                                labels=["rank", "direction"])
+    preempted = CounterMetricFamily("orbitflow:tp_link_preemptions", "KV prefetches on one rank's host link that "
+                                    "yielded it to an earlier layer's (--kv-link preemptive)", labels=["rank"])
     for r in ranks:
         for tier, used in (("device", r.device_blocks_used), ("host", r.host_blocks_used)):
             blocks.add_metric([str(r.rank), tier], used)
             pool_bytes.add_metric([str(r.rank), tier], used * r.block_bytes)
         link.add_metric([str(r.rank), "h2d"], r.bytes_h2d)
         link.add_metric([str(r.rank), "d2h"], r.bytes_d2h)
-    yield from (blocks, pool_bytes, link)
+        preempted.add_metric([str(r.rank)], r.preemptions)
+    yield from (blocks, pool_bytes, link, preempted)
 
 
 def engine_metric_values(engine: Engine) -> list[tuple[str, str, str, float]]:
