@@ -166,7 +166,7 @@ def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfi
                                       device_mem_util=stats.device_mem_util, solver_calls=c.solver_calls,
                                       solver_time_s=c.solver_time_s, pauses=stats.pauses)
         run.overhead_s = (step_wall - stats.busy_s) / max(stats.steps, 1)
-        run.preemptions = llm.kv.transfer.preemptions
+        run.preemptions = stats.link_preemptions  # the engine's steps (a tensor-parallel driver's: its ranks')
         llm.close()
     return run
 

@@ -68,8 +68,7 @@ class StallsInPlannerProcess(OrbitFlowPolicy):
 class OvertakingPolicy(FixedPlacementPolicy):
     """The shortest request on the host at layers 0-1, the longest at layers 4-5, the others on the device: the
     longest's layer-4 fetch is on the link when the shortest's layer 1 is released (after layer 0 computes), every
-    decode step, whatever the timing (the fetch lasts ~10x a tiny layer's compute on the slow link); under strict
-    emulation on a busy machine, in most steps (test_executor)."""
+    decode step, whatever the timing (the fetch lasts ~10x a tiny layer's compute on the slow link)."""
 
     def __init__(self):
         super().__init__("none")

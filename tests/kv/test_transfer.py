@@ -347,19 +347,25 @@ def test_a_fetch_no_earlier_layer_can_overtake_moves_in_one_chunk():
 def test_strict_emulation_lands_a_prefetch_no_sooner_than_the_throttled_link_moves_it(link):
     """Strict emulation hands a copy's event on when the copy is issued and lands it late; on a throttled link not
     before the link has moved it, or a step could read a layer the link is still moving (and release the request's
-    next fetch early: the link order the tests of the preemptive link rely on would not hold there)."""
+    next fetch early: the link order the tests of the preemptive link rely on would not hold there). Request 1's
+    layer 1 stays to come, so on the preemptive link request 0's layer 5 moves in 6 chunks, each landing when the
+    link has moved it and every chunk before it."""
     device, host = BlockPool("device", 64, BS, H, D), BlockPool("host", 64, BS, H, D)
     engine = TransferEngine(device, host, LONG * host.bytes_per_block / 0.3,
                             strict=StrictAsync(enabled=True, max_delay_s=0.002))
-    engine.link, engine.chunk_s = link, 0.05
-    ids = host.allocate(LONG)
-    host.storage[:, ids] = 7.0
+    engine.link, engine.chunk_s = link, 0.05  # 4 blocks
+    chunks, land_late = [], engine._land_chunk_late
+    engine._land_chunk_late = lambda event, fetch, a, b, *when: (chunks.append((fetch.layer, a, b)),
+                                                                land_late(event, fetch, a, b, *when))
+    long, short = host.allocate(LONG), {0: host.allocate(2), 1: host.allocate(2)}
+    host.storage[:, long] = 7.0
     start = time.perf_counter()
-    engine.start_step({0: [(0, ids)]})
-    engine.wait_layer(0, [0])
-    assert time.perf_counter() - start >= 0.29  # 24 blocks take 0.3 s on this link
-    assert float(device.storage[:, engine.staged(0, 0)].mean()) == 7.0
-    engine.release(0, 0, after=engine.device.record_compute())
+    engine.start_step({0: [(5, long)], 1: [(0, short[0]), (1, short[1])]})
+    engine.wait_layer(5, [0])
+    assert time.perf_counter() - start >= 0.3  # request 1's layer 0 and then 24 blocks: 0.325 s on this link
+    assert float(device.storage[:, engine.staged(0, 5)].mean()) == 7.0
+    assert [(a, b) for layer, a, b in chunks if layer == 5] == (
+        [(a, a + 4) for a in range(0, LONG, 4)] if link == "preemptive" else [(0, LONG)])
     engine.end_step()
     engine.close()
 

@@ -57,12 +57,8 @@ def test_preemptive_link_matches_hf_under_placement(tiny_llama, reference, polic
         assert llm.kv.usage() == (0, 0), "blocks leaked after a normal finish"
         assert llm.stats().link_preemptions == transfer.preemptions  # every yield happened in a step, and counts
         if isinstance(policy, OvertakingPolicy):
-            # Every step, here (23 of 23). Under strict emulation (ORBITFLOW_STRICT_ASYNC=1) the shortest's layer 0
-            # lands from a worker of its own when the link has moved it, so the step thread, woken then, races the
-            # copy worker, woken by its throttle at the same moment: where it releases layer 1 first (on a busy
-            # machine: 7-10 of 23 steps), EDF takes layer 1 before the longest's fetch starts, and nothing yields.
-            enough = MAX_TOKENS // 4 if transfer.device.strict.enabled else MAX_TOKENS // 2
-            assert transfer.preemptions >= enough, "fetches did not yield: the test would prove nothing"
+            # every step yields (23 of 23), also under strict emulation (ORBITFLOW_STRICT_ASYNC=1) on a busy machine
+            assert transfer.preemptions >= MAX_TOKENS // 2, "fetches did not yield: the test would prove nothing"
     finally:
         llm.close()
 

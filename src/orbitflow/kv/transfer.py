@@ -543,8 +543,9 @@ class TransferEngine:
                                                          ids), not_before=not_before)
 
     def _land_late(self, stream: str, event: Event, land, after: Event | None = None, not_before: float = 0.0) -> None:
-        """Strict emulation: ``land()`` (a copy) runs on ``stream``'s worker after ``after`` and a random delay after
-        the copy before it (a stream runs one copy at a time), not before ``not_before``, then completes ``event``."""
+        """Strict emulation: ``land()`` (a copy) runs on ``stream``'s worker after ``after``, ``not_before`` (when the
+        link has moved it) and a random delay after the copy before it or after ``not_before``, whichever is later (a
+        stream runs one copy at a time), then completes ``event``."""
         self._late[stream][0].put((after, self.device.delay(), not_before, land, event))
 
     def _run_late(self, lane: queue.SimpleQueue, stream: str) -> None:
@@ -557,7 +558,7 @@ class TransferEngine:
             after, delay, not_before, land, event = item
             if after is not None:
                 self.device.copy_wait(after, stream)
-            time.sleep(max(delay, not_before - time.perf_counter()))
+            time.sleep(delay + max(0.0, not_before - time.perf_counter()))  # landing lags its link time too
             try:
                 land()
             except BaseException as exc:
