@@ -200,10 +200,12 @@ def test_d6_sigterm_drains_and_exits_0_without_traceback(tiny_chat_dir):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "orbitflow.cli", "serve", "--model", str(tiny_chat_dir), "--port", str(port),
            "--served-model-name", MODEL_NAME, "--device-kv-blocks", "256", "--host-kv-blocks", "1024",
-           "--shutdown-timeout", "0.2", "--slo-ms", "20"]  # Token-Deposit paces the stream: 450 tokens take 9 s
+           "--shutdown-timeout", "0.2", "--slo-ms", "20",  # Token-Deposit paces the stream: 450 tokens take 9 s
+           "--policy", "fixed:all", "--link-gbps", "0.01"]
     # The engine generates ahead of the paced stream, and a finish releases what it holds at once: a grace period
-    # long enough for the tiny model to generate all 450 tokens (it had 1 s, which a fresh clone's run once took)
-    # ends the stream with "length", not "abort". 0.2 s leaves it well short of them.
+    # long enough for the engine to generate all 450 tokens ends the stream with "length", not "abort" (the tiny
+    # model did, within 0.2 s, in one fresh clone's run). So every layer's KV lives on the host and comes back
+    # over a 10 MB/s link: a step takes 5-50 ms, and 450 tokens seconds.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
