@@ -535,12 +535,8 @@ class TransferEngine:
     def _land_chunk_late(self, event: Event, fetch: _Fetch, a: int, b: int, not_before: float) -> None:
         """Strict emulation: the copy of the fetch's blocks ``a..b-1`` lands late on the copy stream, and not before
         ``not_before`` (perf_counter), when the throttled link has moved it."""
-        if fetch.staging is not None:
-            target, ids = self.device_pool, fetch.staging[a:b]
-        else:
-            target, ids = _ScratchPool(fetch.scratch, self.host_pool), list(range(a, b))
-        self._land_late("copy", event, functools.partial(self._issue, self.host_pool, fetch.host_blocks[a:b], target,
-                                                         ids), not_before=not_before)
+        self._land_late("copy", event, functools.partial(self._issue, self.host_pool, fetch.host_blocks[a:b],
+                                                         *self._places(fetch, a, b)), not_before=not_before)
 
     def _land_late(self, stream: str, event: Event, land, after: Event | None = None, not_before: float = 0.0) -> None:
         """Strict emulation: ``land()`` (a copy) runs on ``stream``'s worker after ``after``, ``not_before`` (when the
@@ -618,13 +614,15 @@ class TransferEngine:
                 self.overflow_blocks_peak = max(self.overflow_blocks_peak, self.overflow_blocks)
         self._wait_and_check(self.host_pool, fetch.host_blocks, "copy", "prefetch reads")
 
+    def _places(self, fetch: _Fetch, a: int, b: int) -> tuple[BlockPool | _ScratchPool, list[int]]:
+        """Where the fetch's host blocks ``a..b-1`` go: the same places of its slot, or of its scratch tensor."""
+        if fetch.staging is not None:
+            return self.device_pool, fetch.staging[a:b]
+        return _ScratchPool(fetch.scratch, self.host_pool), list(range(a, b))
+
     def _copy(self, fetch: _Fetch, a: int, b: int) -> None:
         """Copy the fetch's host blocks ``a..b-1`` into the same places of its slot (or scratch tensor)."""
-        if fetch.staging is not None:
-            self._issue(self.host_pool, fetch.host_blocks[a:b], self.device_pool, fetch.staging[a:b])
-        else:
-            target = _ScratchPool(fetch.scratch, self.host_pool)
-            self._issue(self.host_pool, fetch.host_blocks[a:b], target, list(range(a, b)))
+        self._issue(self.host_pool, fetch.host_blocks[a:b], *self._places(fetch, a, b))
 
     def _hand_over(self, fetch: _Fetch, event: Event) -> None:
         with self._cond:
