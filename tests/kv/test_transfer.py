@@ -255,11 +255,13 @@ def until(condition, timeout_s=5.0):
         time.sleep(0.001)
 
 
-def overtaking_step(link, strict=None, device_blocks=64, abort=False):
+def overtaking_step(link, strict=None, device_blocks=64, abort=False, on="cpu"):
     """Request 0 fetches a long layer 5; request 1 fetches layers 0 and 1 (2 and 8 blocks), so its layer 1 is
     released (its layer 0 consumed) while request 0's layer 5 is on the link. Returns the order in which fetches
-    were handed to the compute stream, the preemptions, and the long fetch (its progress)."""
-    device, host = BlockPool("device", device_blocks, BS, H, D), BlockPool("host", 64, BS, H, D)
+    were handed to the compute stream, the preemptions, and the long fetch (its progress). ``on``: the device
+    pool's device ("cuda": the copy stream's path, host blocks pinned)."""
+    device = BlockPool("device", device_blocks, BS, H, D, device=on)
+    host = BlockPool("host", 64, BS, H, D, pin_memory=on == "cuda")
     engine = TransferEngine(device, host, LONG * host.bytes_per_block / 0.3, strict=strict)
     engine.link, engine.chunk_s = link, 0.05  # 4 blocks
     long, short = host.allocate(LONG), {0: host.allocate(2), 1: host.allocate(8)}
@@ -305,7 +307,7 @@ def overtaking_step(link, strict=None, device_blocks=64, abort=False):
     engine.wait_layer(5, [0])
     staged = engine.staged(0, 5)
     data = staged[:, :LONG] if isinstance(staged, torch.Tensor) else device.storage[:, staged]
-    assert torch.equal(data, host.storage[:, long])  # every chunk landed in its place
+    assert torch.equal(data.cpu(), host.storage[:, long])  # every chunk landed in its place
     engine.release(0, 5, after=engine.device.record_compute())
     engine.end_step()
     assert device.num_used == 0 and engine.overflow_blocks == 0
@@ -341,6 +343,46 @@ def test_a_fetch_no_earlier_layer_can_overtake_moves_in_one_chunk():
     assert after == [(before[-1][1], LONG)]
     overtaking_step("edf")
     assert [(a, b) for key, a, b, _ in overtaking_step.copies if key == (0, 5)] == [(0, LONG)]
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream's path needs CUDA")
+
+
+@CUDA
+@pytest.mark.parametrize("device_blocks", [64, 16], ids=["slot", "scratch"])
+@pytest.mark.parametrize("link", ["edf", "preemptive"])
+def test_on_cuda_the_link_order_holds_and_every_chunk_lands(link, device_blocks):
+    """The same step through the copy stream: the EDF link makes the urgent fetch wait, the preemptive one lets
+    it overtake; data intact, every slot back."""
+    handed, preemptions, fetch = overtaking_step(link, device_blocks=device_blocks, on="cuda")
+    if link == "edf":
+        assert handed == [(1, 0), (0, 5), (1, 1)] and preemptions == 0
+    else:
+        assert handed == [(1, 0), (1, 1), (0, 5)] and preemptions == 1 and fetch.done == LONG
+
+
+@CUDA
+@pytest.mark.parametrize("link", ["edf", "preemptive"])
+def test_on_cuda_an_emulated_slow_link_hands_a_fetch_on_only_once_it_has_moved_it(link):
+    """With --link-gbps on a GPU the real copy is done long before the emulated link would have moved it: the
+    fetch is handed to the compute stream only then (a step reading it sooner would run faster than the link it
+    emulates and release the request's next fetch early), and the link's busy time is the emulated link's."""
+    device = BlockPool("device", 64, BS, H, D, device="cuda")
+    host = BlockPool("host", 64, BS, H, D, pin_memory=True)
+    engine = TransferEngine(device, host, LONG * host.bytes_per_block / 0.3)  # 0.3 s for the fetch
+    engine.link, engine.chunk_s = link, 0.05
+    ids = host.allocate(LONG)
+    host.storage[:, ids] = 3.0
+    start = time.perf_counter()
+    engine.start_step({0: [(2, ids)]})
+    engine.wait_layer(2, [0])
+    assert time.perf_counter() - start >= 0.3
+    assert engine.busy_s >= 0.3
+    assert float(device.storage[:, engine.staged(0, 2)].mean()) == 3.0
+    engine.release(0, 2, after=engine.device.record_compute())
+    engine.end_step()
+    assert device.num_used == 0
+    engine.close()
 
 
 @pytest.mark.parametrize("link", ["edf", "preemptive"])

@@ -491,8 +491,11 @@ class TransferEngine:
     def _stage_cuda(self, fetch: _Fetch, staging: list[int] | None, n: int, step: int, start: float) -> None:
         """`_stage` on CUDA: the chunks are queued on the copy stream, each followed by its copy event. On the
         preemptive link the worker keeps at most two chunks queued (`_make_room`, here and before it picks the next
-        fetch), so whatever it queues next, an urgent fetch released meanwhile waits for at most two chunks."""
-        first, preemptive = fetch.done, self.link == "preemptive"
+        fetch), so whatever it queues next, an urgent fetch released meanwhile waits for at most two chunks. On an
+        emulated slow link (`link_bytes_per_s`) the worker waits for each chunk and sleeps until the link would have
+        moved it, and hands the fetch on only then (a step must not read a layer the emulated link is still moving);
+        the link's busy time is then the emulated link's, as on the CPU."""
+        first, preemptive, throttled = fetch.done, self.link == "preemptive", bool(self.link_bytes_per_s)
         with torch.cuda.stream(self.stream):
             self._prepare(fetch, staging)  # the stream waits on the fences
             begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
@@ -502,29 +505,29 @@ class TransferEngine:
                 self._copy(fetch, a, b)
                 fetch.done = b
                 copied = self.device.record_copy()
+                if throttled:  # an emulated slow link must know when each chunk ended
+                    self.device.worker_host_wait(copied)
+                    self._throttle((b - first) * self.host_pool.bytes_per_block, start)
                 if b == n:
                     break
                 fetch.partial = copied  # what end_step must wait for if the fetch is set aside for good
-                if self.link_bytes_per_s:  # an emulated slow link must know when each chunk ended
-                    self.device.worker_host_wait(copied)
-                    self._throttle((b - first) * self.host_pool.bytes_per_block, start)
-                if preemptive:
+                if preemptive and not throttled:
                     self._queued.append(copied)
                     self._make_room()
                 if self._yield_to_urgent(fetch):
                     break
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.stream)
-        with self._busy_lock:
-            self._busy_events.append((begin, end))
+        if throttled:
+            self._busy_s += time.perf_counter() - start
+        else:
+            with self._busy_lock:
+                self._busy_events.append((begin, end))
         if fetch.done < n:
             return
-        if preemptive:
+        if preemptive and not throttled:
             self._queued.append(copied)
         self._hand_over(fetch, copied)
-        if self.link_bytes_per_s:
-            self.device.worker_host_wait(copied)
-            self._throttle((n - first) * self.host_pool.bytes_per_block, start)
 
     def _make_room(self) -> None:
         """Preemptive link on CUDA: wait until at most one chunk is left queued on the copy stream (the worker then
