@@ -94,7 +94,39 @@ def test_parallel_search_finds_the_serial_optimum_while_threads_swap_incumbents(
             # each task searches its own subtree only: the threads together visit about what one thread does, not a
             # whole tree per task
             assert par.stats.nodes + par.stats.leaves <= 2 * (serial.stats.nodes + serial.stats.leaves) + 100
-    assert len(splits) >= 6 and splits.gifts > len(splits)  # threads that ran out took work from busy ones
+    assert len(splits) >= 6
+
+
+class _BusyThreadWaitsForAHungryOne(search._Shared):
+    """Scripted work stealing: a busy thread's first look at whether another waits (``hungry``, at its first pause)
+    waits itself until the other threads have taken every task and one waits for more, so the busy thread then
+    gives away part of its subtree whatever the scheduling."""
+
+    looked = False
+
+    def hungry(self) -> bool:
+        if not self.looked:
+            self.looked = True
+            deadline = time.perf_counter() + 10
+            while not (super().hungry() or self.stop or self.finished) and time.perf_counter() < deadline:
+                time.sleep(1e-4)
+        return super().hungry()
+
+
+def test_a_thread_that_runs_out_of_tasks_takes_work_from_a_busy_one(monkeypatch, splits):
+    monkeypatch.setattr(search, "_Shared", _BusyThreadWaitsForAHungryOne)
+    rng = np.random.default_rng(801)
+    for _ in range(6):
+        cm, cap, reqs = random_case(rng, 7, 24)
+        serial = _solve(cm, cap, reqs, 1)
+        n_split, n_gifts = len(splits), splits.gifts
+        par = _solve(cm, cap, reqs, 2)
+        assert par.stats.exact and par.feasible == serial.feasible
+        if par.feasible:
+            assert _key(par, reqs) == pytest.approx(_key(serial, reqs), rel=1e-12, abs=0)
+        if len(splits) > n_split and splits.gifts > n_gifts + 1:  # the split's gift and a stolen subtree
+            return
+    pytest.fail("no busy thread gave work to a waiting one")
 
 
 def test_a_deadline_stops_every_thread_with_a_certified_bound(splits):
