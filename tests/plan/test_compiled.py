@@ -1,4 +1,5 @@
 import math
+import os
 import subprocess
 import sys
 import time
@@ -532,3 +533,23 @@ def _full_f(w, comp):
     for layer in range(1, n_layers):
         f[layer] = max(f[layer - 1], w[layer, 0], float((f[:layer] + w[layer, 1:layer + 1]).max())) + comp[layer]
     return f
+
+
+@needs_numba
+def test_a_kernel_compiles_afresh_when_a_module_compiled_into_it_changes(tmp_path):
+    """numba's disk cache checks only the file defining a kernel; a constant the kernel compiled in from another module
+    (as the search compiles in bounds.py's code) must not survive an edit of that module."""
+    (tmp_path / "dep.py").write_text("K = 1\n")
+    (tmp_path / "kern.py").write_text(
+        "import dep\nfrom orbitflow.plan import compiled\n\n\ndef f(x):\n    return x + dep.K\n\n\n"
+        "f = compiled._jit(f, depends_on=(dep,))\nprint(f(1), sum(f.stats.cache_hits.values()))\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
+
+    def run():  # the kernel's result, and how many times numba loaded it from its cache
+        return subprocess.run([sys.executable, str(tmp_path / "kern.py")], env=env, capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    assert run() == ["2", "0"]
+    assert run() == ["2", "1"]  # nothing changed: the cached kernel is loaded
+    (tmp_path / "dep.py").write_text("K = 5\n")
+    assert run() == ["6", "0"]  # numba's own stamp (kern.py's) alone would load the kernel that adds 1

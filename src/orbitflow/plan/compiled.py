@@ -11,9 +11,10 @@ The pure Python / NumPy code stays the reference (:func:`orbitflow.plan.cost_mod
 ``ORBITFLOW_PLAN_COMPILED=0`` is set. The compiled code performs the same float operations in the same order
 (up to one rounding in a mean), so both give the same stalls, the same bounds and the same plans
 (tests/plan/test_compiled.py). The tail bound's scalar code (:func:`orbitflow.plan.bounds.critical_windows`,
-:func:`orbitflow.plan.bounds.tail_cover`, its constants) is the reference's own, compiled here: numba's on-disk cache
-only checks this file, so after editing ``bounds.py`` touch this file (or delete the ``*.nbi`` / ``*.nbc`` files in
-``__pycache__``) before trusting a compiled run. Its sums are of integer transfer counts, exact in any order.
+:func:`orbitflow.plan.bounds.tail_cover`, its constants) is the reference's own, compiled here. Its sums are of
+integer transfer counts, exact in any order. numba's on-disk cache checks only the file that defines a kernel, so every
+kernel's cache entry is also stamped with the contents of the modules compiled into it (:func:`_jit`,
+``DEPENDS_ON``): after an edit of ``bounds.py`` the kernels compile afresh instead of running the old code.
 
 Prefetch depth (``slots``): with ``d`` buffer slots per request, a request's first ``d`` host-resident layers
 may start moving at t=0 and its ``k``-th host-resident layer (``k >= d``, 0-based) is released when its
@@ -22,6 +23,8 @@ may start moving at t=0 and its ``k``-th host-resident layer (``k >= d``, 0-base
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 import sys
@@ -31,19 +34,42 @@ from collections.abc import Sequence
 import numpy as np
 
 from orbitflow.plan import bounds
+from orbitflow.plan import types as plan_types
 from orbitflow.plan.types import REL_TOL
 
 try:  # numba is a runtime dependency, but the planner must keep working without it
     import numba
 
-    _jit = numba.njit(nogil=True, cache=True)
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - exercised by installs without numba
     numba = None
     HAVE_NUMBA = False
 
-    def _jit(fn):
+DEPENDS_ON = (bounds, plan_types)  # modules whose code or constants the kernels compile in, beside this file
+
+
+def _jit(fn, depends_on=DEPENDS_ON):
+    """``fn`` compiled with numba (nopython, ``nogil``, cached on disk); ``fn`` itself without numba. numba keeps a
+    cache entry while the file defining ``fn`` is unchanged (its mtime and size), even when a function or constant
+    it compiled in from another module has changed since. So the entry's stamp also carries a digest of the
+    ``depends_on`` modules' files: an edit of one of them makes numba compile ``fn`` afresh. (The stamp is a private
+    attribute of numba's cache: if a numba release renames it, the kernels keep numba's own stamp.)"""
+    if not HAVE_NUMBA:
         return fn
+    kernel = numba.njit(nogil=True, cache=True)(fn)
+    index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
+    if index is not None and hasattr(index, "_source_stamp"):
+        index._source_stamp = (index._source_stamp, _digest(tuple(m.__file__ for m in depends_on)))
+    return kernel
+
+
+@functools.cache
+def _digest(paths: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
 
 
 __all__ = ["HAVE_CLOCK", "HAVE_NUMBA", "enabled", "edf_stalls", "kernel_deadline"]
