@@ -121,6 +121,17 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def _names(text: str, flag: str, choices) -> list[str]:
+    """A comma list of names, each one of ``choices`` (at least one)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise CLIError(f"{flag}: no name in {text!r} (a comma list of {', '.join(choices)})")
+    unknown = [x for x in names if x not in choices]
+    if unknown:
+        raise CLIError(f"{flag}: unknown {', '.join(unknown)} (choose from {', '.join(choices)})")
+    return names
+
+
 def fmt_ci(cell: dict | None, fmt: str = ".3f", scale: float = 1.0) -> str:
     """'mean ± ci95' of a summary cell."""
     if not cell or cell.get("mean") is None:
@@ -135,20 +146,11 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
     if args.policies == "all":
         policies = ["orbitflow", *BASELINES]
     else:
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        if not policies:
-            raise CLIError(f"--policies: no policy named in {args.policies!r} ('all' or a comma list)")
-        unknown = [p for p in policies if p not in policy_names()]
-        if unknown:
-            raise CLIError(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(policy_names())})")
+        policies = _names(args.policies, "--policies", policy_names())
     if args.ablations:
         policies += [p for p in ABLATIONS if p not in policies]
     if args.victims:
-        victims = [v.strip() for v in args.victims.split(",") if v.strip()]
-        bad = [v for v in victims if v not in VICTIM_CHOICES]
-        if bad:
-            raise CLIError(f"--victims: unknown {', '.join(bad)} (choose from {', '.join(VICTIM_CHOICES)})")
-        policies += [f"orbitflow@{v}" for v in victims]
+        policies += [f"orbitflow@{v}" for v in _names(args.victims, "--victims", VICTIM_CHOICES)]
     slo_scales = _floats(args.slo_scales, "--slo-scales")
     rate_scales = _floats(args.rate_scales, "--rate-scales")
     fractions = [None]  # None: the setup's budget (0.5 of the largest batch, or a trace file's own)
@@ -159,9 +161,7 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
                            f"{args.device_kv_fraction!r}")
     links = [None] if args.link_gbps is None else _floats(args.link_gbps, "--link-gbps")
     slots = [None] if args.prefetch_slots == "policy" else _ints(args.prefetch_slots, "--prefetch-slots")
-    orders = [x.strip() for x in args.kv_link.split(",") if x.strip()]
-    if not orders or any(x not in LINK_CHOICES for x in orders):
-        raise CLIError(f"--kv-link must list link orders among {', '.join(LINK_CHOICES)}, got {args.kv_link!r}")
+    orders = _names(args.kv_link, "--kv-link", LINK_CHOICES)
     deposit = (True, False) if args.no_deposit_runs else (True,)
     return [point for f, link, d, order in itertools.product(fractions, links, slots, orders)
             for point in grid(policies, slo_scales, rate_scales, deposit, device_kv_fraction=f, link_gbps=link,
