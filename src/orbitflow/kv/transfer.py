@@ -500,6 +500,9 @@ class TransferEngine:
             self._prepare(fetch, staging)  # the stream waits on the fences
             begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
             begin.record(self.stream)
+            if throttled:  # the emulated link, too, starts once the fences are passed
+                self.device.worker_host_wait(self.device.record_copy())
+                start = time.perf_counter()
             while True:
                 a, b = fetch.done, self._chunk_end(fetch, n, step)
                 self._copy(fetch, a, b)

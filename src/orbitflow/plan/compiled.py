@@ -50,25 +50,31 @@ DEPENDS_ON = (bounds, plan_types)  # modules whose code or constants the kernels
 
 def _jit(fn, depends_on=DEPENDS_ON):
     """``fn`` compiled with numba (nopython, ``nogil``, cached on disk); ``fn`` itself without numba. numba keeps a
-    cache entry while the file defining ``fn`` is unchanged (its mtime and size), even when a function or constant
+    cache entry while the file defining ``fn`` is unchanged (its source stamp), even when a function or constant
     it compiled in from another module has changed since. So the entry's stamp also carries a digest of the
     ``depends_on`` modules' files: an edit of one of them makes numba compile ``fn`` afresh. (The stamp is a private
-    attribute of numba's cache: if a numba release renames it, the kernels keep numba's own stamp.)"""
+    attribute of numba's cache: if a numba release renames it, or a module has no readable file, the kernels keep
+    numba's own stamp.)"""
     if not HAVE_NUMBA:
         return fn
     kernel = numba.njit(nogil=True, cache=True)(fn)
     index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
-    if index is not None and hasattr(index, "_source_stamp"):
-        index._source_stamp = (index._source_stamp, _digest(tuple(m.__file__ for m in depends_on)))
+    digest = _digest(tuple(getattr(m, "__file__", None) for m in depends_on))
+    if index is not None and hasattr(index, "_source_stamp") and digest is not None:
+        index._source_stamp = (index._source_stamp, digest)
     return kernel
 
 
 @functools.cache
-def _digest(paths: tuple[str, ...]) -> str:
+def _digest(paths: tuple[str | None, ...]) -> str | None:
+    """sha256 of the files' contents; None if one cannot be read (a zip or frozen install)."""
     h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            h.update(f.read())
+    try:
+        for path in paths:
+            with open(path, "rb") as f:
+                h.update(f.read())
+    except (OSError, TypeError):
+        return None
     return h.hexdigest()
 
 
