@@ -46,6 +46,38 @@ def test_api_matches_its_openapi_document(api_schema):
             check()
 
 
+STREAMS = [{}, {"stream_options": {"include_usage": True}}, {"n": 2}]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streams_match_their_openapi_document(api_schema, path):
+    """Each server-sent event is documented (schemathesis checks every one): its data is a chunk or an error as JSON,
+    or [DONE]. A document that called an event a string failed every stream the examples above happened not to
+    make."""
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    logprobs = {"logprobs": 2} if path == "/v1/completions" else {"logprobs": True, "top_logprobs": 2}
+    for extra in [*STREAMS, logprobs]:
+        case = api_schema[path]["POST"].Case(body={**body, "stream": True, "max_tokens": 3, **extra})
+        response = case.call_and_validate(checks=CHECKS, timeout=60)
+        assert response.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_null_parameters_take_their_defaults_as_documented(api_schema, path):
+    """OpenAI clients send null for parameters they leave unset: the server takes the default, and the document says
+    so (schemathesis' negative examples had sent null as invalid data and flagged the 200)."""
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    operation = api_schema[path]["POST"]
+    case = operation.Case(body={**body, "temperature": None, "n": None, "stream": None, "top_p": None,
+                                "max_tokens": 2})
+    assert case.call_and_validate(checks=CHECKS, timeout=60).status_code == 200
+    name = "CompletionRequest" if path == "/v1/completions" else "ChatCompletionRequest"
+    request = api_schema.raw_schema["components"]["schemas"][name]
+    assert {"type": "null"} in request["properties"]["temperature"]["anyOf"]
+    for field in request["required"]:  # a required field's null is a missing field: a 400
+        assert {"type": "null"} not in request["properties"][field].get("anyOf", []), field
+
+
 def test_unsupported_methods_get_405_with_allow(api_schema):
     import httpx
 

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic.json_schema import models_json_schema
 
 from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
@@ -354,10 +355,23 @@ def _errors(*codes: int) -> dict:
 
 
 def _streamed(model: type, chunk: type) -> dict:
+    """A 200 that is ``model``, or with stream=true server-sent events. OpenAPI 3.1's ``schema`` of an event stream
+    describes one event (schemathesis checks each): its ``data`` is a ``chunk`` or an ``ErrorResponse`` as JSON, or
+    ``[DONE]``. The chunk's schema joins the document's components (:func:`_openapi`)."""
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json",
+                       "contentSchema": {"anyOf": [{"$ref": f"{_COMPONENTS}{chunk.__name__}"},
+                                                   {"$ref": f"{_COMPONENTS}{p.ErrorResponse.__name__}"}]}}]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    assert chunk in _CHUNKS, f"add {chunk.__name__} to _CHUNKS"
     return {200: {"model": model, "description": f"a {model.__name__}, or with stream=true server-sent events: "
                                                  f"`data: <{chunk.__name__}>` lines, an error event on failure, "
                                                  "then `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": event}}}}
+
+
+_COMPONENTS = "#/components/schemas/"
+_CHUNKS = (p.ChatCompletionChunk, p.CompletionResponse)  # the streamed chunks' models, in the document's components
 
 
 def _openapi(app: FastAPI) -> Callable[[], dict]:
@@ -372,6 +386,11 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            _, defs = models_json_schema([(m, "serialization") for m in _CHUNKS],
+                                         ref_template=_COMPONENTS + "{model}")
+            for name, definition in defs.get("$defs", {}).items():
+                components.setdefault(name, definition)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -75,10 +75,26 @@ def _range(lo: float, hi: float, default: float, doc: str, *, gt: bool = False) 
     return Field(default=default, le=hi, description=doc, **bounds)
 
 
+_SCHEMA_META = ("title", "description", "default", "examples")
+
+
+def _document_nulls(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The OpenAPI document says what :class:`NullIsDefault` accepts: null for each parameter, meaning its default."""
+    props = schema.get("properties", {})
+    for name in _not_nullable(cls):
+        key = cls.model_fields[name].alias or name
+        if key in props and not cls.model_fields[name].is_required():  # a required one's null is a missing field
+            prop = props[key]
+            props[key] = {"anyOf": [{k: v for k, v in prop.items() if k not in _SCHEMA_META}, {"type": "null"}],
+                          **{k: prop[k] for k in _SCHEMA_META if k in prop}}
+
+
 class NullIsDefault(BaseModel):
     """A body whose parameters sent as null take their defaults, as OpenAI's API and vLLM read them (clients send
     nulls for every parameter they leave unset); a parameter that takes null (``max_tokens``: the rest of the
-    context) keeps it."""
+    context) keeps it. The OpenAPI document marks every parameter nullable accordingly."""
+
+    model_config = ConfigDict(json_schema_extra=_document_nulls)
 
     @model_validator(mode="before")
     @classmethod
