@@ -31,6 +31,29 @@ def test_deepspeed_keeps_everything_on_the_host():
     assert not plan.placement.mask.any()
 
 
+@pytest.mark.parametrize("name", ["fixed:all", "deepspeed"])
+def test_a_kept_placement_the_host_pool_cannot_hold_to_the_end_is_infeasible(name):
+    """Every layer on the host: r0 and r1 end at 3 and 4 blocks per layer (48 and 64 tokens), 8 layers: 56 host
+    blocks in all. Below that the plan is infeasible (admission keeps the newest waiting) though the first steps fit; a
+    request that alone needs more than the whole pool is one the policy cannot serve."""
+    policy = make_policy(name)
+    assert policy.plan(reqs([1, 2]), ctx(host_capacity_blocks=56)).feasible
+    short = policy.plan(reqs([1, 2]), ctx(host_capacity_blocks=55))
+    assert not short.feasible and short.placement is None and short.victims == ("r1",)
+    assert policy.unservable(reqs([2])[0], ctx(host_capacity_blocks=32)) is None
+    assert "needs 32 host KV blocks, and the host pool has 31" in policy.unservable(reqs([2])[0],
+                                                                                   ctx(host_capacity_blocks=31))
+
+
+def test_a_fixed_placement_the_device_budget_cannot_hold_is_infeasible_not_an_error():
+    policy = make_policy("fixed:none")  # r0, r1 end at 3 and 4 blocks per layer: 56 device blocks
+    assert policy.plan(reqs([1, 2]), ctx(capacity=56)).feasible
+    assert not policy.plan(reqs([1, 2]), ctx(capacity=55)).feasible
+    assert "needs 32 device KV blocks (resident + prefetch buffer), and --device-kv-blocks is 31" in \
+        policy.unservable(reqs([2])[0], ctx(capacity=31))
+    assert make_policy("orbitflow").unservable(reqs([2])[0], ctx(capacity=23)) is None  # it can offload
+
+
 def test_evenly_spaced_rows_match_distances():
     assert evenly_spaced_row(8, 4).tolist() == [True, False] * 4  # every 2nd layer, as distance 2
     assert (~evenly_spaced_row(8, 3)).sum() == 3

@@ -5,7 +5,8 @@ import torch
 from scripted_policies import OvertakingPolicy
 from tiny_models import hf_greedy, make_llm
 
-from orbitflow.policies import FixedPlacementPolicy, PlacementError
+from orbitflow.policies import FixedPlacementPolicy
+from orbitflow.runtime.engine import RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
 
 PROMPTS = [
@@ -95,11 +96,37 @@ def test_exception_mid_step_frees_both_pools(tiny_llama, monkeypatch):
     llm.close()
 
 
-def test_placement_over_budget_names_the_budget(tiny_llama):
-    llm = make_llm(tiny_llama, FixedPlacementPolicy("none"), max_num_seqs=4, device_kv_blocks=40)
-    with pytest.raises(PlacementError, match="--device-kv-blocks is 40"):
-        llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
-    llm.close()
+@pytest.mark.parametrize("spec, pools", [("none", {"device_kv_blocks": 40}), ("all", {"host_kv_blocks": 40})],
+                         ids=["device", "host"])
+def test_a_batch_a_fixed_placement_cannot_hold_runs_in_turns(tiny_llama, reference, spec, pools):
+    """The four prompts end at 29-72 tokens (2-5 blocks per layer, 6 layers): under 'none' (every layer on the
+    device) or 'all' (every layer on the host) they need 84 blocks of one pool together, and it has 40; each fits
+    alone. They wait for each other and all finish identical to transformers. 'all' used to admit them all and end
+    one with 'host KV pool exhausted' mid-generation; 'none' raised out of the step."""
+    llm = make_llm(tiny_llama, FixedPlacementPolicy(spec), max_num_seqs=4, **pools)
+    try:
+        reqs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        assert [r.finish_reason for r in reqs] == ["length"] * 4
+        assert [r.output_ids for r in reqs] == reference
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("spec, pools, flag", [("none", {"device_kv_blocks": 12}, "--device-kv-blocks is 12"),
+                                               ("all", {"host_kv_blocks": 12}, "host pool has 12 for it")],
+                         ids=["device", "host"])
+def test_a_request_a_fixed_placement_cannot_hold_alone_is_refused_when_added(tiny_llama, spec, pools, flag):
+    """The 48-token prompt ends at 72 tokens, 5 blocks per layer, 30 in all; the pool holds 12: it is refused before
+    it runs, naming the budget; a small one is still served."""
+    llm = make_llm(tiny_llama, FixedPlacementPolicy(spec), max_num_seqs=4, **pools)
+    try:
+        with pytest.raises(RequestRejected, match=f"placement '{spec}' needs 30 .*{flag}"):
+            llm.generate([PROMPTS[3]], SamplingParams(max_tokens=MAX_TOKENS))
+        assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))[0].finish_reason == "length"
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
 
 
 def test_stall_grows_with_offloaded_layers_on_a_slow_link(tiny_llama):

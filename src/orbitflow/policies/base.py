@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -90,6 +90,11 @@ class Policy:
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         raise NotImplementedError
 
+    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
+        """Why this policy could never serve ``request``, even alone in the engine (``ctx`` with the whole host pool);
+        None when it can. The engine rejects such a request when it is added, before it runs."""
+        return None
+
     def describe(self) -> str:
         return self.name
 
@@ -114,6 +119,33 @@ def final_blocks(request: PlanRequest, block_size: int) -> int:
     """Blocks per layer the request will hold when it has generated everything it may."""
     left = request.tokens_left or 0
     return math.ceil((request.tokens + left) / block_size)
+
+
+def kept_placement_shortfall(placement: Placement, requests: list[PlanRequest], ctx: PlanContext) -> str | None:
+    """What ``placement``, kept as it is until every request of ``requests`` has its last token, lacks: the device
+    blocks it holds then (resident and prefetch buffer) beyond the budget, or the host blocks beyond what the batch may
+    use of the host pool; None when both fit."""
+    final = [final_blocks(r, ctx.block_size) for r in requests]
+    device = placement.memory_blocks(final, ctx.cost_model.prefetch_slots)
+    if device > ctx.capacity_blocks:
+        return (f"{int(device)} device KV blocks (resident + prefetch buffer), and --device-kv-blocks is "
+                f"{ctx.capacity_blocks}")
+    host = float(np.dot(final, placement.offload_counts()))
+    if host > ctx.host_capacity_blocks:
+        return f"{int(host)} host KV blocks, and the host pool has {int(ctx.host_capacity_blocks)} for it " \
+               "(--host-kv-blocks)"
+    return None
+
+
+def kept_placement_plan(placement: Placement, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
+    """The plan of a placement a policy keeps whatever the batch's size (fixed placements, DeepSpeed): infeasible
+    when it cannot hold the batch to its last tokens (:func:`kept_placement_shortfall`), so admission keeps the newest
+    request waiting rather than run the host pool dry mid-generation; otherwise the planner's evaluation of it."""
+    plan = ctx.planner(alpha=float("inf")).evaluate(placement, requests)
+    if kept_placement_shortfall(placement, requests, ctx) is None:
+        return plan
+    return replace(plan, placement=None, distances=None, feasible=False, window=0, expiry_step=None,
+                   victims=(requests[-1].request_id,))
 
 
 def evenly_spaced_row(num_layers: int, count: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""A placement given up front (`orbitflow generate --placement SPEC`), never re-planned by choice.
+"""A placement given up front (`orbitflow generate --placement SPEC`), never re-planned by choice. A batch it cannot
+hold to its last tokens waits (the newest request first); a request it cannot hold even alone is refused when added.
 
 SPEC: `none` (all on device), `all` (every layer on host), `distance:D` (1-based layers D, 2D, ... on
 host), `random:SEED` (independent random device/host choice per request and layer).
@@ -11,7 +12,7 @@ import zlib
 import numpy as np
 
 from orbitflow.plan import Placement, Plan, PlanRequest
-from orbitflow.policies.base import PlanContext, Policy, final_blocks
+from orbitflow.policies.base import PlanContext, Policy, kept_placement_plan, kept_placement_shortfall
 
 
 class PlacementError(ValueError):
@@ -50,14 +51,15 @@ class FixedPlacementPolicy(Policy):
         parse_placement_spec(spec)
         self.spec = spec
 
+    def placement(self, requests: list[PlanRequest], num_layers: int) -> Placement:
+        rows = [placement_row(self.spec, num_layers, r.request_id) for r in requests]
+        return Placement.from_mask(np.array(rows, dtype=bool).reshape(len(requests), num_layers))
+
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
-        rows = [placement_row(self.spec, ctx.num_layers, r.request_id) for r in requests]
-        placement = Placement.from_mask(np.array(rows, dtype=bool).reshape(len(requests), ctx.num_layers))
-        needed = placement.memory_blocks([final_blocks(r, ctx.block_size) for r in requests],
-                                         ctx.cost_model.prefetch_slots)
-        if needed > ctx.capacity_blocks:
-            raise PlacementError(
-                f"placement {self.spec!r} needs {int(needed)} device KV blocks (resident + prefetch buffer) "
-                f"but --device-kv-blocks is {ctx.capacity_blocks}"
-            )
-        return ctx.planner(alpha=float("inf")).evaluate(placement, requests)
+        """The placement, or an infeasible plan when it cannot hold the batch to its last tokens: the newest
+        request then waits until the others finish (a request it cannot hold even alone was refused when added)."""
+        return kept_placement_plan(self.placement(requests, ctx.num_layers), requests, ctx)
+
+    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
+        short = kept_placement_shortfall(self.placement([request], ctx.num_layers), [request], ctx)
+        return None if short is None else f"placement {self.spec!r} needs {short}"
