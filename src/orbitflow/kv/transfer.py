@@ -498,11 +498,12 @@ class TransferEngine:
         first, preemptive, throttled = fetch.done, self.link == "preemptive", bool(self.link_bytes_per_s)
         with torch.cuda.stream(self.stream):
             self._prepare(fetch, staging)  # the stream waits on the fences
-            begin = torch.cuda.Event(enable_timing=True)  # link busy: from here, not from the waits
-            begin.record(self.stream)
-            if throttled:  # the emulated link, too, starts once the fences are passed
+            if throttled:  # link busy: from here, not from the waits (the emulated link's clock)
                 self.device.worker_host_wait(self.device.record_copy())
                 start = time.perf_counter()
+            else:  # ... (the copy stream's events)
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record(self.stream)
             while True:
                 a, b = fetch.done, self._chunk_end(fetch, n, step)
                 self._copy(fetch, a, b)
@@ -514,21 +515,21 @@ class TransferEngine:
                 if b == n:
                     break
                 fetch.partial = copied  # what end_step must wait for if the fetch is set aside for good
-                if preemptive and not throttled:
+                if preemptive:  # (throttled, its chunks are done already: the waits cost nothing)
                     self._queued.append(copied)
                     self._make_room()
                 if self._yield_to_urgent(fetch):
                     break
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
-        if throttled:
-            self._busy_s += time.perf_counter() - start
-        else:
-            with self._busy_lock:
-                self._busy_events.append((begin, end))
+            if throttled:
+                self._busy_s += time.perf_counter() - start
+            else:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(self.stream)
+                with self._busy_lock:
+                    self._busy_events.append((begin, end))
         if fetch.done < n:
             return
-        if preemptive and not throttled:
+        if preemptive:
             self._queued.append(copied)
         self._hand_over(fetch, copied)
 

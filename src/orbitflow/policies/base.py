@@ -121,7 +121,32 @@ def final_blocks(request: PlanRequest, block_size: int) -> int:
     return math.ceil((request.tokens + left) / block_size)
 
 
-def kept_placement_shortfall(placement: Placement, requests: list[PlanRequest], ctx: PlanContext) -> str | None:
+class KeptPlacementPolicy(Policy):
+    """A policy whose placement does not adapt to the batch or the pools (fixed placements, DeepSpeed). A batch the
+    placement cannot hold to its last tokens gets an infeasible plan, so admission keeps the newest request waiting
+    rather than run a pool dry mid-generation; a request it cannot hold even alone is unservable. Subclasses give the
+    placement and what to call it in an error."""
+
+    def placement(self, requests: list[PlanRequest], num_layers: int) -> Placement:
+        raise NotImplementedError
+
+    def placement_name(self) -> str:
+        raise NotImplementedError
+
+    def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
+        placement = self.placement(requests, ctx.num_layers)
+        plan = ctx.planner(alpha=float("inf")).evaluate(placement, requests)
+        if _shortfall(placement, requests, ctx) is None:
+            return plan
+        return replace(plan, placement=None, distances=None, feasible=False, window=0, expiry_step=None,
+                       victims=(requests[-1].request_id,))
+
+    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
+        short = _shortfall(self.placement([request], ctx.num_layers), [request], ctx)
+        return None if short is None else f"{self.placement_name()} needs {short}"
+
+
+def _shortfall(placement: Placement, requests: list[PlanRequest], ctx: PlanContext) -> str | None:
     """What ``placement``, kept as it is until every request of ``requests`` has its last token, lacks: the device
     blocks it holds then (resident and prefetch buffer) beyond the budget, or the host blocks beyond what the batch may
     use of the host pool; None when both fit."""
@@ -135,17 +160,6 @@ def kept_placement_shortfall(placement: Placement, requests: list[PlanRequest], 
         return f"{int(host)} host KV blocks, and the host pool has {int(ctx.host_capacity_blocks)} for it " \
                "(--host-kv-blocks)"
     return None
-
-
-def kept_placement_plan(placement: Placement, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
-    """The plan of a placement a policy keeps whatever the batch's size (fixed placements, DeepSpeed): infeasible
-    when it cannot hold the batch to its last tokens (:func:`kept_placement_shortfall`), so admission keeps the newest
-    request waiting rather than run the host pool dry mid-generation; otherwise the planner's evaluation of it."""
-    plan = ctx.planner(alpha=float("inf")).evaluate(placement, requests)
-    if kept_placement_shortfall(placement, requests, ctx) is None:
-        return plan
-    return replace(plan, placement=None, distances=None, feasible=False, window=0, expiry_step=None,
-                   victims=(requests[-1].request_id,))
 
 
 def evenly_spaced_row(num_layers: int, count: int) -> np.ndarray:

@@ -6,20 +6,18 @@ runs): layer i+1's KV may move while layer i computes, so the link and the compu
 
 from __future__ import annotations
 
-from orbitflow.plan import Placement, Plan, PlanRequest
-from orbitflow.policies.base import PlanContext, Policy, kept_placement_plan, kept_placement_shortfall
+from orbitflow.plan import Placement, PlanRequest
+from orbitflow.policies.base import KeptPlacementPolicy
 
 
-class DeepSpeedPolicy(Policy):
+class DeepSpeedPolicy(KeptPlacementPolicy):
     name = "deepspeed"
     replan_on = frozenset()
     prefetch_slots = 2
 
-    def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
-        """Every layer on the host; infeasible when the host pool cannot hold the batch to its last tokens (the
-        newest request waits)."""
-        return kept_placement_plan(Placement.from_distances(ctx.num_layers, [1] * len(requests)), requests, ctx)
+    def placement(self, requests: list[PlanRequest], num_layers: int) -> Placement:
+        """Every layer on the host."""
+        return Placement.from_distances(num_layers, [1] * len(requests))
 
-    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
-        short = kept_placement_shortfall(Placement.from_distances(ctx.num_layers, [1]), [request], ctx)
-        return None if short is None else f"the deepspeed policy (every layer on the host) needs {short}"
+    def placement_name(self) -> str:
+        return "the deepspeed policy (every layer on the host)"

@@ -11,8 +11,8 @@ import zlib
 
 import numpy as np
 
-from orbitflow.plan import Placement, Plan, PlanRequest
-from orbitflow.policies.base import PlanContext, Policy, kept_placement_plan, kept_placement_shortfall
+from orbitflow.plan import Placement, PlanRequest
+from orbitflow.policies.base import KeptPlacementPolicy
 
 
 class PlacementError(ValueError):
@@ -43,7 +43,7 @@ def placement_row(spec: str, num_layers: int, request_id: object) -> np.ndarray:
     return rng.random(num_layers) < 0.5
 
 
-class FixedPlacementPolicy(Policy):
+class FixedPlacementPolicy(KeptPlacementPolicy):
     name = "fixed"
     replan_on = frozenset({"batch"})
 
@@ -55,11 +55,5 @@ class FixedPlacementPolicy(Policy):
         rows = [placement_row(self.spec, num_layers, r.request_id) for r in requests]
         return Placement.from_mask(np.array(rows, dtype=bool).reshape(len(requests), num_layers))
 
-    def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
-        """The placement, or an infeasible plan when it cannot hold the batch to its last tokens: the newest
-        request then waits until the others finish (a request it cannot hold even alone was refused when added)."""
-        return kept_placement_plan(self.placement(requests, ctx.num_layers), requests, ctx)
-
-    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
-        short = kept_placement_shortfall(self.placement([request], ctx.num_layers), [request], ctx)
-        return None if short is None else f"placement {self.spec!r} needs {short}"
+    def placement_name(self) -> str:
+        return f"placement {self.spec!r}"
