@@ -21,7 +21,8 @@ are calibrated at once:
 - ``mixed_step_overhead_s``: a prefill chunk beside a decode against the two run apart (interleaved);
 - prefill: ``prefill_a * tokens + prefill_b + prefill_c * pairs`` (``pairs``: the (query, key) pairs its causal
   attention scores), fitted (non-negative, relative least squares) to prompts of several lengths;
-- the link rate: the configured throttle, or the measured host-to-device block copy rate;
+- the link rate: the configured throttle, or the measured host-to-device block copy rate (a copy of about 32 MB,
+  timed until it has landed);
 - ``step_noise_cv``: the spread of the repeated all-host decode steps (the copy-thread phase) around their
   median (a robust CV: 1.4826 x the median absolute relative deviation): the step-to-step jitter the simulator
   adds as noise. Steps that wait on the copy thread are the jittery ones on a CPU (the copy thread, the compute
@@ -40,26 +41,33 @@ import numpy as np
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.hardware import HardwareProfile
 
+LINK_PROBE_BYTES = 32 << 20  # the link rate's probe copy (less if the pools hold less), its fixed costs amortised
 
-def measure_link_bytes_per_s(kv, blocks: int = 64, repeats: int = 3) -> float:
-    """Host-to-device copy rate of whole blocks through the transfer engine (honours any throttle)."""
-    blocks = min(blocks, kv.device_pool.num_free, kv.host_pool.num_free)
+
+def measure_link_bytes_per_s(kv, nbytes: int = LINK_PROBE_BYTES, repeats: int = 3) -> float:
+    """Host-to-device copy rate of whole blocks through the transfer engine (honours any throttle): the fastest of
+    ``repeats`` copies of about ``nbytes``, each timed until it has landed (on CUDA a move only queues the copy on
+    the copy stream, so the time until it returns is the enqueue's, not the link's)."""
+    per_block = kv.host_pool.bytes_per_block
+    blocks = min(max(1, -(-nbytes // per_block)), kv.device_pool.num_free, kv.host_pool.num_free)
     if blocks == 0:
         return 1e9
     host = kv.host_pool.allocate(blocks)
     dev = kv.device_pool.allocate(blocks)
     try:
         best = float("inf")
+        kv.transfer.synchronize()  # nothing queued before the probe is timed with it
         for _ in range(repeats):
             start = time.perf_counter()
             kv.transfer.move_to_device(host, dev)
+            kv.transfer.synchronize()
             best = min(best, time.perf_counter() - start)
-        kv.transfer.bytes_h2d -= repeats * blocks * kv.host_pool.bytes_per_block  # not real traffic
+        kv.transfer.bytes_h2d -= repeats * blocks * per_block  # not real traffic
         kv.transfer.layer_moves -= repeats
     finally:
         kv.host_pool.free(host)
         kv.device_pool.free(dev)
-    return blocks * kv.host_pool.bytes_per_block / max(best, 1e-9)
+    return blocks * per_block / max(best, 1e-9)
 
 
 def _fit_transfer_latency(compute: list[float], stall_s: float, xfer_s: float, hosts: list[int]) -> float:
@@ -237,14 +245,18 @@ def _measure_mixed_step(bench: _Bench, chunk: int, steps: int, extra: dict) -> f
 
 
 def _measure_moves(bench: _Bench, link: float) -> float:
-    """Phase 4: placement changes: every layer of "s" to the host and back, beyond the bytes over the link."""
+    """Phase 4: placement changes: every layer of "s" to the host and back, beyond the bytes over the link (each
+    timed until its copies have landed: on CUDA the step that follows a move waits for them)."""
     moves = []
     layers = bench.layers
     layer_bytes = bench.kv.tables["s"].blocks_per_layer * bench.kv.host_pool.bytes_per_block
+    transfer = bench.kv.transfer
     for _ in range(3):
         for target in (False, True):
+            transfer.synchronize()
             start = time.perf_counter()
             bench.kv.apply_placement("s", [target] * layers)
+            transfer.synchronize()
             moves.append((time.perf_counter() - start - layers * layer_bytes / link) / layers)
     return max(0.0, float(np.median(moves)))
 
