@@ -5,7 +5,9 @@ On a CUDA machine, for SmolLM2-135M (and every `--llama DIR`, a local 1B-8B Llam
    `generate` on the same GPU, same dtype (TF32 off), same prompts (seeded random ids);
 2. overlap: decode steps with host-resident layers (`--overlap-placement`) under a measured hardware profile:
    per step, GPU time the compute stream stalled on prefetches vs the link's busy time (both from CUDA events,
-   kv/events.py), and the step latency vs the planner's prediction for that step;
+   kv/events.py), and the step latency vs the planner's prediction for that step, split into its compute and stall
+   (`--json` keeps every step with what its prediction priced; `--profile-contexts` fits the profile's decode compute
+   at other contexts than the profiler's);
    1 and 2 run on each link order of `--kv-links` (`--kv-link edf`, and `preemptive`: chunked copies that yield
    to an earlier layer's, at most two chunks queued on the copy stream), the preemptive one in chunks of
    `--kv-link-chunk-ms` (default a few blocks, so that fetches do yield); preemptions are counted, and a report
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -31,6 +34,7 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 DEFAULT_PLACEMENTS = "none,all,distance:2,random:7"
@@ -54,6 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="prompt length in tokens (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default %(default)s)")
+    p.add_argument("--profile-contexts", metavar="N,N,...",
+                   help="context lengths the overlap run's hardware profile fits decode compute at (default: the "
+                        "profiler's, 16,256,768); e.g. up to --context, to price long contexts without extrapolating")
+    p.add_argument("--skip-identity", action="store_true",
+                   help="measure the overlap only (a repeat of a configuration whose identity is already checked)")
+    p.add_argument("--json", metavar="PATH", help="also write every decode step's measurement and prediction as JSON")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="model and KV dtype (default %(default)s: identity with transformers is exact in fp32)")
     p.add_argument("--note", default="", help="a sentence added to the --md fragment (e.g. where the weights "
@@ -66,6 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     from orbitflow.config import LINK_CHOICES
 
+    if args.profile_contexts is not None:
+        try:
+            args.profile_contexts = tuple(int(x) for x in args.profile_contexts.split(","))
+        except ValueError:
+            p.error(f"--profile-contexts takes a comma list of token counts, got {args.profile_contexts!r}")
+        if len(args.profile_contexts) < 2 or min(args.profile_contexts) < 1:
+            p.error(f"--profile-contexts needs at least 2 context lengths >= 1, got {args.profile_contexts}")
     if not args.kv_link_chunk_ms > 0:
         p.error(f"--kv-link-chunk-ms must be > 0, got {args.kv_link_chunk_ms}")
     bad = [link for link in args.kv_links.split(",") if link not in LINK_CHOICES]
@@ -131,19 +148,44 @@ def check_identity(loaded, model_dir, prompts, args, dtype) -> list[dict]:
     return rows
 
 
+def measured_profile(loaded, args, link: str):
+    """The hardware profile of the overlap run: measured by the engine ("measure"), or, with --profile-contexts, by
+    the profiler with decode compute fitted at those contexts (on an engine of the same configuration)."""
+    if args.profile_contexts is None:
+        return "measure"
+    from orbitflow.runtime.profiler import profile_executor
+
+    llm = make_llm(loaded, args.overlap_placement, args, "rough", link)
+    try:
+        return profile_executor(llm.executor, f"{loaded.name}@contexts", contexts=args.profile_contexts)
+    finally:
+        llm.close()
+
+
 def measure_overlap(loaded, prompts, args, link: str = "edf") -> dict:
-    """Decode steps under the overlap placement with a measured profile: stall, link busy, step vs prediction,
-    host syncs (the protocol's count and PyTorch's sync debug mode)."""
+    """Decode steps under the overlap placement with a measured profile: stall, link busy, step vs prediction
+    (and the prediction's compute and stall), host syncs (the protocol's count and PyTorch's sync debug mode)."""
+    from orbitflow.plan.placement import Placement
     from orbitflow.runtime.sampling import SamplingParams
 
-    llm = make_llm(loaded, args.overlap_placement, args, "measure", link)
+    llm = make_llm(loaded, args.overlap_placement, args, measured_profile(loaded, args, link), link)
     engine, transfer = llm.engine, llm.kv.transfer
+    profile_json = llm.profile.to_json()
     steps = []
-    executed = []  # the ScheduleOutput of each executed step: is it decode, and what was predicted for it
+    executed = []  # per executed step: its ScheduleOutput, and the cost model's estimate for a decode step
     execute = engine.executor.execute
 
     def recording_execute(out):
-        executed.append(out)
+        estimate = inputs = None
+        if out.is_decode and out.predicted_step_s is not None:  # what the controller predicted, term by term
+            cm = engine.scheduler.controller.ctx.cost_model
+            inputs = {"on_device": [[bool(x) for x in llm.kv.tables[s.req_id].on_device] for s in out.seqs],
+                      "blocks": [llm.kv.blocks_for(s.start_pos) for s in out.seqs], "total_tokens": out.total_tokens,
+                      "layer_compute_scale": np.broadcast_to(cm.layer_compute_scale, (cm.num_layers,)).tolist(),
+                      "link_blocks_per_s": cm.link_blocks_per_s}
+            estimate = cm.step(Placement.from_mask(np.asarray(inputs["on_device"], dtype=bool)), inputs["blocks"],
+                               total_tokens=out.total_tokens)
+        executed.append((out, estimate, inputs))
         return execute(out)
 
     engine.executor.execute = recording_execute
@@ -160,12 +202,14 @@ def measure_overlap(loaded, prompts, args, link: str = "edf") -> dict:
                     result = engine.step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            out = executed[-1] if executed else None
-            if result is None or out is None or not out.is_decode or out.predicted_step_s is None:
+            out, estimate, inputs = executed[-1] if executed else (None, None, None)
+            if result is None or out is None or estimate is None:
                 continue  # prefill or mixed steps: not decode
             steps.append({
                 "step_s": result.step_s, "stall_s": result.stall_s, "compute_s": result.compute_s,
                 "link_busy_s": transfer.busy_s - busy, "predicted_s": out.predicted_step_s,
+                "predicted_compute_s": estimate.compute_s, "predicted_stall_s": estimate.stall_s,
+                **inputs,  # what the prediction priced: placement, blocks, tokens and the controller's refreshed model
                 "protocol_syncs": transfer.device.host_syncs - syncs, "preemptions": transfer.preemptions - preempted,
                 "cuda_sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
             })
@@ -174,7 +218,9 @@ def measure_overlap(loaded, prompts, args, link: str = "edf") -> dict:
     if not steps:
         return {"link": link, "steps": 0}
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-    med["steps"], med["link"] = len(steps), link
+    med["steps"], med["link"], med["per_step"], med["profile"] = len(steps), link, steps, json.loads(profile_json)
+    late = steps[len(steps) // 2:]  # the run's second half: has the controller's refresh closed the error?
+    med["late_error"] = statistics.median((s["step_s"] - s["predicted_s"]) / s["predicted_s"] for s in late)
     med["preemptions"] = statistics.mean(s["preemptions"] for s in steps)
     med["max_protocol_syncs"] = max(s["protocol_syncs"] for s in steps)
     med["max_cuda_sync_warnings"] = max(s["cuda_sync_warnings"] for s in steps)
@@ -191,7 +237,7 @@ def run_model(name_or_dir: str, args) -> dict:
     loaded = load_model(name_or_dir, dtype)
     loaded.model.to("cuda")
     prompts = prompts_for(args, loaded.config.vocab_size)
-    identity = check_identity(loaded, loaded.path, prompts, args, dtype)
+    identity = [] if args.skip_identity else check_identity(loaded, loaded.path, prompts, args, dtype)
     overlap = [measure_overlap(loaded, prompts, args, link) for link in args.kv_links.split(",")]
     return {"model": name_or_dir, "identity": identity, "overlap": overlap}
 
@@ -204,28 +250,34 @@ def render(results: list[dict], args, argv) -> str:
         f"Command: `{shlex.join(['python', 'benchmarks/gpu_smoke.py', *argv])}`",
         f"Machine: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
         f"{platform.node()}; date {datetime.date.today().isoformat()}; prompts seed {args.seed}, "
-        f"{args.prompts} x {args.context} tokens, {args.max_tokens} new, {args.dtype}." + (f" {args.note}" if args.note
-                                                                                       else ""),
+        f"{args.prompts} x {args.context} tokens, {args.max_tokens} new, {args.dtype}; overlap profile fitted at "
+        f"contexts {','.join(map(str, args.profile_contexts or (16, 256, 768)))}." + (f" {args.note}" if args.note
+                                                                                            else ""),
         "",
         "| model | link | placement | identical to transformers | first divergence | blocks leaked | preemptions |",
         "|---|---|---|---|---|---|---|",
     ]
+    if args.skip_identity:
+        lines.append("| (not checked: --skip-identity) | | | | | | |")
     for res in results:
         for row in res["identity"]:
             lines.append(f"| {res['model']} | {row['link']} | {row['placement']} | {row['identical']}/{row['of']} | "
                          f"{row['first_divergence'] if row['first_divergence'] is not None else '-'} | "
                          f"{'yes' if row['leaked'] else 'no'} | {row['preemptions']} |")
     lines += ["", f"Decode steps under `{args.overlap_placement}` (medians; times in ms, GPU time from CUDA events):",
-              "", "| model | link | steps | step | predicted | error | compute | stall | link busy | overlap | "
-              "preemptions/step (mean) | host syncs/step (protocol, max) | sync warnings/step (torch, max) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "", "| model | link | steps | step | predicted | error | error, 2nd half | compute | predicted compute "
+              "| stall | predicted stall | link busy | overlap | preemptions/step (mean) "
+              "| host syncs/step (protocol, max) | sync warnings/step (torch, max) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for o in res["overlap"]:
             if not o.get("steps"):
-                lines.append(f"| {res['model']} | {o['link']} | 0 | | | | | | | | | | |")
+                lines.append(f"| {res['model']} | {o['link']} | 0 |" + " |" * 13)
                 continue
             lines.append(f"| {res['model']} | {o['link']} | {o['steps']} | {f(o['step_s'])} | {f(o['predicted_s'])} | "
-                         f"{f(o['error_vs_prediction'], 100, 1)}% | {f(o['compute_s'])} | {f(o['stall_s'])} | "
+                         f"{f(o['error_vs_prediction'], 100, 1)}% | {f(o['late_error'], 100, 1)}% | "
+                         f"{f(o['compute_s'])} | {f(o['predicted_compute_s'])} | {f(o['stall_s'])} | "
+                         f"{f(o['predicted_stall_s'])} | "
                          f"{f(o['link_busy_s'])} | {f(o['overlap'], 100, 0)}% | {o['preemptions']:.2f} | "
                          f"{o['max_protocol_syncs']} | {o['max_cuda_sync_warnings']} |")
     preempted = [row["preemptions"] for res in results for row in res["identity"] if row["link"] == "preemptive"]
@@ -258,6 +310,9 @@ def main(argv=None) -> int:
     if args.md:
         with open(args.md, "w", encoding="utf-8") as fh:
             fh.write(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"argv": argv, "results": results}, fh, indent=1, default=str)
     ok = all(row["identical"] == row["of"] and not row["leaked"] for r in results for row in r["identity"])
     return 0 if ok else 1
 
