@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
-from orbitflow.plan import PlanRequest
 from orbitflow.plan.placement import most_blocks
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.controller import Controller
@@ -190,10 +189,9 @@ class Engine:
             )
         if not self.scheduler.fits_alone(req):  # the sum fits, but no split of the layers between the pools does
             raise RequestRejected(self.scheduler.no_fit_reason(req))
-        alone = PlanRequest(request_id=req.request_id, blocks_per_layer=math.ceil(req.num_tokens / self.block_size),
-                            tokens=req.num_tokens, tokens_left=req.remaining_tokens, slo_s=req.slo_s)
         ctx = replace(self.controller.ctx, host_capacity_blocks=self.kv.host_pool.num_blocks)
-        reason = self.controller.policy.unservable(alone, ctx)  # e.g. a fixed placement too big for a pool
+        # e.g. a fixed placement too big for a pool
+        reason = self.controller.policy.unservable(req.plan_request(self.block_size), ctx)
         if reason is not None:
             raise RequestRejected(f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}): "
                                   f"{reason}; lower max_tokens or the prompt, or raise that budget")

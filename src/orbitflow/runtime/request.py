@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
+from orbitflow.plan.types import PlanRequest
 from orbitflow.runtime.deposit import TokenDeposit
 from orbitflow.runtime.sampling import SamplingParams
 
@@ -75,6 +77,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def plan_request(self, block_size: int, ahead: int = 0, deposit: float = 0.0) -> PlanRequest:
+        """The planner's view of this request ``ahead`` decode steps on, with Token-Deposit balance ``deposit``."""
+        tokens = self.num_tokens + ahead
+        return PlanRequest(request_id=self.request_id, blocks_per_layer=math.ceil(tokens / block_size), tokens=tokens,
+                           tokens_left=max(0, self.remaining_tokens - ahead), deposit=deposit, slo_s=self.slo_s)
 
     def next_input(self, chunk: int | None) -> tuple[list[int], int, bool]:
         """Tokens to feed next, where they start, and whether a token is sampled after them (not after a recompute's

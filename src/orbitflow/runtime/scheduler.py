@@ -384,17 +384,9 @@ class Scheduler:
             if table is not None:
                 held += table.host_blocks()
         host_capacity = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
-        return [
-            PlanRequest(
-                request_id=r.request_id,
-                blocks_per_layer=math.ceil((r.num_tokens + ahead) / self.block_size),
-                tokens=r.num_tokens + ahead,
-                tokens_left=max(0, r.remaining_tokens - ahead),
-                deposit=float(r.deposit.balance(now)) if self.config.planner.token_deposit else 0.0,
-                slo_s=r.slo_s,
-            )
-            for r in reqs
-        ], host_capacity
+        deposits = self.config.planner.token_deposit
+        return [r.plan_request(self.block_size, ahead, float(r.deposit.balance(now)) if deposits else 0.0)
+                for r in reqs], host_capacity
 
     # ---- the batch (phase 3) ----------------------------------------------------------------------
     def _schedule_batch(self, out: ScheduleOutput) -> None:
