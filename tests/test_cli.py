@@ -184,6 +184,8 @@ def _write(path, data: bytes):
     (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite number"),
     (["profile", "--out", "/nonexistent-dir/p.json"], "--out: /nonexistent-dir is not an existing directory"),
     (["simulate", "--policies", ","], "--policies: no name in ','"),
+    (["simulate", "--policies", "orbitflow,vllm"], "--policies: unknown vllm (choose from "),
+    (["simulate", "--policies", "vllm"], "; or all: orbitflow and every baseline)"),
     (["simulate", "--victims", "longest,oldest"], "--victims: unknown oldest (choose from "),
     (["simulate", "--device-kv-fraction", "20"], "--device-kv-fraction must list fractions in (0, 10]"),
     (["simulate", "--link-gbps", "nan"], "--link-gbps must list positive numbers"),

@@ -121,14 +121,16 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def _names(text: str, flag: str, choices) -> list[str]:
-    """A comma list of names, each one of ``choices`` (at least one)."""
+def _names(text: str, flag: str, choices, also: str = "") -> list[str]:
+    """A comma list of names, each one of ``choices`` (at least one); ``also``: what the flag takes besides a
+    list, for the error messages (e.g. "or all")."""
     names = [x.strip() for x in text.split(",") if x.strip()]
+    tail = f"; {also}" if also else ""
     if not names:
-        raise CLIError(f"{flag}: no name in {text!r} (a comma list of {', '.join(choices)})")
+        raise CLIError(f"{flag}: no name in {text!r} (a comma list of {', '.join(choices)}{tail})")
     unknown = [x for x in names if x not in choices]
     if unknown:
-        raise CLIError(f"{flag}: unknown {', '.join(unknown)} (choose from {', '.join(choices)})")
+        raise CLIError(f"{flag}: unknown {', '.join(unknown)} (choose from {', '.join(choices)}{tail})")
     return names
 
 
@@ -146,7 +148,7 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
     if args.policies == "all":
         policies = ["orbitflow", *BASELINES]
     else:
-        policies = _names(args.policies, "--policies", policy_names())
+        policies = _names(args.policies, "--policies", policy_names(), also="or all: orbitflow and every baseline")
     if args.ablations:
         policies += [p for p in ABLATIONS if p not in policies]
     if args.victims:
