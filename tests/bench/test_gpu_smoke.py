@@ -27,6 +27,10 @@ def test_bad_flags_name_the_flag(gpu_smoke, capsys):
     with pytest.raises(SystemExit):
         gpu_smoke.main(["--kv-links", "edf,fair"])
     assert "--kv-links" in capsys.readouterr().err
+    for bad in ("16", "16,x", "0,256"):
+        with pytest.raises(SystemExit):
+            gpu_smoke.main(["--profile-contexts", bad])
+        assert "--profile-contexts" in capsys.readouterr().err
 
 
 def test_the_report_has_a_row_per_link(gpu_smoke, monkeypatch):
@@ -36,7 +40,8 @@ def test_the_report_has_a_row_per_link(gpu_smoke, monkeypatch):
                  "leaked": False, "preemptions": 0} for link in ("edf", "preemptive")]
     overlap = [{"link": "edf", "steps": 0},
                {"link": "preemptive", "steps": 31, "step_s": 0.012, "predicted_s": 0.011, "error_vs_prediction": 0.09,
-                "compute_s": 0.010, "stall_s": 0.002, "link_busy_s": 0.008, "overlap": 0.75, "preemptions": 1.5,
+                "late_error": -0.02, "compute_s": 0.010, "predicted_compute_s": 0.0095, "stall_s": 0.002,
+                "predicted_stall_s": 0.0015, "link_busy_s": 0.008, "overlap": 0.75, "preemptions": 1.5,
                 "max_protocol_syncs": 1, "max_cuda_sync_warnings": 0}]
     text = gpu_smoke.render([{"model": "m", "identity": identity, "overlap": overlap}], args, [])
     assert "| m | preemptive | all | 4/4 | - | no | 0 |" in text
@@ -44,4 +49,13 @@ def test_the_report_has_a_row_per_link(gpu_smoke, monkeypatch):
     identity[1]["preemptions"] = 7
     assert "WARNING" not in gpu_smoke.render([{"model": "m", "identity": identity, "overlap": overlap}], args, [])
     assert "| m | edf | 0 |" in text
-    assert "| m | preemptive | 31 | 12.00 | 11.00 | 9.0% | 10.00 | 2.00 | 8.00 | 75% | 1.50 | 1 | 0 |" in text
+    expected = ("| m | preemptive | 31 | 12.00 | 11.00 | 9.0% | -2.0% | 10.00 | 9.50 | 2.00 | 1.50 | 8.00 | 75% | "
+                "1.50 | 1 | 0 |")
+    assert expected in text
+    header = next(line for line in text.splitlines() if line.startswith("| model | link | steps"))
+    empty = next(line for line in text.splitlines() if line.startswith("| m | edf | 0"))
+    assert header.count("|") == expected.count("|") == empty.count("|")  # every column filled
+    assert "fitted at contexts 16,256,768" in text
+    skipped = gpu_smoke.render([{"model": "m", "identity": [], "overlap": overlap}],
+                               gpu_smoke.parse_args(["--skip-identity", "--profile-contexts", "16,2048,8192"]), [])
+    assert "not checked: --skip-identity" in skipped and "fitted at contexts 16,2048,8192" in skipped
