@@ -100,11 +100,13 @@ def test_parallel_search_finds_the_serial_optimum_while_threads_swap_incumbents(
 class _BusyThreadWaitsForAHungryOne(search._Shared):
     """Scripted work stealing: a busy thread's first look at whether another waits (``hungry``, at its first pause)
     waits itself until the other threads have taken every task and one waits for more, so the busy thread then
-    gives away part of its subtree whatever the scheduling. Counts the given tasks another thread took (``stolen``)."""
+    gives away part of its subtree whatever the scheduling; and after its first gift it waits until another thread
+    took one of those tasks (else, holding the GIL, it could finish its subtree and take them back itself). Counts the
+    given tasks another thread took (``stolen``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.looked, self.donor, self.stolen = False, {}, 0
+        self.looked, self.gave, self.donor, self.stolen = False, False, {}, 0
         searches.append(self)
 
     def hungry(self) -> bool:
@@ -118,7 +120,11 @@ class _BusyThreadWaitsForAHungryOne(search._Shared):
     def give(self, tasks):
         with self.lock:
             self.donor.update((id(task), threading.get_ident()) for task in tasks)
+            first, self.gave = bool(tasks) and not self.gave, self.gave or bool(tasks)
         super().give(tasks)
+        deadline = time.perf_counter() + 10
+        while first and not (self.stolen or self.stop or self.finished) and time.perf_counter() < deadline:
+            time.sleep(1e-4)
 
     def take(self):
         task = super().take()
