@@ -296,9 +296,7 @@ class LeafGaps(search.BranchAndBound):
         self.plans: list[list[int]] = []
 
     def _leaf(self, choice, host=None, lb=0.0):
-        k_of = [0] * self.n_req
-        for d, k in enumerate(choice):
-            k_of[self.order[d]] = k
+        k_of = self.by_request(choice)
         v = sum(self.x0[r] * self.mats[k] for r, k in enumerate(k_of))
         self.seen.append((float(dp_bound(v[None], self.comp0)[0]), self._lat0(k_of)))
         self.plans.append(k_of)

@@ -935,10 +935,14 @@ class BranchAndBound:
         search's bound on its latency. A leaf counts against the node budget like a node."""
         self.stats.leaves += 1
         self.nodes += 1
+        self._try(self.by_request(choice), lb, host)
+
+    def by_request(self, choice: list[int]) -> list[int]:
+        """The candidate of each request, from ``choice[d]`` for request ``order[d]`` (the search's order)."""
         k_of = [0] * self.n_req
         for d, k in enumerate(choice):
             k_of[self.order[d]] = k
-        self._try(k_of, lb, host)
+        return k_of
 
     def _try(self, k_of: list[int], lb: float = 0.0, host: np.ndarray | None = None) -> bool:
         """Whether the assignment ``k_of`` (candidate per request) beats the incumbent in (step-0 latency, moved
