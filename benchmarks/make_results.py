@@ -11,7 +11,8 @@ Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% C
 for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), kv_link (benchmarks/kv_link.py:
 the preemptive link on the engine), engine_vs_hf
 (benchmarks/engine_vs_hf.py),
-host_copy_bound (benchmarks/host_copy_bound.py), sim_fidelity (benchmarks/sim_vs_engine.py).
+host_copy_bound (benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), sim_fidelity
+(benchmarks/sim_vs_engine.py).
 The page always includes whichever fragments exist. Every simulator run is appended to a cache
 (docs/results/sim_runs.jsonl); --resume reuses the cached runs of the same setup, so an interrupted
 regeneration picks up where it stopped.
@@ -76,7 +77,8 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("planner_engine_cpu", "The planner beside the engine (CPU, 16 cores)"),
              ("planner_engine_cpu2", "The planner beside the engine (CPU, 2 cores)"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"),
-             ("host_copy_bound", "Half on host: the copy's own cost"), ("serving", "Serving"),
+             ("host_copy_bound", "Half on host: the copy's own cost"),
+             ("host_layer_cost", "What reading prefetched KV adds to the compute"), ("serving", "Serving"),
              ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
              ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),
              ("cluster", "Scale-out: routers on a simulated cluster"))
@@ -89,6 +91,7 @@ OTHER_STAGES = {
                 "docs/results/kv_link.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--md", "docs/results/engine_vs_hf.md"],
     "host_copy_bound": ["benchmarks/host_copy_bound.py", "--md", "docs/results/host_copy_bound.md"],
+    "host_layer_cost": ["benchmarks/host_layer_cost.py", "--md", "docs/results/host_layer_cost.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3",
                      "--json", "docs/results/sim_fidelity.json", "--md", "docs/results/sim_fidelity.md"],
     # where the ranking is not to be trusted: at SLO scale 1.5 three baselines' steps sit within a few % of the SLO
