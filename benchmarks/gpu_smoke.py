@@ -81,8 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.profile_contexts = tuple(int(x) for x in args.profile_contexts.split(","))
         except ValueError:
             p.error(f"--profile-contexts takes a comma list of token counts, got {args.profile_contexts!r}")
-        if len(args.profile_contexts) < 2 or min(args.profile_contexts) < 1:
-            p.error(f"--profile-contexts needs at least 2 context lengths >= 1, got {args.profile_contexts}")
+        pc = args.profile_contexts
+        if len(pc) < 2 or min(pc) < 1 or any(b <= a for a, b in zip(pc, pc[1:])):
+            p.error(f"--profile-contexts needs 2 or more increasing context lengths >= 1, got {args.profile_contexts}")
     if not args.kv_link_chunk_ms > 0:
         p.error(f"--kv-link-chunk-ms must be > 0, got {args.kv_link_chunk_ms}")
     bad = [link for link in args.kv_links.split(",") if link not in LINK_CHOICES]
@@ -209,16 +210,22 @@ def measure_overlap(loaded, prompts, args, link: str = "edf") -> dict:
                 "step_s": result.step_s, "stall_s": result.stall_s, "compute_s": result.compute_s,
                 "link_busy_s": transfer.busy_s - busy, "predicted_s": out.predicted_step_s,
                 "predicted_compute_s": estimate.compute_s, "predicted_stall_s": estimate.stall_s,
-                **inputs,  # what the prediction priced: placement, blocks, tokens and the controller's refreshed model
+                "priced": inputs,  # placement, blocks, tokens and the controller's refreshed model
                 "protocol_syncs": transfer.device.host_syncs - syncs, "preemptions": transfer.preemptions - preempted,
                 "cuda_sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
             })
     finally:
         llm.close()
+    return summarize(steps, link, json.loads(profile_json))
+
+
+def summarize(steps: list[dict], link: str, profile: dict | None = None) -> dict:
+    """Medians of the decode steps' numbers (the mean preemptions, the most syncs), the overlap and the errors; the
+    steps themselves (with what each prediction priced, under ``priced``) and the profile ride along for --json."""
     if not steps:
         return {"link": link, "steps": 0}
-    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-    med["steps"], med["link"], med["per_step"], med["profile"] = len(steps), link, steps, json.loads(profile_json)
+    med = {k: statistics.median(s[k] for s in steps) for k, v in steps[0].items() if isinstance(v, (int, float))}
+    med["steps"], med["link"], med["per_step"], med["profile"] = len(steps), link, steps, profile
     late = steps[len(steps) // 2:]  # the run's second half: has the controller's refresh closed the error?
     med["late_error"] = statistics.median((s["step_s"] - s["predicted_s"]) / s["predicted_s"] for s in late)
     med["preemptions"] = statistics.mean(s["preemptions"] for s in steps)

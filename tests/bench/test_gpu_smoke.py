@@ -27,7 +27,7 @@ def test_bad_flags_name_the_flag(gpu_smoke, capsys):
     with pytest.raises(SystemExit):
         gpu_smoke.main(["--kv-links", "edf,fair"])
     assert "--kv-links" in capsys.readouterr().err
-    for bad in ("16", "16,x", "0,256"):
+    for bad in ("16", "16,x", "0,256", "16,16", "8192,16,2048"):
         with pytest.raises(SystemExit):
             gpu_smoke.main(["--profile-contexts", bad])
         assert "--profile-contexts" in capsys.readouterr().err
@@ -59,3 +59,19 @@ def test_the_report_has_a_row_per_link(gpu_smoke, monkeypatch):
     skipped = gpu_smoke.render([{"model": "m", "identity": [], "overlap": overlap}],
                                gpu_smoke.parse_args(["--skip-identity", "--profile-contexts", "16,2048,8192"]), [])
     assert "not checked: --skip-identity" in skipped and "fitted at contexts 16,2048,8192" in skipped
+
+
+def test_the_summary_takes_medians_of_numbers_only_whatever_the_count(gpu_smoke):
+    """Each step also carries what its prediction priced (lists); an even count of steps must not average those."""
+    def step(i):
+        return {"step_s": 0.010 + 1e-3 * i, "stall_s": 0.002, "compute_s": 0.008, "link_busy_s": 0.004,
+                "predicted_s": 0.010, "predicted_compute_s": 0.008, "predicted_stall_s": 0.002,
+                "priced": {"on_device": [[True, False]], "blocks": [3]}, "protocol_syncs": 1, "preemptions": i % 2,
+                "cuda_sync_warnings": 0}
+
+    for n in (31, 32):
+        med = gpu_smoke.summarize([step(i) for i in range(n)], "edf", {"name": "p"})
+        assert med["steps"] == n and med["step_s"] == pytest.approx(0.010 + 1e-3 * (n - 1) / 2)
+        assert "priced" not in med and med["per_step"][0]["priced"]["blocks"] == [3] and med["profile"] == {"name": "p"}
+        assert med["overlap"] == pytest.approx(0.5) and med["max_protocol_syncs"] == 1
+    assert gpu_smoke.summarize([], "edf") == {"link": "edf", "steps": 0}
