@@ -16,7 +16,7 @@ disjoint's against each rule's (``one``'s extra is a few ms, within a step's noi
 Which rule holds decides how much the planner charges plans that share host layers across requests against plans
 that spread them.
 
-Run: ``python benchmarks/host_layer_cost.py [--contexts 256,1024 --repeats 15] [--md docs/results/host_layer_cost.md]``
+Run: ``python benchmarks/host_layer_cost.py [--contexts 256,1024 --repeats 30] [--md docs/results/host_layer_cost.md]``
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def report(extras: dict[str, list[float]], cases: dict[str, list[list[bool]]]) -
     """One line per case: its extra compute (median and range over the rounds) and the two rules' predictions."""
     one = statistics.median(extras["one"])
     one_layers, one_pairs = counts(cases["one"])
-    lines = ["case      host layers  requests' host layers  extra ms (median, min-max)  per-layer rule  "
+    lines = ["case      host layers  requests' host layers  extra ms (median, [min, max])  per-layer rule  "
              "per-request rule"]
     for name in ("one", "shared", "disjoint"):
         layers, pairs = counts(cases[name])
         ex = extras[name]
         lines.append(f"{name:9s} {layers:11d}  {pairs:21d}  {1e3 * statistics.median(ex):8.2f} "
-                     f"({1e3 * min(ex):.2f}-{1e3 * max(ex):.2f})        {1e3 * one / one_layers * layers:8.2f}  "
+                     f"[{1e3 * min(ex):.2f}, {1e3 * max(ex):.2f}]      {1e3 * one / one_layers * layers:8.2f}  "
                      f"{1e3 * one / one_pairs * pairs:16.2f}")
     # one's extra is a few ms beside a step's noise; the ratio of the two batch-wide cases does not lean on it
     (sl, sp), (dl, dp) = counts(cases["shared"]), counts(cases["disjoint"])
@@ -105,9 +105,11 @@ def measure(loaded, context: int, batch: int, repeats: int) -> tuple[dict, dict]
             for r in ids:
                 kv.allocate(r, 0, [True] * layers)
                 run([SeqInput(r, [1 + (j % 100) for j in range(context)], 0)])
-            for _ in range(repeats):
+            names = list(cases)
+            for i in range(repeats):
                 measured = {}
-                for name, rows in cases.items():
+                for name in names[i % len(names):] + names[:i % len(names)]:  # each case first in turn (drift)
+                    rows = cases[name]
                     for r, row in zip(ids, rows):
                         kv.apply_placement(r, row)
                     decode()  # the first step after a move is not measured
@@ -125,15 +127,19 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="256,1024", help="prompt tokens per request, a comma list (default "
                                                            "%(default)s)")
     ap.add_argument("--batch", type=int, default=4, help="requests, at least 4 (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=30, help="interleaved rounds (default %(default)s)")
     ap.add_argument("--md", default=None, help="also write the result as a Markdown fragment to this path")
     args = ap.parse_args(argv)
     try:
         contexts = [int(x) for x in args.contexts.split(",")]
     except ValueError:
         ap.error(f"--contexts takes a comma list of token counts, got {args.contexts!r}")
-    if min(contexts) < 16 or args.batch < 4 or args.repeats < 1:
-        ap.error("--contexts >= 16, --batch >= 4 and --repeats >= 1 are required")
+    if min(contexts) < 16:
+        ap.error(f"--contexts: every context must be >= 16 tokens, got {args.contexts}")
+    if args.batch < 4:
+        ap.error(f"--batch must be >= 4 (the disjoint case spreads every layer over 4 requests), got {args.batch}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
     loaded = load_model(args.model)
     lines = []

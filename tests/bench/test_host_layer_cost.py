@@ -15,7 +15,7 @@ def test_the_cases_read_the_host_layers_they_say():
     extras = {"one": [0.008], "shared": [0.010], "disjoint": [0.020]}
     lines = bench.report(extras, cases)
     shared = next(line for line in lines if line.startswith("shared"))
-    assert re.search(r"10\.00 \(10\.00-10\.00\)\s+8\.00\s+32\.00$", shared)  # measured, per-layer rule, per-request
+    assert re.search(r"10\.00 \[10\.00, 10\.00\]\s+8\.00\s+32\.00$", shared)  # measured, per-layer rule, per-request
     assert "shared / disjoint: measured 0.50, per-layer rule 0.27, per-request rule 1.07" in lines
 
 

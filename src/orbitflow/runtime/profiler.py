@@ -21,8 +21,8 @@ are calibrated at once:
 - ``mixed_step_overhead_s``: a prefill chunk beside a decode against the two run apart (interleaved);
 - prefill: ``prefill_a * tokens + prefill_b + prefill_c * pairs`` (``pairs``: the (query, key) pairs its causal
   attention scores), fitted (non-negative, relative least squares) to prompts of several lengths;
-- the link rate: the configured throttle, or the measured host-to-device block copy rate (a copy of about 32 MB,
-  timed until it has landed);
+- the link rate: the configured throttle, or the measured host-to-device block copy rate (a copy of up to 32 MB, as
+  much as the scratch pools hold, timed until it has landed);
 - ``step_noise_cv``: the spread of the repeated all-host decode steps (the copy-thread phase) around their
   median (a robust CV: 1.4826 x the median absolute relative deviation): the step-to-step jitter the simulator
   adds as noise. Steps that wait on the copy thread are the jittery ones on a CPU (the copy thread, the compute
