@@ -34,8 +34,9 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from orbitflow.runtime.profiler import CONTEXTS  # noqa: E402
 
 DEFAULT_PLACEMENTS = "none,all,distance:2,random:7"
 
@@ -60,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default %(default)s)")
     p.add_argument("--profile-contexts", metavar="N,N,...",
                    help="context lengths the overlap run's hardware profile fits decode compute at (default: the "
-                        "profiler's, 16,256,768); e.g. up to --context, to price long contexts without extrapolating")
+                        f"profiler's, {','.join(map(str, CONTEXTS))}); e.g. up to --context, to price long contexts "
+                        "without extrapolating")
     p.add_argument("--skip-identity", action="store_true",
                    help="measure the overlap only (a repeat of a configuration whose identity is already checked)")
     p.add_argument("--json", metavar="PATH", help="also write every decode step's measurement and prediction as JSON")
@@ -166,7 +168,6 @@ def measured_profile(loaded, args, link: str):
 def measure_overlap(loaded, prompts, args, link: str = "edf") -> dict:
     """Decode steps under the overlap placement with a measured profile: stall, link busy, step vs prediction
     (and the prediction's compute and stall), host syncs (the protocol's count and PyTorch's sync debug mode)."""
-    from orbitflow.plan.placement import Placement
     from orbitflow.runtime.sampling import SamplingParams
 
     llm = make_llm(loaded, args.overlap_placement, args, measured_profile(loaded, args, link), link)
@@ -179,13 +180,12 @@ def measure_overlap(loaded, prompts, args, link: str = "edf") -> dict:
     def recording_execute(out):
         estimate = inputs = None
         if out.is_decode and out.predicted_step_s is not None:  # what the controller predicted, term by term
-            cm = engine.scheduler.controller.ctx.cost_model
+            controller = engine.scheduler.controller
+            cm = controller.ctx.cost_model
             inputs = {"on_device": [[bool(x) for x in llm.kv.tables[s.req_id].on_device] for s in out.seqs],
                       "blocks": [llm.kv.blocks_for(s.start_pos) for s in out.seqs], "total_tokens": out.total_tokens,
-                      "layer_compute_scale": np.broadcast_to(cm.layer_compute_scale, (cm.num_layers,)).tolist(),
-                      "link_blocks_per_s": cm.link_blocks_per_s}
-            estimate = cm.step(Placement.from_mask(np.asarray(inputs["on_device"], dtype=bool)), inputs["blocks"],
-                               total_tokens=out.total_tokens)
+                      "layer_compute_scale": cm.layer_compute_scale.tolist(), "link_blocks_per_s": cm.link_blocks_per_s}
+            estimate = controller.estimate(inputs["on_device"], inputs["blocks"], out.total_tokens)
         executed.append((out, estimate, inputs))
         return execute(out)
 
@@ -258,7 +258,7 @@ def render(results: list[dict], args, argv) -> str:
         f"Machine: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
         f"{platform.node()}; date {datetime.date.today().isoformat()}; prompts seed {args.seed}, "
         f"{args.prompts} x {args.context} tokens, {args.max_tokens} new, {args.dtype}; overlap profile fitted at "
-        f"contexts {','.join(map(str, args.profile_contexts or (16, 256, 768)))}." + (f" {args.note}" if args.note
+        f"contexts {','.join(map(str, args.profile_contexts or CONTEXTS))}." + (f" {args.note}" if args.note
                                                                                             else ""),
         "",
         "| model | link | placement | identical to transformers | first divergence | blocks leaked | preemptions |",

@@ -34,6 +34,7 @@ from types import MappingProxyType
 import numpy as np
 
 from orbitflow.plan import Placement, Plan, PlanRequest, warm_up
+from orbitflow.plan.cost_model import StepEstimate
 from orbitflow.policies.base import PlanContext, Policy, uniform_count_plans
 from orbitflow.runtime.background_planner import BackgroundPlanner, ClockedPlanner, resolve_mode
 
@@ -262,9 +263,12 @@ class Controller:
     def predict(self, on_device: list[list[bool]], blocks_per_layer: list[int], total_tokens: int) -> float:
         """Step latency of a decode step of this batch under the placement in force, by the shared cost model
         (the profile's, as the simulator charges it, with the EWMA refresh applied): what `observe` checks."""
+        return float(self.estimate(on_device, blocks_per_layer, total_tokens).total_s)
+
+    def estimate(self, on_device: list[list[bool]], blocks_per_layer: list[int], total_tokens: int) -> StepEstimate:
+        """:meth:`predict` term by term (compute, stalls)."""
         mask = np.asarray(on_device, dtype=bool).reshape(len(blocks_per_layer), -1)
-        return float(self.ctx.cost_model.step(Placement.from_mask(mask), blocks_per_layer,
-                                              total_tokens=total_tokens).total_s)
+        return self.ctx.cost_model.step(Placement.from_mask(mask), blocks_per_layer, total_tokens=total_tokens)
 
     def observe(self, predicted_s: float, measured_s: float, layer_compute_s: list[float],
                 total_tokens: int, link_blocks_per_s: float | None, num_requests: int = 1,

@@ -41,6 +41,7 @@ import numpy as np
 from orbitflow.plan.cost_model import edf_stalls
 from orbitflow.plan.hardware import HardwareProfile
 
+CONTEXTS = (16, 256, 768)  # context lengths decode compute is fitted at (phase 1); the second sizes phase 2
 LINK_PROBE_BYTES = 32 << 20  # the link rate's probe copy (less if the pools hold less), its fixed costs amortised
 
 
@@ -299,7 +300,7 @@ def _measure_copy_thread(bench: _Bench, link: float, steps: int, extra: dict, de
     return (float(np.median(lats)) if lats else 0.0), host_layer
 
 
-def profile_executor(executor, name: str, contexts=(16, 256, 768), steps: int = 7, batch: int = 4,
+def profile_executor(executor, name: str, contexts=CONTEXTS, steps: int = 7, batch: int = 4,
                      chunk: int = 64, prefill_sizes=(16, 64, 128, 256, 512)) -> HardwareProfile:
     """Fit every cost of a ModelExecutor that the cost model charges (see the module docstring)."""
     kv = executor.kv
