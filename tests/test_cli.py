@@ -13,8 +13,23 @@ def test_plan_prints_a_feasible_plan_as_json(capsys):
             "--request", "tokens=12000,left=500", "--request", "tokens=900,left=800"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["feasible"] and len(out["distances"]) == 2
+    assert out["feasible"] and len(out["distances"]) == 2 and out["why"] is None
     assert out["memory_blocks"] <= out["capacity_blocks"]
+
+
+_BATCH = ["--request", "tokens=30000", "--request", "tokens=20000,left=100", "--request", "tokens=8000,deposit=5"]
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--device-kv-blocks", "2000"], "prefetch buffers alone take 3625 blocks, more than the 2000"),
+    (["--device-kv-blocks", "3625", "--slo-ms", "20000"], "does not fit for --window-min 4 steps"),
+    (["--device-kv-blocks", "120000"], "with every layer on the device a step takes 105.4 ms, over the SLO of 97.9"),
+    (["--device-kv-blocks", "40000", "--slo-ms", "200"], "no placement that fits in 40000 device blocks meets"),
+])
+def test_plan_says_why_no_placement_is_feasible(capsys, flags, why):
+    assert main(["plan", "--json", *_BATCH, *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["feasible"] and why in out["why"]
 
 
 def test_plan_budget_flags(capsys):

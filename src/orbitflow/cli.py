@@ -294,6 +294,33 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
         raise CLIError(f"--request {text!r}: {exc}") from None
 
 
+def _why_infeasible(planner, requests) -> str:
+    """One line on why no placement of ``requests`` is feasible, read from the two extreme placements."""
+    import numpy as np
+
+    from orbitflow.plan import Placement
+
+    shape = (len(requests), planner.num_layers)
+    host = planner.evaluate(Placement.from_mask(np.zeros(shape, bool)), requests)
+    cap = planner.capacity_blocks
+    if host.memory_blocks > cap:
+        return (f"the batch does not fit: with every layer on the host its prefetch buffers alone take "
+                f"{host.memory_blocks:.0f} blocks, more than the {cap:.0f} of --device-kv-blocks")
+    if host.expiry_step is not None and host.expiry_step < planner.min_steps:
+        return (f"the batch does not fit for --window-min {planner.min_steps} steps: with every layer on the host "
+                f"its prefetch buffers outgrow the {cap:.0f} blocks of --device-kv-blocks at step {host.expiry_step}")
+    device = planner.evaluate(Placement.from_mask(np.ones(shape, bool)), requests)
+    slo_ms = 1000 * min(q.slo_s for q in requests)
+    if device.predicted_step_s * 1000 > slo_ms:
+        return (f"the SLO cannot be met: with every layer on the device a step takes "
+                f"{1000 * device.predicted_step_s:.1f} ms, over the SLO of {slo_ms:.1f} ms "
+                f"(raise --slo-ms or --slo-scale)")
+    return (f"no placement that fits in {cap:.0f} device blocks meets the SLO ({slo_ms:.1f} ms) over "
+            f"--window-min {planner.min_steps} steps: waiting for the offloaded KV makes the steps too slow "
+            f"(every layer on the device would take {device.memory_blocks:.0f} blocks and step in "
+            f"{1000 * device.predicted_step_s:.1f} ms)")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from orbitflow.plan.hardware import ProfileError, resolve_profile
     from orbitflow.policies.base import PlanContext
@@ -306,9 +333,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = engine_config(args, block_size=profile.block_size, device_kv_blocks=budget)
     slo_s = args.slo_ms / 1000 if args.slo_ms else config.planner.slo_scale * profile.base_slo_s()
     requests = [_plan_request(t, i, profile.block_size, slo_s) for i, t in enumerate(args.request)]
-    plan = PlanContext.from_profile(config, profile).planner(space=args.space).plan(requests)
+    planner = PlanContext.from_profile(config, profile).planner(space=args.space)
+    plan = planner.plan(requests)
     out = {
-        "feasible": plan.feasible, "distances": list(plan.distances) if plan.distances else None,
+        "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(planner, requests),
+        "distances": list(plan.distances) if plan.distances else None,
         "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.cache.device_kv_blocks,
