@@ -237,6 +237,32 @@ def test_a_request_no_split_of_its_layers_fits_is_refused_at_once(tiny_llama):
         llm.close()
 
 
+@pytest.mark.parametrize("device, host, max_len, policy", [
+    (13, 15, None, None),  # no split of the layers fits before the pools' sum is reached
+    (20, 400, None, None),  # the device budget alone binds (the buffer needs a device layer's worth)
+    (60, 12, 100, None),  # the context length binds
+    (40, 200, None, "fixed:none"),  # the policy's fixed placement binds (every layer on the device)
+])
+def test_longest_servable_is_the_longest_request_add_request_accepts(tiny_llama, device, host, max_len, policy):
+    """What a server advertises as its context (and gives a request without max_tokens): every length up to it is
+    accepted, one token more is refused."""
+    from orbitflow.policies import make_policy
+    from orbitflow.runtime.engine import RequestRejected
+
+    llm = make_llm(tiny_llama, policy=make_policy(policy) if policy else None,
+                   profile=tiny_profile(device_kv_blocks=device), device_kv_blocks=device, host_kv_blocks=host,
+                   max_model_len=max_len)
+    try:
+        longest = llm.engine.longest_servable()
+        assert longest >= 2
+        for total in (2, longest // 2, longest - 1, longest):
+            llm.engine.add_request(f"ok{total}", [3] * (total // 2), SamplingParams(max_tokens=total - total // 2))
+        with pytest.raises(RequestRejected):
+            llm.engine.add_request("over", [3] * (longest // 2), SamplingParams(max_tokens=longest + 1 - longest // 2))
+    finally:
+        llm.close()
+
+
 def test_a_request_whose_kv_is_dropped_while_paused_computes_it_again_and_gives_the_same_tokens(tiny_llama,
                                                                                               monkeypatch):
     """Recompute preemption on the real model: b steps aside for a (no plan holds it beside a's KV), then neither can

@@ -189,6 +189,27 @@ def test_d5_body_size_limit_and_405_allow(tiny_chat_dir):
         assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
 
 
+def test_the_advertised_context_is_what_the_engine_accepts(tiny_chat_dir):
+    """With a small host pool no split of the layers holds what the two pools' sum would: /v1/models advertises the
+    engine's longest servable request, a request without max_tokens gets the rest of it and runs, one more token
+    is a 400 naming max_tokens (the server advertised the sum, and every request without max_tokens got a 400)."""
+    llm = make_server_llm(tiny_chat_dir, device_kv_blocks=20, host_kv_blocks=10)
+    with live_server(llm) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        engine = llm.engine
+        longest = engine.longest_servable()
+        assert longest < (20 + 10) // (engine.num_layers + engine.prefetch_slots) * engine.block_size
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == longest
+        body = {**GOOD, "max_tokens": None}  # null: the rest of the context
+        ok = http.post("/v1/completions", json=body)
+        assert ok.status_code == 200, ok.text
+        usage = ok.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == longest
+        over = http.post("/v1/completions", json={**body, "max_tokens": longest - usage["prompt_tokens"] + 1})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens", over.text
+        wait_until_idle(llm)
+        assert kv_empty(llm)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan.placement import most_blocks
+from orbitflow.plan.types import PlanRequest
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit
@@ -173,28 +174,50 @@ class Engine:
         return req
 
     def _check_servable(self, req: Request) -> None:
-        if self.max_model_len is not None and req.max_total_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens"
-            )
+        reason = self._why_unservable(req.max_total_tokens, req.plan_request(self.block_size))
+        if reason is not None:
+            raise RequestRejected(f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
+                                  f"{reason}")
+
+    def _why_unservable(self, total_tokens: int, request: PlanRequest) -> str | None:
+        """Why a request whose KV grows to ``total_tokens`` could never be served, even alone; None when it can.
+        ``request``: the planner's view of it, for the policy's own check."""
+        if self.max_model_len is not None and total_tokens > self.max_model_len:
+            return f"exceeds the model's context length of {self.max_model_len} tokens"
         # What admission asks of an empty engine (`Scheduler.kv_fits`): every layer plus the prefetch buffer.
         # A request that passes waits until memory frees up; one that does not could never be admitted.
-        blocks = most_blocks(self.scheduler.final_blocks(req), self.num_layers, self.prefetch_slots)
+        per_layer = math.ceil(total_tokens / self.block_size)
+        blocks = most_blocks(per_layer, self.num_layers, self.prefetch_slots)
         capacity = self.kv.device_pool.num_blocks + self.kv.host_pool.num_blocks
         if blocks > capacity:
-            raise RequestRejected(
-                f"request needs {blocks} KV blocks but device + host pools hold {capacity}; "
-                "raise --host-kv-blocks or lower max_tokens"
-            )
-        if not self.scheduler.fits_alone(req):  # the sum fits, but no split of the layers between the pools does
-            raise RequestRejected(self.scheduler.no_fit_reason(req))
+            return (f"needs {blocks} KV blocks but device + host pools hold {capacity}; raise --host-kv-blocks or "
+                    "lower max_tokens")
+        if not self.scheduler.fits_alone(per_layer):  # the sum fits, but no split of the layers between the pools does
+            return self.scheduler.no_fit_reason(per_layer)
         ctx = replace(self.controller.ctx, host_capacity_blocks=self.kv.host_pool.num_blocks)
-        # e.g. a fixed placement too big for a pool
-        reason = self.controller.policy.unservable(req.plan_request(self.block_size), ctx)
+        reason = self.controller.policy.unservable(request, ctx)  # e.g. a fixed placement too big for a pool
         if reason is not None:
-            raise RequestRejected(f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}): "
-                                  f"{reason}; lower max_tokens or the prompt, or raise that budget")
+            return f"cannot be served: {reason}; lower max_tokens or the prompt, or raise that budget"
+        return None
+
+    def longest_servable(self) -> int:
+        """The most tokens (prompt + output) one request may grow to and still be accepted by `add_request`: the
+        context length, and what the KV pools and the policy can hold of it alone. A server advertises it as its
+        context, and gives a request without max_tokens the rest of it."""
+        def servable(total: int) -> bool:
+            probe = PlanRequest("longest-servable", math.ceil(1 / self.block_size), 1, total - 1, 0.0,
+                                self.default_slo_s)
+            return self._why_unservable(total, probe) is None
+
+        lo, hi = 0, self.max_model_len or 1  # servable(lo) (or lo == 0); find hi with servable(hi) False
+        while self.max_model_len is None and servable(hi):
+            lo, hi = hi, 2 * hi
+        if self.max_model_len is not None and servable(hi):
+            return hi
+        while hi - lo > 1:  # every check only grows harder with the tokens
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if servable(mid) else (lo, mid)
+        return lo
 
     def num_queued(self) -> int:
         """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe,

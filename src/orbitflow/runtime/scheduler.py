@@ -78,8 +78,9 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue `req`, or end it at once (before it runs) when no placement could ever hold it alone."""
         self.requests[req.request_id] = req
-        if not self.fits_alone(req):
-            self._finish(req, "error", error=self.no_fit_reason(req))
+        if not self.fits_alone(self.final_blocks(req)):
+            self._finish(req, "error", error=f"prompt ({req.num_prompt} tokens) plus max_tokens "
+                                              f"({req.max_output_tokens}) {self.no_fit_reason(self.final_blocks(req))}")
             return
         self.waiting.append(req)
         self._batch_version += 1
@@ -271,13 +272,14 @@ class Scheduler:
         needed = most_blocks(sum(self.final_blocks(r) for r in admitted), self.num_layers, self.prefetch_slots)
         return self.kv.can_allocate(needed, [r.request_id for r in admitted])
 
-    def fits_alone(self, req: Request) -> bool:
-        """Whether some layer count holds `req` alone to its last token: that many layers in the host pool, the
+    def fits_alone(self, final_blocks: int) -> bool:
+        """Whether some layer count holds a request alone to its last token (`final_blocks` per layer, as
+        `final_blocks` counts them): that many layers in the host pool, the
         others plus the prefetch buffer in the device budget. A layer's blocks live in one pool, so the sum check
         (`kv_fits`, the engine's `most_blocks`) can pass for a request that no split holds. One that this passes,
         the controller's lone-request fallback can place while no paused request holds host blocks (it plans with
         the host pool left to the batch)."""
-        blocks = np.array([[self.final_blocks(req)]], dtype=float)
+        blocks = np.array([[final_blocks]], dtype=float)
         device, host = self.controller.ctx.capacity_blocks, self.kv.host_pool.num_blocks
         for offloaded in range(self.num_layers + 1):
             on_host = (np.arange(self.num_layers) < offloaded)[None, :]  # which layers does not change the sum
@@ -285,10 +287,9 @@ class Scheduler:
                 return True
         return False
 
-    def no_fit_reason(self, req: Request) -> str:
-        """The rejection of a request `fits_alone` refuses, naming what to change."""
-        return (f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) needs "
-                f"{self.final_blocks(req)} KV blocks per layer, and no split of its {self.num_layers} layers fits "
+    def no_fit_reason(self, final_blocks: int) -> str:
+        """Why `fits_alone` refuses `final_blocks` per layer, naming what to change."""
+        return (f"needs {final_blocks} KV blocks per layer, and no split of its {self.num_layers} layers fits "
                 f"the device KV budget ({self.controller.ctx.capacity_blocks} blocks, prefetch buffer included) "
                 f"and the host pool ({self.kv.host_pool.num_blocks} blocks); lower max_tokens or the prompt, or "
                 "raise --device-kv-blocks or --host-kv-blocks")

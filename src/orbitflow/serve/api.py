@@ -398,13 +398,9 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
 
 
 def max_len_of(llm) -> int:
-    """The longest sequence (prompt + output) the engine accepts: the context, and the KV both tiers hold
-    (every layer plus the policy's prefetch buffer, as admission counts it)."""
-    engine = llm.engine
-    kv = engine.kv
-    kv_blocks = kv.device_pool.num_blocks + kv.host_pool.num_blocks
-    kv_tokens = kv_blocks // (engine.num_layers + engine.prefetch_slots) * engine.block_size
-    return min(engine.max_model_len or kv_tokens, kv_tokens)
+    """The longest sequence (prompt + output) the engine accepts (`Engine.longest_servable`: the context, and what
+    the KV pools and the policy hold of one request alone)."""
+    return llm.engine.longest_servable()
 
 
 def build_app(llm, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
