@@ -65,3 +65,38 @@ def test_encode_lets_other_threads_run(tokenizer):
     holding = turns_during(tokenizer._tokenizer.encode)
     ours = turns_during(tokenizer.encode)
     assert ours > 5 * max(holding, 1), (ours, holding)
+
+
+def test_the_byte_level_alphabet_is_the_tokenizers_own():
+    from tokenizers import pre_tokenizers
+
+    from orbitflow.model.tokenizer import _BYTE_OF_CHAR
+
+    assert set(_BYTE_OF_CHAR) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(_BYTE_OF_CHAR.values()) == list(range(256))
+
+
+@pytest.mark.parametrize("text", ["Hi 😀🚀 é 漢字 ok", "🇫🇷 flag", " two  spaces\tand\nlines", "plain words"])
+def test_token_bytes_join_into_the_text(tokenizer, text):
+    """A token that splits a character decodes to U+FFFD alone; its bytes are the character's own."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode() == text
+    if text.isascii():
+        assert [p.decode() for p in pieces] == [tokenizer.decode([i]) for i in ids]
+    else:
+        assert any(b"\xef\xbf\xbd" not in p and "\ufffd" in tokenizer.decode([i]) for p, i in zip(pieces, ids))
+    assert tokenizer.token_bytes(tokenizer.eos_token_ids[0]) == b"<|im_end|>"  # an added token: its text
+
+
+def test_token_bytes_of_a_sentencepiece_tokenizer_with_byte_fallback():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "\u2581Hi": 1, "<0xF0>": 2, "<0x9F>": 3, "<0x98>": 4, "<0x80>": 5, "!": 6}
+    hf = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = Tokenizer(hf, {}, None)
+    assert [tok.token_bytes(i) for i in (1, 2, 3, 4, 5, 6)] == [b" Hi", b"\xf0", b"\x9f", b"\x98", b"\x80", b"!"]
+    assert tok.decode([1, 2, 3, 4, 5, 6]) == "Hi😀!"

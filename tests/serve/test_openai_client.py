@@ -114,3 +114,31 @@ def test_logprobs_n_and_penalties_through_the_openai_client(client, server):
                                             stream=True, stream_options={"include_usage": True}))
     texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
     assert texts[0] == texts[1] and chunks[-1].usage.completion_tokens == 8
+
+
+# SmolLM2's tokens ' \xf0\x9f', '\x8e', '\x89', '\x8a' ('🎉' is the first three, '🎊' the first two and the last): each
+# holds part of a character, so decoded alone each is U+FFFD.
+EMOJI_PARTS = {"15107": 40, "232": 40, "227": 40, "228": 40}
+
+
+def test_logprobs_of_tokens_that_split_characters(client):
+    """Streamed text_offset equals the whole response's and never goes back or past the text; a token's string and
+    bytes are its own (the bytes join into the text), not U+FFFD's."""
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, logit_bias=EMOJI_PARTS,
+                stop=["no such stop string"])
+    whole = client.completions.create(**args).choices[0]
+    lp = whole.logprobs
+    assert "\ufffd" not in "".join(lp.tokens) and any(t.startswith(("\\x", " \\x")) for t in lp.tokens)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(whole.text)
+    streamed = list(client.completions.create(**args, stream=True))
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.text
+
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Celebrate"}],
+                                          max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+                                          logit_bias=EMOJI_PARTS).choices[0]
+    content = chat.logprobs.content
+    assert all("\ufffd" not in t.token and t.bytes != [239, 191, 189] for t in content)
+    joined = bytes(b for t in content for b in t.bytes).decode("utf-8", "replace")
+    assert joined.startswith(chat.message.content) and chat.message.content

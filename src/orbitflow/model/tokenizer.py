@@ -5,6 +5,7 @@ chat templates render in the same sandboxed jinja2 environment transformers uses
 """
 
 import json
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from functools import cached_property
@@ -15,6 +16,13 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+# GPT-2's byte-level alphabet, read backwards: a byte-level BPE token spells each byte with a printable character,
+# the printable Latin-1 bytes with themselves and the other 68, in byte order, with U+0100 onwards.
+_PRINTABLE_BYTES = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+_STAND_INS = iter(range(0x100, 0x200))
+_BYTE_OF_CHAR = {chr(b if b in _PRINTABLE_BYTES else next(_STAND_INS)): b for b in range(256)}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
 
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -70,6 +78,50 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a generated token stands for. A byte-level token may hold part of a UTF-8 character, which
+        `decode` turns into U+FFFD; the bytes of consecutive tokens join into the text. Added (special) tokens give
+        their text, and tokens of other tokenizers what they decode to alone."""
+        known = self._token_bytes.get(token_id)
+        if known is None:
+            known = self._token_bytes[token_id] = self._read_token_bytes(token_id)
+        return known
+
+    def _read_token_bytes(self, token_id: int) -> bytes:
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        kinds = self._decoder_kinds
+        if "ByteLevel" in kinds and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if "ByteFallback" in kinds and (byte := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(byte.group(1), 16)])
+        if "Metaspace" in kinds or "Replace" in kinds:  # sentencepiece: U+2581 marks a space
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @cached_property
+    def _token_bytes(self) -> dict[int, bytes]:
+        return {}
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tokenizer.get_added_tokens_decoder())
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens: what `decode(..., skip_special_tokens=True)` leaves out of the text."""
+        return frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The types of the tokenizer's decoder, and of its steps when it is a sequence."""
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        steps = decoder.get("decoders") or [decoder]
+        return frozenset(step.get("type", "") for step in steps if isinstance(step, dict))
 
     def render_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any

@@ -9,6 +9,7 @@ Requests that do not fit now wait in the engine's queue; past `--max-queue-len` 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -232,23 +233,24 @@ class OpenAIServer:
 
     # ---- token strings for logprobs ----------------------------------------------------------------------
     def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        """A token as logprobs show it: its text, the bytes of a character it holds only part of escaped
+        (``\\xf0\\x9f``), so that no two tokens print alike and none prints as U+FFFD."""
+        return self.tokenizer.token_bytes(token).decode("utf-8", "backslashreplace")
 
-    def completion_logprobs(self, tokens: list[TokenInfo], offset: int) -> p.CompletionLogprobs:
+    def completion_logprobs(self, tokens: list[TokenInfo], offsets: TextOffsets) -> p.CompletionLogprobs:
         out = p.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for info in tokens:
-            text = self.token_text(info.token)
-            out.tokens.append(text)
+            out.tokens.append(self.token_text(info.token))
             out.token_logprobs.append(info.logprob)
             out.top_logprobs.append({self.token_text(t): lp for t, lp in info.top})
-            out.text_offset.append(offset)
-            offset += len(text)
+            skipped = info.token in self.tokenizer.special_ids  # decode leaves it out of the text
+            out.text_offset.append(offsets.next(b"" if skipped else self.tokenizer.token_bytes(info.token)))
         return out
 
     def chat_logprobs(self, tokens: list[TokenInfo]) -> p.ChatLogprobs:
         def entry(token: int, logprob: float) -> p.TopLogprob:
-            text = self.token_text(token)
-            return p.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+            return p.TopLogprob(token=self.token_text(token), logprob=logprob,
+                                bytes=list(self.tokenizer.token_bytes(token)))
 
         content = [
             p.ChatTokenLogprob(**entry(i.token, i.logprob or 0.0).model_dump(),
@@ -256,6 +258,22 @@ class OpenAIServer:
             for i in tokens
         ]
         return p.ChatLogprobs(content=content)
+
+
+class TextOffsets:
+    """The ``text_offset`` of a choice's tokens: the characters of text completed before each one, counted from the
+    tokens' bytes (a token that ends inside a character completes none of it). A streamed response gets the same
+    offsets as a whole one, whatever its stop strings hold back."""
+
+    def __init__(self, start: int) -> None:
+        self.at = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_bytes: bytes) -> int:
+        """The offset of a token with these bytes, after every token before it."""
+        at = self.at
+        self.at += len(self._utf8.decode(token_bytes))
+        return at
 
 
 async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
@@ -535,20 +553,19 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer, generation_errors
             choices = []
             for i, ds in enumerate(per_choice):
                 text = "".join(d.text for d in ds)
-                logprobs = (server.completion_logprobs([t for d in ds for t in d.tokens], len(echo))
+                logprobs = (server.completion_logprobs([t for d in ds for t in d.tokens], TextOffsets(len(echo)))
                             if req.logprobs is not None else None)
                 choices.append(p.CompletionChoice(index=i, text=echo + text, logprobs=logprobs,
                                                   finish_reason=_finish_reason(ds[-1].finish_reason)))
             used = sum(ds[-1].completion_tokens for ds in per_choice)
             return JSONResponse(body(choices, server.usage(len(prompt_ids), used)).model_dump(mode="json"))
 
-        offsets = [len(echo)] * req.n
+        offsets = [TextOffsets(len(echo)) for _ in range(req.n)]
 
         def chunks(d: Delta) -> list[dict]:
             logprobs = None
             if req.logprobs is not None:
                 logprobs = server.completion_logprobs(d.tokens, offsets[d.index])
-                offsets[d.index] += len(d.text)
             choice = p.CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
                                         finish_reason=_finish_reason(d.finish_reason))
             return [body([choice], None).model_dump(mode="json")]
