@@ -473,6 +473,45 @@ def test_pruned_search_exact_with_identical_requests_and_tight_link(seed, impl):
             assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("transfer, comp, link, cap, reqs, best", [
+    # EDF moves a layer's copies in request order: b (4 blocks) between the identical a and c changes when the link
+    # next chooses, so (3, 3, 1) steps in 40 and its mirror (1, 3, 3) in 41
+    ("edf", [3.0, 2.0, 1.0, 3.0, 4.0, 2.0, 2.0], 1.0, 45.0,
+     [PlanRequest("a", 3, 48), PlanRequest("b", 4, 64), PlanRequest("c", 3, 48)], 40.0),
+    # the fair link breaks ties by request index even between neighbours: (2, 1) in 12.67, (1, 2) in 15.67
+    ("fair", [1.0, 3.0, 1.0, 2.0], 3.0, 19.0, [PlanRequest("a", 4, 64), PlanRequest("b", 4, 64)], 38 / 3),
+])
+def test_identical_requests_the_link_tells_apart_are_both_searched(impl, transfer, comp, link, cap, reqs, best):
+    """The symmetry rule (identical requests' offload counts non-increasing) dropped these optima and still claimed
+    the slower plan exact, with a lower bound above the optimum."""
+    pl = Planner(CostModel(comp, link, transfer=transfer), cap, window=(1, 1), check_better=False, node_limit=None)
+    got = pl.plan(reqs)
+    assert got.stats.exact and got.predicted_step_s == pytest.approx(best, rel=1e-12)
+    assert got.stats.lower_bound_s <= best * (1 + 1e-12)
+    assert brute_force(pl, reqs, len(comp)) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("transfer", ["edf", "preemptive", "fair"])
+@pytest.mark.parametrize("seed", range(3))
+def test_search_is_exact_with_identical_requests_apart_and_adjacent(seed, impl, transfer):
+    """Identical requests next to each other, and apart with another request between them, on every link."""
+    rng = np.random.default_rng(700 + seed)
+    for _ in range(5):
+        n_layers = int(rng.integers(2, 9))
+        cm, cap, reqs = random_case(rng, 2, n_layers)
+        a, b = reqs
+        twin = PlanRequest("twin", a.blocks_per_layer, a.tokens, a.tokens_left, a.deposit, a.slo_s)
+        reqs = [a, b, twin] if rng.random() < 0.5 else [a, twin, b]
+        cm = CostModel(cm.compute(), cm.link_blocks_per_s * float(rng.uniform(0.3, 1.0)), transfer=transfer)
+        pl = Planner(cm, cap, alpha=float(rng.choice([0.0, 1.0])), window=(2, 6), check_better=False,
+                     node_limit=None)
+        got = pl.plan(reqs)
+        best = brute_force(pl, reqs, n_layers)
+        assert got.stats.exact and got.feasible == (best is not None)
+        if best is not None:
+            assert got.predicted_step_s == pytest.approx(best, rel=1e-9)
+
+
 def test_hint_keeps_the_optimum_and_rescues_a_small_budget():
     rng = np.random.default_rng(31)
     checked = 0
