@@ -32,6 +32,12 @@ def test_plan_says_why_no_placement_is_feasible(capsys, flags, why):
     assert not out["feasible"] and why in out["why"]
 
 
+def test_plan_json_is_standard_json_when_nothing_is_feasible(capsys):
+    assert main(["plan", "--json", "--request", "tokens=100000000"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not standard JSON: {c}"))
+    assert not out["feasible"] and out["predicted_step_s"] is None
+
+
 def test_plan_budget_flags(capsys):
     reqs = ["--request", "tokens=20000", "--request", "tokens=9000,left=500", "--request", "tokens=30000",
             "--request", "tokens=3000", "--request", "tokens=12000"]

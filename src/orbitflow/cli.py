@@ -177,6 +177,7 @@ SIMULATE_SCHEDULER_FLAGS = ("scheduling", "chunked_prefill")
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from orbitflow.bench.metrics import finite_or_none
     from orbitflow.bench.workload import STEP_S_WITHOUT_TRACE, TraceError, load_trace_file
     from orbitflow.plan.hardware import ProfileError, resolve_profile
     from orbitflow.sim.sweep import SimSetup, config_record, noise_cv_for, run_points, summarize, with_no_deposit
@@ -221,7 +222,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print_simulate_tables(summary, config)
     if args.json:
         with open(args.json, "w") as fh:  # strict JSON: a statistic of nothing (NaN) is null
-            json.dump(_no_nan({"config": config, "summary": summary, "runs": runs}), fh, indent=1, allow_nan=False)
+            json.dump(finite_or_none({"config": config, "summary": summary, "runs": runs}), fh, indent=1,
+                      allow_nan=False)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
         from orbitflow.bench.plots import write_plots
@@ -229,17 +231,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for path in write_plots(with_no_deposit(runs), args.plots):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def _no_nan(value):
-    """``value`` with every non-finite float (a percentile of no samples) replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_no_nan(v) for v in value]
-    return value
 
 
 def print_simulate_tables(summary: list[dict], config: dict) -> None:
@@ -322,6 +313,7 @@ def _why_infeasible(planner, requests) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from orbitflow.bench.metrics import finite_or_none
     from orbitflow.plan.hardware import ProfileError, resolve_profile
     from orbitflow.policies.base import PlanContext
 
@@ -347,7 +339,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "optimality_gap": plan.stats.gap,
     }
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(finite_or_none(out), allow_nan=False))
     else:
         for key, value in out.items():
             print(f"{key:>17}: {value}")

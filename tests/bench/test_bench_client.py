@@ -60,6 +60,28 @@ def test_cli_generated_trace_writes_json(server, tmp_path, capsys):
     assert [len(r["token_s"]) for r in data["requests"]] == [r["output_tokens"] for r in data["requests"]]
 
 
+def test_a_run_where_every_request_fails_scores_no_attainment(server, tmp_path, capsys):
+    """Every request asks for more output than the server's context holds (a text prompt, so the client cannot
+    check it first) and gets a 400: no token was measured, so attainment is '-' and the JSON's statistics are null
+    (standard JSON), not 100% and NaN."""
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    trace, out = tmp_path / "long.json", tmp_path / "bench.json"
+    reqs = [TraceRequest(f"r{i}", 0.0, 3, 5000) for i in range(2)]
+    for r in reqs:
+        r.prompt = "Hello there friend"
+    Trace(reqs).save(trace)
+    args = parser.parse_args(["bench", "--url", server.url, "--trace", str(trace), "--slo-ms", "500",
+                              "--json", str(out), "--quiet"])
+    assert args.func(args) == 1
+    printed = capsys.readouterr().out
+    assert "100.0%" not in printed and any(line.startswith("TBT attainment:") and line.endswith("-")
+                                           for line in printed.splitlines())
+    data = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"not standard JSON: {c}"))
+    assert data["metrics"]["tbt_attainment"] is None and data["metrics"]["num_finished"] == 0
+    assert len(data["errors"]) == 2
+
+
 def test_unreachable_server_and_missing_slo_are_one_line_errors(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())

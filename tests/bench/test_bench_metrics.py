@@ -73,9 +73,12 @@ def test_per_request_slo_and_missing_slo():
 def test_unfinished_and_empty():
     r = RequestRecord("a", 0.0, 10, 5, generated_s=[], finished_s=None)
     m = compute_metrics([r], slo_s=0.1)
-    assert m.num_finished == 0 and m.tbt_attainment == 1.0 and math.isnan(m.p95_tbt_s)
+    assert m.num_finished == 0 and math.isnan(m.p95_tbt_s)
+    # nothing measured: no attainment (it was 100%, so a run that served nothing scored perfectly)
+    assert math.isnan(m.tbt_attainment) and math.isnan(m.tbt_attainment_generated) and math.isnan(m.tpot_attainment)
+    assert "TBT attainment:" in format_summary(m.to_dict()) and "100.0%" not in format_summary(m.to_dict())
     m = compute_metrics([], slo_s=0.1)
-    assert m.num_requests == 0 and math.isnan(m.throughput_rpm)
+    assert m.num_requests == 0 and math.isnan(m.throughput_rpm) and math.isnan(m.tbt_attainment)
 
 
 def test_record_validation():

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_summary
+from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, finite_or_none, format_summary
 from orbitflow.bench.workload import (
     STEP_S_WITHOUT_TRACE,
     Trace,
@@ -277,7 +277,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           "output_tokens": r.output_tokens, "token_s": r.delivered, "finished_s": r.finished_s}
                          for r in result.records],
         }
-        Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(finite_or_none(payload), indent=1, allow_nan=False) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return 1 if result.errors else 0
 

@@ -96,6 +96,18 @@ class RunMetrics:
         return out
 
 
+def finite_or_none(value: Any) -> Any:
+    """``value`` (nested dicts, lists, tuples) with every non-finite float (a percentile of no samples, an infeasible
+    plan's step) replaced by None, so that ``json.dumps(..., allow_nan=False)`` writes standard JSON (null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
 def _summary(name: str, values: Sequence[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64)
     if arr.size == 0:
@@ -163,7 +175,8 @@ def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None
     """Metrics of one run. ``slo_s`` is the TBT/TPOT SLO for records without their own.
 
     ``device_mem_util`` may be per-step samples (averaged) or an already averaged value. Attainment with
-    nothing to measure (no gaps, no requests) is 1.0.
+    nothing to measure (no gaps, no requests: every request rejected or failed) is NaN, as the percentiles are, and
+    reports show it as '-': a run that served nothing does not score 100%.
     """
     t = _Tally()
     for rec in records:
@@ -184,9 +197,9 @@ def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None
         num_requests=len(records),
         num_finished=finished,
         slo_s=slo_s,
-        tbt_attainment=tbt_met / len(tbt) if tbt else 1.0,
-        tbt_attainment_generated=tbt_met_gen / gen_gaps if gen_gaps else 1.0,
-        tpot_attainment=tpot_met / tpot_count if tpot_count else 1.0,
+        tbt_attainment=tbt_met / len(tbt) if tbt else math.nan,
+        tbt_attainment_generated=tbt_met_gen / gen_gaps if gen_gaps else math.nan,
+        tpot_attainment=tpot_met / tpot_count if tpot_count else math.nan,
         tbt_violations=len(tbt) - tbt_met,
         tbt_violations_generated=gen_gaps - tbt_met_gen,
         num_tbt_gaps=len(tbt),
