@@ -226,6 +226,20 @@ def _write(path, data: bytes):
     (["simulate", "--step-s", "0.05"], "--step-s converts the arrival_time of an artifact-format --trace; give"),
     (["bench", "--generate", "2", "--slo-ms", "50", "--step-s", "0.05"], "--step-s converts the arrival_time"),
     (["simulate", "--json", "/"], "--json: / is a directory"),
+    # a second review (each was a traceback, a silently ignored flag, or a repeated point counted as more seeds)
+    (["simulate", "--policies", "flexgen,flexgen"], "--policies lists flexgen more than once"),
+    (["simulate", "--slo-scales", "1.5,1.50"], "--slo-scales lists 1.5 more than once"),
+    (["simulate", "--prefetch-slots", "1,2,1"], "--prefetch-slots lists 1 more than once"),
+    (["simulate", "--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be at least the profile's block"),
+    (["simulate", "--seed", "-1"], "--seed must be >= 0"),
+    (["simulate", "--solver-time", "infms"], "--solver-time must be 'measured', 'off' or a fixed cost"),
+    (["bench", "--generate", "2", "--slo-ms", "50", "--seed", "-1"], "--seed must be >= 0"),
+    (["bench", "--generate", "2", "--slo-ms", "50", "--token-scale", "nan"], "--token-scale must be a positive"),
+    (["bench", "--generate", "2", "--slo-ms", "50", "--token-scale", "inf"], "--token-scale must be a positive"),
+    (["plan", "--request", "tokens=10", "--profile", "no-such-profile"],
+     "'no-such-profile' is neither a profile JSON file nor a hardware preset (presets: "),
+    (["generate", "--prompt", "hi", "--placement", "all", "--policy", "deepspeed"],
+     "--placement all fixes every request's placement, so --policy deepspeed would plan nothing"),
 ])
 def test_a_user_mistake_is_one_line_naming_the_flag_not_a_traceback(argv, says, capsys):
     """Found by a review of the CLI: each of these raised a traceback, ran on silently, or failed after the work."""
@@ -252,6 +266,47 @@ def test_step_s_with_a_trace_in_seconds_is_refused_not_ignored(command, tmp_path
     assert main([command, "--trace", path, "--step-s", "0.05", *extra]) == 2
     err = capsys.readouterr().err
     assert f"--trace: {path}: --step-s converts an artifact trace's arrival_time" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--rate", "--token-scale"])
+def test_bench_refuses_generate_flags_with_a_trace(flag, tmp_path, capsys):
+    """They shape --generate's requests; with a --trace they were dropped without a word."""
+    trace = {"requests": [{"id": "a", "arrival_s": 0.0, "input_tokens": 8, "output_tokens": 2}]}
+    path = _write(tmp_path / "t.json", json.dumps(trace).encode())
+    assert main(["bench", "--trace", path, "--slo-ms", "50", flag, "0.5"]) == 2
+    assert f"{flag}: only for --generate's requests" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--request", "tokens=10", "--preset", "a5000-llama3-8b", "--profile", "p.json"], "not allowed with"),
+    (["simulate", "--preset", "a5000-llama3-8b", "--profile", "p.json"], "not allowed with"),
+    (["profile", "--policy", "deepspeed"], "unrecognized arguments: --policy"),  # it changes nothing measured
+    (["profile", "--max-num-seqs", "2"], "unrecognized arguments: --max-num-seqs"),
+])
+def test_flags_that_would_be_ignored_are_usage_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bench_names_a_server_that_is_not_openai_compatible(tmp_path, capsys):
+    """A web server answering /v1/models with HTML (a wrong port): one line, not an AttributeError traceback."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text("<html>hello</html>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        try:
+            url = f"http://127.0.0.1:{httpd.server_address[1]}"
+            assert main(["bench", "--url", url, "--generate", "1", "--slo-ms", "50", "--quiet"]) == 2
+        finally:
+            httpd.shutdown()
+    err = capsys.readouterr().err
+    assert "did not answer with an OpenAI model list" in err and "Traceback" not in err, err
 
 
 def test_simulate_names_a_profile_path_that_is_a_directory(tmp_path, capsys):

@@ -45,3 +45,10 @@ def test_max_model_len_past_the_models_context_is_said(tiny_llama, monkeypatch):
         warned.clear()
         make_llm(tiny_llama, max_model_len=max_model_len).close()
         assert any(f"--max-model-len {limit + 1} exceeds tiny's context of {limit}" in m for m in warned) == said
+
+
+def test_kv_pools_larger_than_memory_are_an_error_naming_the_flags(tiny_llama):  # noqa: F811
+    """The allocator's failure was a traceback out of `orbitflow generate`, `serve` and `profile`."""
+    with pytest.raises(ConfigError, match="cannot allocate the KV pools of --device-kv-blocks 100000000000000 and "
+                                          "--host-kv-blocks"):
+        make_llm(tiny_llama, device_kv_blocks=10**14)

@@ -23,6 +23,7 @@ from orbitflow.config import (
     add_config_args,
     add_engine_args,
     check_output_path,
+    dest_of,
     engine_config,
 )
 
@@ -44,6 +45,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # NaN fails the comparison too
         raise CLIError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
+    if args.placement and args.policy != PlannerConfig().policy:
+        raise CLIError(f"--placement {args.placement} fixes every request's placement, so --policy {args.policy} "
+                       "would plan nothing: give one of them")
     policy = FixedPlacementPolicy(args.placement) if args.placement else None
     config = engine_config(args, max_num_seqs=len(args.prompt) if args.max_num_seqs is None else args.max_num_seqs)
     llm = LLM(config, policy=policy, profile="rough" if policy else "measure")
@@ -101,6 +105,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 # ---- simulate ------------------------------------------------------------------------------------------
+def _once(values: list, flag: str, text: str) -> list:
+    """``values`` if none repeats: a repeated point would run again and count as more seeds in its interval."""
+    twice = sorted({str(v) for i, v in enumerate(values) if v in values[:i]})
+    if twice:
+        raise CLIError(f"{flag} lists {', '.join(twice)} more than once ({text!r}); a point runs once per seed")
+    return values
+
+
 def _floats(text: str, flag: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -108,7 +120,7 @@ def _floats(text: str, flag: str) -> list[float]:
         raise CLIError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
     if not values or not all(v > 0 and math.isfinite(v) for v in values):
         raise CLIError(f"{flag} must list positive numbers, got {text!r}")
-    return values
+    return _once(values, flag, text)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -118,7 +130,7 @@ def _ints(text: str, flag: str) -> list[int]:
         raise CLIError(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise CLIError(f"{flag} must list integers >= 1, got {text!r}")
-    return values
+    return _once(values, flag, text)
 
 
 def _names(text: str, flag: str, choices, also: str = "") -> list[str]:
@@ -131,7 +143,7 @@ def _names(text: str, flag: str, choices, also: str = "") -> list[str]:
     unknown = [x for x in names if x not in choices]
     if unknown:
         raise CLIError(f"{flag}: unknown {', '.join(unknown)} (choose from {', '.join(choices)}{tail})")
-    return names
+    return _once(names, flag, text)
 
 
 def fmt_ci(cell: dict | None, fmt: str = ".3f", scale: float = 1.0) -> str:
@@ -212,6 +224,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, trace_path=args.trace, step_s=args.step_s,
             engine=engine,
         )
+        setup.check(profile)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     total = len(points) * setup.seeds
@@ -395,8 +408,10 @@ def _add_simulate_parser(sub) -> None:
                                    "on, planner solve time charged, 5 seeds x 64 requests, every policy at SLO "
                                    "scales 1/1.5/2.5 and rate scales 1/3/5).",
                        formatter_class=HelpFormatter)
-    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.plan presets)")
-    p.add_argument("--profile", default=None, help="a profile JSON file (from `orbitflow profile`) instead of a preset")
+    hw = p.add_mutually_exclusive_group()
+    hw.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset (see orbitflow.plan presets)")
+    hw.add_argument("--profile", default=None,
+                    help="a profile JSON file (from `orbitflow profile`) instead of a preset")
     p.add_argument("--policies", default="all", help="'all' (OrbitFlow and every baseline) or a comma list")
     p.add_argument("--ablations", action="store_true", help="also run the ablation steps of paper Fig. 13a")
     p.add_argument("--victims", default=None, metavar="LIST",
@@ -468,8 +483,9 @@ def _add_plan_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     p.add_argument("--request", action="append", required=True, metavar="tokens=N[,left=N][,deposit=N][,slo_ms=X]",
                    help="one request of the batch (repeat)")
-    p.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset")
-    p.add_argument("--profile", default=None, help="a profile JSON file instead of a preset")
+    hw = p.add_mutually_exclusive_group()
+    hw.add_argument("--preset", default="a5000-llama3-8b", help="hardware preset")
+    hw.add_argument("--profile", default=None, help="a profile JSON file instead of a preset")
     add_config_args(p, CacheConfig, only=("device_kv_blocks",), defaults={"device_kv_blocks": None},
                     helps={"device_kv_blocks": "override the device KV budget (default: the profile's)"})
     add_config_args(p, PlannerConfig, "planner", helps={"slo_ms": "TBT SLO (default: --slo-scale x the base SLO)"},
@@ -485,7 +501,10 @@ def _add_profile_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     p.add_argument("--out", "--output", "-o", dest="output", default=None,
                    help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
-    add_engine_args(p, skip=SERVING_ONLY)
+    # what the measurement depends on: the model, its device and threads, the KV pools and link, tensor parallelism;
+    # the scheduler's and the planner's flags change nothing it measures
+    unused = [dest_of(f) for cls in (SchedulerConfig, PlannerConfig) for f in fields(cls)]
+    add_engine_args(p, skip=(*SERVING_ONLY, *unused))
     p.set_defaults(func=cmd_profile)
 
 

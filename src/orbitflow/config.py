@@ -205,7 +205,8 @@ class PlannerConfig(_Validated):
     victim: str = option("largest-kv+deposit", "pause victim rule", choices=VICTIM_CHOICES)
     # Planner budget per solve (like a MILP solver's): past it the best plan found so far is used.
     plan_node_limit: int | None = option(
-        2000, "branch-and-bound nodes per planner solve; past it the best plan found is used", type=optional_int,
+        2000, "branch-and-bound nodes per planner solve; past it the best plan found is used ('none', '0' or "
+              "'inf': no limit, the optimum proven)", type=optional_int,
         check="positive?", metavar="N|none")
     plan_time_limit_ms: float | None = option(
         None, "wall-clock budget per planner solve (default: none; the node limit alone bounds it)", type=float,

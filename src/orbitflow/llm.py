@@ -139,10 +139,17 @@ class LLM:
         threads = cfg.resolved_compute_threads(cuda=device == "cuda")
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
-        kv = KVManager(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.device_kv_blocks, cache.host_kv_blocks,
-            block_size=cache.block_size, device=device, link_bytes_per_s=cache.link_bytes_per_s, dtype=dtype,
-        )
+        try:
+            kv = KVManager(
+                mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.device_kv_blocks, cache.host_kv_blocks,
+                block_size=cache.block_size, device=device, link_bytes_per_s=cache.link_bytes_per_s, dtype=dtype,
+            )
+        except RuntimeError as exc:  # the allocator's "can't allocate memory" (torch.OutOfMemoryError on CUDA)
+            per_block = 2 * cache.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+            raise ConfigError(
+                f"cannot allocate the KV pools of --device-kv-blocks {cache.device_kv_blocks} and --host-kv-blocks "
+                f"{cache.host_kv_blocks} ({per_block} bytes a block at --block-size {cache.block_size}): "
+                f"{str(exc).splitlines()[0]}; lower them") from None
         return ModelExecutor(model, mc, kv)
 
     @property

@@ -84,6 +84,7 @@ async def _resolve_model(client, url: str, model: str | None) -> tuple[str, int 
 
     try:
         page = await client.models.list()
+        served = [m for m in page.data if isinstance(m.id, str)]
     except openai.APIConnectionError as exc:
         raise BenchError(f"cannot reach the server at {url} ({exc.__cause__ or exc})") from None
     except openai.AuthenticationError:
@@ -91,7 +92,9 @@ async def _resolve_model(client, url: str, model: str | None) -> tuple[str, int 
     except openai.APIStatusError as exc:
         raise BenchError(f"{url}/models answered HTTP {exc.status_code}: is this an OpenAI-compatible server?") \
             from None
-    served = list(page.data)
+    except (openai.OpenAIError, AttributeError, TypeError, ValueError) as exc:  # HTML, or JSON of another shape
+        raise BenchError(f"{url}/models did not answer with an OpenAI model list ({type(exc).__name__}): is this an "
+                         "OpenAI-compatible server?") from None
     if not served:
         raise BenchError(f"the server at {url} lists no models")
     by_id = {m.id: m for m in served}
@@ -206,10 +209,18 @@ def run_metrics(result: ReplayResult, slo_s: float | None) -> RunMetrics:
 
 
 # ---- command line -----------------------------------------------------------------------------------------
+DEFAULT_RATE = 0.5  # requests per second of --generate
+DEFAULT_TOKEN_SCALE = 1.0
+
+
 def build_trace(args: argparse.Namespace) -> Trace:
     if args.trace is not None:
         if args.generate is not None:
             raise BenchError("give either --trace or --generate, not both")
+        given = [flag for flag, value in (("--rate", args.rate), ("--token-scale", args.token_scale))
+                 if value is not None]
+        if given:
+            raise BenchError(f"{' and '.join(given)}: only for --generate's requests; a --trace is replayed as it is")
         try:
             trace = load_trace_file(args.trace, step_s=getattr(args, "step_s", None)).trace
         except TraceError as exc:
@@ -219,11 +230,13 @@ def build_trace(args: argparse.Namespace) -> Trace:
     elif args.generate is not None:
         if args.generate < 1:
             raise BenchError(f"--generate must be >= 1, got {args.generate}")
-        if args.rate <= 0 or not math.isfinite(args.rate):
-            raise BenchError(f"--rate must be a positive number of requests per second, got {args.rate}")
-        if args.token_scale <= 0:
-            raise BenchError(f"--token-scale must be > 0, got {args.token_scale}")
-        trace = scale_trace(generate_trace(args.generate, args.rate, seed=args.seed), args.token_scale)
+        rate = DEFAULT_RATE if args.rate is None else args.rate
+        scale = DEFAULT_TOKEN_SCALE if args.token_scale is None else args.token_scale
+        if not (rate > 0 and math.isfinite(rate)):
+            raise BenchError(f"--rate must be a positive number of requests per second, got {rate}")
+        if not (scale > 0 and math.isfinite(scale)):
+            raise BenchError(f"--token-scale must be a positive number, got {scale}")
+        trace = scale_trace(generate_trace(args.generate, rate, seed=args.seed), scale)
     else:
         raise BenchError("give a trace: --trace FILE, or --generate N (with --rate and --token-scale)")
     if len(trace) == 0:
@@ -251,6 +264,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         if not (args.timeout > 0 and math.isfinite(args.timeout)):
             raise BenchError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        if args.seed < 0:  # numpy's generators take no negative seed
+            raise BenchError(f"--seed must be >= 0, got {args.seed}")
         check_output_path(args.json, "--json")
         check_output_path(args.save_trace, "--save-trace")
         trace = build_trace(args)
@@ -303,10 +318,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds per scheduler step, to convert the arrival_time of an artifact-format --trace")
     g.add_argument("--generate", type=int, default=None, metavar="N",
                    help="instead of --trace, synthesise N requests from the long-context length mix")
-    g.add_argument("--rate", type=float, default=0.5, help="arrival rate of --generate, requests per second (Poisson)")
-    g.add_argument("--token-scale", "--input-scale", dest="token_scale", type=float, default=1.0, metavar="X",
+    g.add_argument("--rate", type=float, default=None,
+                   help=f"arrival rate of --generate, requests per second (Poisson) (default: {DEFAULT_RATE})")
+    g.add_argument("--token-scale", "--input-scale", dest="token_scale", type=float, default=None, metavar="X",
                    help="multiply the generated input and output lengths by X (the mix averages ~4.7K input and "
-                        "~1.2K output tokens; e.g. 0.05 for a small model on a CPU)")
+                        f"~1.2K output tokens; e.g. 0.05 for a small model on a CPU) (default: {DEFAULT_TOKEN_SCALE})")
     g.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     g.add_argument("--seed", type=int, default=0, help="seed of --generate and of token-id prompts")
     g.add_argument("--save-trace", default=None, metavar="PATH", help="write the replayed trace as JSON")

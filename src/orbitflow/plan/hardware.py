@@ -362,4 +362,7 @@ def resolve_profile(name_or_path: str | Path) -> HardwareProfile:
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
         return HardwareProfile.load(path)
+    if str(name_or_path) not in list_presets():
+        raise ProfileError(f"{str(name_or_path)!r} is neither a profile JSON file nor a hardware preset (presets: "
+                           f"{', '.join(list_presets())})")
     return load_preset(str(name_or_path))

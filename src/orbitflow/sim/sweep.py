@@ -82,7 +82,16 @@ class SimSetup:
             raise ValueError(f"--noise-cv must be a finite number >= 0, got {self.noise_cv}")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ValueError(f"--link-gbps must be > 0, got {self.link_gbps}")
+        if self.first_seed < 0:  # numpy's generators take no negative seed
+            raise ValueError(f"--seed must be >= 0, got {self.first_seed}")
         solver_time_model(self.solver_time)  # validates
+
+    def check(self, profile: HardwareProfile) -> None:
+        """What the flags must satisfy on ``profile``: the batch token cap holds a block (it sizes the device budget
+        as a fraction of the largest batch)."""
+        if self.max_num_batched_tokens < profile.block_size:
+            raise ValueError(f"--max-num-batched-tokens must be at least the profile's block size "
+                             f"({profile.block_size} tokens), got {self.max_num_batched_tokens}")
 
 
 SOLVER_TIME_HELP = ("planner solve time on the virtual clock: 'measured' (each solve's wall time), 'off', or a "
@@ -111,7 +120,7 @@ def solver_time_model(spec: str) -> Callable[[float], float] | None:
             fixed = float(text[:-2]) / 1000.0
         except ValueError:
             fixed = -1.0
-        if fixed >= 0:
+        if 0 <= fixed < math.inf:
             return lambda wall_s: fixed
     raise ValueError(f"--solver-time must be 'measured', 'off' or a fixed cost like '5ms', got {spec!r}")
 
