@@ -224,3 +224,11 @@ def test_step_noise_cv_is_optional_a_fraction_and_round_trips():
     for bad in (1.0, -0.1, math.nan, True, "0.1"):
         with pytest.raises(ProfileError, match="step_noise_cv"):
             small(step_noise_cv=bad)
+
+
+def test_a_profile_whose_decode_step_takes_no_time_is_refused():
+    """Its base SLO would be 0, which the simulator then blamed on the first request ('slo_s must be > 0')."""
+    data = load_preset("a5000-llama3-8b").to_dict()
+    with pytest.raises(ProfileError, match="'decode_b' must be > 0 where decode_a is 0"):
+        HardwareProfile.from_dict({**data, "decode_a": 0.0, "decode_b": 0.0, "layer_compute_table": None})
+    assert HardwareProfile.from_dict({**data, "decode_a": 0.0}).base_slo_s() > 0

@@ -1,5 +1,6 @@
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -619,3 +620,40 @@ def test_a_search_cut_after_its_first_dive_lands_within_5_percent_of_the_optimum
     cut = Planner(cm, cap, window=(4, 16), node_limit=1, check_better=False).plan(reqs)
     assert exact.stats.exact and not cut.stats.exact and cut.feasible
     assert cut.predicted_step_s <= exact.predicted_step_s * 1.05
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: CostModel([1e-3, math.inf], 1e3), "layer_compute_s must be finite seconds >= 0"),
+    (lambda: CostModel([1e-3, math.nan], 1e3), "layer_compute_s must be finite seconds >= 0"),
+    (lambda: CostModel([1e-3] * 2, 1e3, layer_compute_scale=math.inf), "layer_compute_scale must be finite and > 0"),
+    (lambda: CostModel([1e-3] * 4, 1e3, num_layers=32), "num_layers is 32 but layer_compute_s has 4 entries"),
+    (lambda: CostModel(lambda n: [1e-3] * 2, 1e3, num_layers=0), "num_layers must be an integer >= 1"),
+    (lambda: CostModel(lambda n: [math.nan] * 2, 1e3, num_layers=2).compute(5), "layer_compute_s(5) must be finite"),
+    (lambda: PlanRequest("a", 8.5, 120), "blocks_per_layer must be >= 0 and a whole number"),
+    (lambda: PlanRequest("a", 8, 120, tokens_left=2.5), "tokens_left must be >= 0 and a whole number"),
+    (lambda: PlanRequest("a", math.nan, 120), "blocks_per_layer must be >= 0"),
+    (lambda: PlanRequest("a", 8, math.inf), "tokens must be >= 0"),
+    (lambda: PlanRequest("a", 8, 2**70), "tokens must be >= 0 and a whole number below 2**62"),
+    (lambda: PlanRequest("a", True, 120), "blocks_per_layer must be >= 0"),
+    (lambda: Planner(CostModel([1e-3] * 4, 1e3), 30, host_capacity_blocks=math.nan), "host_capacity_blocks must be"),
+    (lambda: Planner(CostModel([1e-3] * 4, 1e3), 30, host_capacity_blocks=-1), "host_capacity_blocks must be"),
+    (lambda: Planner(CostModel([1e-3] * 4, 1e3), 30, node_limit=math.inf), "node_limit must be a whole number"),
+    (lambda: Planner(CostModel([1e-3] * 4, 1e3), 30, block_size=2.5), "block_size must be a whole number"),
+    (lambda: Planner(CostModel([1e-3] * 4, 1e3), 30, window=(1, 2, 3)), "window must be two whole numbers"),
+    (lambda: Planner(CostModel([1e-3] * 4, 1e3), 30, window=(1.5, 4)), "window must be two whole numbers"),
+])
+def test_library_inputs_that_planned_wrong_or_failed_deep_are_named(make, says):
+    """Found by a review of the library API: each was accepted and then planned on wrong numbers (an infinite step
+    called feasible, 8.5 blocks counted as 8), or failed deep in NumPy without naming the argument."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        make()
+
+
+def test_library_values_that_stay_accepted():
+    assert PlanRequest("a", np.int64(8), 120.0, np.int32(3)).blocks_per_layer == 8  # whole numbers of any type
+    cm = CostModel([1e-3] * 4, 1e3).with_updates(layer_compute_s=[2e-3] * 8)  # a uniform scale follows the layers
+    assert cm.num_layers == 8 and np.all(cm.layer_compute_scale == 1.0)
+    pl = Planner(CostModel([1e-3] * 4, 1e3), 48, window=(4, 8), host_capacity_blocks=math.inf)
+    reqs = [PlanRequest("a", 8, 127, 40), PlanRequest("b", 4, 63, 40)]  # they outgrow the 48 blocks at step 2
+    bad = pl.evaluate(Placement.from_distances(4, [None, None]), reqs)
+    assert not bad.feasible and bad.replan_step == 0  # as plan() gives (it was 1: the capacity expiry's)

@@ -62,3 +62,10 @@ def test_paper_setup_and_point_overrides():
 def test_setup_names_the_bad_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         SimSetup(**kwargs)
+
+
+@pytest.mark.parametrize("fraction", [-0.5, 0.0, 20.0, float("nan")])
+def test_a_points_device_fraction_is_checked_as_the_setups(fraction):
+    """A point's own fraction bypassed SimSetup's range: -0.5 ran with a one-block budget and rejected everything."""
+    with pytest.raises(ValueError, match="device_kv_fraction must be in"):
+        Point("flexgen", 1.0, 1.0, device_kv_fraction=fraction)

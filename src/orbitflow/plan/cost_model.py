@@ -101,6 +101,12 @@ def _key_rows(n_layers: int, n_req: int) -> tuple[tuple[int, ...], ...]:
 # at O(1) interpreted steps per transfer and per layer instead of O(R) per transfer.
 
 
+def _check_seconds(values: np.ndarray, name: str) -> None:
+    """Per-layer compute seconds must be finite and >= 0 (NaN and inf pass a ``< 0`` check)."""
+    if not np.all(np.isfinite(values) & (values >= 0)):
+        raise ValueError(f"{name} must be finite seconds >= 0, got {values.tolist()}")
+
+
 def _release_lists(n_layers: int, hosts: Sequence[Sequence[int]], slots: int) -> tuple[list[int], list[list[int]]]:
     """The keys available at t=0 (each request's first ``slots`` host layers) and, per layer ``l``, the keys
     released when layer ``l`` ends (a request's next host layer once the one ``slots`` before it has run)."""
@@ -385,22 +391,25 @@ class CostModel:
             self._fn = layer_compute_s
             self._fixed = None
             n = num_layers if num_layers is not None else len(np.asarray(layer_compute_s(1)))
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"num_layers must be an integer >= 1, got {n!r}")
         else:
             self._fn = None
             self._fixed = np.asarray(layer_compute_s, dtype=float).copy()
             if self._fixed.ndim != 1 or self._fixed.size == 0:
                 raise ValueError("layer_compute_s must be a non-empty 1-D sequence of seconds")
-            if np.any(self._fixed < 0):
-                raise ValueError("layer_compute_s must be non-negative")
+            _check_seconds(self._fixed, "layer_compute_s")
             n = self._fixed.size
+            if num_layers is not None and num_layers != n:
+                raise ValueError(f"num_layers is {num_layers!r} but layer_compute_s has {n} entries")
         self._num_layers = int(n)
         scale = np.asarray(layer_compute_scale, dtype=float)
         if scale.ndim > 1 or (scale.ndim == 1 and scale.size != self._num_layers):
             raise ValueError(f"layer_compute_scale must be a scalar or {self._num_layers} floats (one per layer), "
                              f"got shape {scale.shape}")
         scale = np.broadcast_to(scale, (self._num_layers,)).copy()
-        if not np.all(scale > 0):
-            raise ValueError("layer_compute_scale must be > 0")
+        if not np.all((scale > 0) & np.isfinite(scale)):
+            raise ValueError(f"layer_compute_scale must be finite and > 0, got {scale.tolist()}")
         self._scale = scale
         self._cache: dict[int, np.ndarray] = {}
 
@@ -435,11 +444,14 @@ class CostModel:
     ) -> CostModel:
         """A copy with some parameters replaced (the controller's EWMA refresh)."""
         comp: ComputeSpec = layer_compute_s if layer_compute_s is not None else (self._fn or self._fixed)
+        scale = self._scale if layer_compute_scale is None else layer_compute_scale
+        if layer_compute_scale is None and layer_compute_s is not None and np.all(self._scale == self._scale[0]):
+            scale = float(self._scale[0])  # a uniform scale carries over to a new layer count
         return CostModel(
             comp,
             self._link if link_blocks_per_s is None else link_blocks_per_s,
             self._transfer if transfer is None else transfer,
-            layer_compute_scale=self._scale if layer_compute_scale is None else layer_compute_scale,
+            layer_compute_scale=scale,
             num_layers=self._num_layers if layer_compute_s is None else None,
             request_overhead_s=self._req_overhead,
             transfer_latency_s=self._latency,
@@ -463,6 +475,8 @@ class CostModel:
         base = self._fixed if self._fn is None else np.asarray(self._fn(tokens), dtype=float)
         if base.shape != (self._num_layers,):
             raise ValueError(f"layer compute must have {self._num_layers} entries, got shape {base.shape}")
+        if self._fn is not None:
+            _check_seconds(base, f"layer_compute_s({tokens})")
         if extra:
             base = base + extra * self._req_overhead / self._num_layers
         out = base * self._scale

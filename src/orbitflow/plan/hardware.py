@@ -116,6 +116,9 @@ class HardwareProfile:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             need(ok, fname, f"must be a finite number, got {value!r}")
             need(value > 0 if positive else value >= 0, fname, f"must be {'>' if positive else '>='} 0")
+        if self.layer_compute_table is None:  # the step time, hence the base SLO, must not be 0
+            need(self.decode_a > 0 or self.decode_b > 0, "decode_b",
+                 "must be > 0 where decode_a is 0 (a decode step that takes no time gives an SLO of 0)")
         for fname in ("decode_per_request_s", "transfer_latency_s", "move_latency_s", "mixed_step_overhead_s",
                       "prefill_c"):
             value = getattr(self, fname)

@@ -86,24 +86,32 @@ def resolve_victim_order(
     raise ValueError(f"victim_order must be one of {VICTIM_ORDERS} or a callable, got {name!r}")
 
 
+def _whole(value) -> bool:
+    """Whether ``value`` is a finite whole number (an int, a numpy integer, or a float like 4.0), not a bool."""
+    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            and math.isfinite(value) and float(value).is_integer())
+
+
 def _check_limits(space: str, window: tuple[int, int], block_size: int, alpha: float, capacity_blocks: float,
                   node_limit: int | None, expiry_node_limit: int | None, full_max_evals: int, gap: float,
                   time_limit_s: float | None) -> tuple[int, int]:
     """Validate the planner's arguments; returns the window as ``(min_steps, max_steps)``."""
     if space not in ("pruned", "uniform", "full"):
         raise ValueError(f"space must be 'pruned', 'uniform' or 'full', got {space!r}")
+    if len(window) != 2 or not all(_whole(w) for w in window):
+        raise ValueError(f"window must be two whole numbers (min_steps, max_steps), got {window!r}")
     lo, hi = int(window[0]), int(window[1])
     if not 1 <= lo <= hi:
         raise ValueError(f"window must satisfy 1 <= min_steps <= max_steps, got {window}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not _whole(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be a whole number >= 1, got {block_size!r}")
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     if not capacity_blocks >= 0:
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     for name, limit in (("node_limit", node_limit), ("expiry_node_limit", expiry_node_limit)):
-        if limit is not None and limit < 1:
-            raise ValueError(f"{name} must be >= 1 (or None: unlimited), got {limit}")
+        if limit is not None and not (_whole(limit) and limit >= 1):
+            raise ValueError(f"{name} must be a whole number >= 1 (or None: unlimited), got {limit!r}")
     if full_max_evals < 1:
         raise ValueError(f"full_max_evals must be >= 1, got {full_max_evals}")
     if not gap >= 0:
@@ -167,6 +175,8 @@ class Planner:
     ) -> None:
         lo, hi = _check_limits(space, window, block_size, alpha, capacity_blocks, node_limit, expiry_node_limit,
                                full_max_evals, gap, time_limit_s)
+        if not host_capacity_blocks >= 0:  # NaN read as unlimited, a negative value as "nothing ever fits"
+            raise ValueError(f"host_capacity_blocks must be >= 0 (inf: unlimited), got {host_capacity_blocks}")
         self.constraints = Constraints(
             cost_model=cost_model, capacity_blocks=float(capacity_blocks),
             host_capacity_blocks=float(host_capacity_blocks),  # what the batch may hold on the host

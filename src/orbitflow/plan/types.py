@@ -10,11 +10,14 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from orbitflow.plan.placement import Placement
 
 __all__ = ["REL_TOL", "Plan", "PlanRequest", "PlanStats", "better"]
 
 REL_TOL = 1e-12  # latencies within REL_TOL * max(latency, 1 s) tie
+MAX_COUNT = 2**62  # a request's tokens and blocks: the planner counts them (and their growth) in int64
 
 
 def better(key: tuple[float, float], best: tuple[float, float]) -> bool:
@@ -40,11 +43,15 @@ class PlanRequest:
     slo_s: float = math.inf
 
     def __post_init__(self) -> None:
-        for name in ("blocks_per_layer", "tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"request {self.request_id!r}: {name} must be >= 0, got {getattr(self, name)}")
-        if self.tokens_left is not None and self.tokens_left < 0:
-            raise ValueError(f"request {self.request_id!r}: tokens_left must be >= 0 or None")
+        for name in ("blocks_per_layer", "tokens", "tokens_left"):
+            value = getattr(self, name)
+            if value is None and name == "tokens_left":
+                continue
+            whole = (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+                     and math.isfinite(value) and float(value).is_integer())
+            if not (whole and 0 <= value < MAX_COUNT):  # the planner counts them in int64
+                raise ValueError(f"request {self.request_id!r}: {name} must be >= 0 and a whole number below 2**62"
+                                 f"{' (or None)' if name == 'tokens_left' else ''}, got {value!r}")
         if not self.slo_s > 0:
             raise ValueError(f"request {self.request_id!r}: slo_s must be > 0, got {self.slo_s}")
         if math.isnan(self.deposit):
@@ -103,6 +110,8 @@ class Plan:
     def replan_step(self) -> int:
         """Steps after which the runtime should call the planner again: the end of the window or the expiry,
         whichever comes first (0 for an infeasible plan)."""
+        if not self.feasible:
+            return 0
         if self.expiry_step is None:
             return self.window
         return max(1, min(self.window, self.expiry_step))

@@ -145,6 +145,11 @@ class Point:
     prefetch_slots: int | None = None  # None: the policy's own
     kv_link: str = "edf"  # the link order the engine runs and the planner plans for (--kv-link)
 
+    def __post_init__(self) -> None:
+        frac = self.device_kv_fraction
+        if frac is not None and not 0 < frac <= MAX_DEVICE_KV_FRACTION:  # as SimSetup's (NaN fails it too)
+            raise ValueError(f"device_kv_fraction must be in (0, {MAX_DEVICE_KV_FRACTION:g}], got {frac}")
+
     def label(self) -> str:
         return (self.policy + ("" if self.prefetch_slots is None else f" (depth {self.prefetch_slots})")
                 + ("" if self.kv_link == "edf" else f" ({self.kv_link} link)"))
