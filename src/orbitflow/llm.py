@@ -16,6 +16,7 @@ import torch
 
 from orbitflow.config import ConfigError, EngineConfig
 from orbitflow.kv.manager import KVManager
+from orbitflow.kv.pool import block_bytes
 from orbitflow.plan.hardware import HardwareProfile
 from orbitflow.policies import Policy, make_policy
 from orbitflow.policies.base import PlanContext, default_slo_s
@@ -145,7 +146,7 @@ class LLM:
                 block_size=cache.block_size, device=device, link_bytes_per_s=cache.link_bytes_per_s, dtype=dtype,
             )
         except RuntimeError as exc:  # the allocator's "can't allocate memory" (torch.OutOfMemoryError on CUDA)
-            per_block = 2 * cache.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+            per_block = block_bytes(cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
             raise ConfigError(
                 f"cannot allocate the KV pools of --device-kv-blocks {cache.device_kv_blocks} and --host-kv-blocks "
                 f"{cache.host_kv_blocks} ({per_block} bytes a block at --block-size {cache.block_size}): "

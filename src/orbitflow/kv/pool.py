@@ -50,6 +50,11 @@ class OutOfBlocks(RuntimeError):
         self.tier, self.wanted, self.free, self.total = tier, wanted, free, total
 
 
+def block_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of one layer (K and V)."""
+    return 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def block_tensor(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, pin_memory: bool = False) -> torch.Tensor:
     """Uninitialised KV blocks indexed `[2, num_blocks, block_size, kv_heads, head_dim]`, stored head-major
@@ -92,7 +97,7 @@ class BlockPool:
         # An unmaterialized pool only counts blocks (the simulator's executor).
         self.storage = block_tensor(self.address_blocks, block_size, num_kv_heads, head_dim, dtype, device,
                                     pin_memory) if materialize else None
-        self.bytes_per_block = 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = block_bytes(block_size, num_kv_heads, head_dim, dtype)
         self._used = np.zeros(self.address_blocks, dtype=bool)
         self._num_used = 0
         self._lock = threading.Lock()

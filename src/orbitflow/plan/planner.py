@@ -49,7 +49,7 @@ from orbitflow.plan.full_search import improve_full
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import Placement
 from orbitflow.plan.search import BranchAndBound, candidate_tables
-from orbitflow.plan.types import REL_TOL, Plan, PlanRequest, PlanStats, better
+from orbitflow.plan.types import REL_TOL, Plan, PlanRequest, PlanStats, better, is_whole
 
 __all__ = ["Planner", "VICTIM_ORDERS", "resolve_victim_order", "warm_up"]
 
@@ -86,31 +86,25 @@ def resolve_victim_order(
     raise ValueError(f"victim_order must be one of {VICTIM_ORDERS} or a callable, got {name!r}")
 
 
-def _whole(value) -> bool:
-    """Whether ``value`` is a finite whole number (an int, a numpy integer, or a float like 4.0), not a bool."""
-    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-            and math.isfinite(value) and float(value).is_integer())
-
-
 def _check_limits(space: str, window: tuple[int, int], block_size: int, alpha: float, capacity_blocks: float,
                   node_limit: int | None, expiry_node_limit: int | None, full_max_evals: int, gap: float,
                   time_limit_s: float | None) -> tuple[int, int]:
     """Validate the planner's arguments; returns the window as ``(min_steps, max_steps)``."""
     if space not in ("pruned", "uniform", "full"):
         raise ValueError(f"space must be 'pruned', 'uniform' or 'full', got {space!r}")
-    if len(window) != 2 or not all(_whole(w) for w in window):
+    if len(window) != 2 or not all(is_whole(w) for w in window):
         raise ValueError(f"window must be two whole numbers (min_steps, max_steps), got {window!r}")
     lo, hi = int(window[0]), int(window[1])
     if not 1 <= lo <= hi:
         raise ValueError(f"window must satisfy 1 <= min_steps <= max_steps, got {window}")
-    if not _whole(block_size) or block_size < 1:
+    if not is_whole(block_size) or block_size < 1:
         raise ValueError(f"block_size must be a whole number >= 1, got {block_size!r}")
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     if not capacity_blocks >= 0:
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     for name, limit in (("node_limit", node_limit), ("expiry_node_limit", expiry_node_limit)):
-        if limit is not None and not (_whole(limit) and limit >= 1):
+        if limit is not None and not (is_whole(limit) and limit >= 1):
             raise ValueError(f"{name} must be a whole number >= 1 (or None: unlimited), got {limit!r}")
     if full_max_evals < 1:
         raise ValueError(f"full_max_evals must be >= 1, got {full_max_evals}")

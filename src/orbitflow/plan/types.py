@@ -14,10 +14,16 @@ import numpy as np
 
 from orbitflow.plan.placement import Placement
 
-__all__ = ["REL_TOL", "Plan", "PlanRequest", "PlanStats", "better"]
+__all__ = ["REL_TOL", "Plan", "PlanRequest", "PlanStats", "better", "is_whole"]
 
 REL_TOL = 1e-12  # latencies within REL_TOL * max(latency, 1 s) tie
 MAX_COUNT = 2**62  # a request's tokens and blocks: the planner counts them (and their growth) in int64
+
+
+def is_whole(value) -> bool:
+    """Whether ``value`` is a finite whole number (an int, a numpy integer, or a float like 4.0), not a bool."""
+    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            and math.isfinite(value) and float(value).is_integer())
 
 
 def better(key: tuple[float, float], best: tuple[float, float]) -> bool:
@@ -47,9 +53,7 @@ class PlanRequest:
             value = getattr(self, name)
             if value is None and name == "tokens_left":
                 continue
-            whole = (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-                     and math.isfinite(value) and float(value).is_integer())
-            if not (whole and 0 <= value < MAX_COUNT):  # the planner counts them in int64
+            if not (is_whole(value) and 0 <= value < MAX_COUNT):  # the planner counts them in int64
                 raise ValueError(f"request {self.request_id!r}: {name} must be >= 0 and a whole number below 2**62"
                                  f"{' (or None)' if name == 'tokens_left' else ''}, got {value!r}")
         if not self.slo_s > 0:

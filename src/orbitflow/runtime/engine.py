@@ -176,8 +176,7 @@ class Engine:
     def _check_servable(self, req: Request) -> None:
         reason = self._why_unservable(req.max_total_tokens, req.plan_request(self.block_size))
         if reason is not None:
-            raise RequestRejected(f"prompt ({req.num_prompt} tokens) plus max_tokens ({req.max_output_tokens}) "
-                                  f"{reason}")
+            raise RequestRejected(f"{req.length_text} {reason}")
 
     def _why_unservable(self, total_tokens: int, request: PlanRequest) -> str | None:
         """Why a request whose KV grows to ``total_tokens`` could never be served, even alone; None when it can.

@@ -78,6 +78,11 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def length_text(self) -> str:
+        """What a rejection says of its length: "prompt (N tokens) plus max_tokens (M)"."""
+        return f"prompt ({self.num_prompt} tokens) plus max_tokens ({self.max_output_tokens})"
+
     def plan_request(self, block_size: int, ahead: int = 0, deposit: float = 0.0) -> PlanRequest:
         """The planner's view of this request ``ahead`` decode steps on, with Token-Deposit balance ``deposit``."""
         tokens = self.num_tokens + ahead

@@ -78,9 +78,9 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue `req`, or end it at once (before it runs) when no placement could ever hold it alone."""
         self.requests[req.request_id] = req
-        if not self.fits_alone(self.final_blocks(req)):
-            self._finish(req, "error", error=f"prompt ({req.num_prompt} tokens) plus max_tokens "
-                                              f"({req.max_output_tokens}) {self.no_fit_reason(self.final_blocks(req))}")
+        blocks = self.final_blocks(req)
+        if not self.fits_alone(blocks):
+            self._finish(req, "error", error=f"{req.length_text} {self.no_fit_reason(blocks)}")
             return
         self.waiting.append(req)
         self._batch_version += 1

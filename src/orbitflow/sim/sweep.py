@@ -52,6 +52,12 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.045, 2.042)
 
 
+def _check_device_fraction(fraction: float, name: str) -> None:
+    """A device budget as a fraction of the largest batch's KV: in (0, MAX_DEVICE_KV_FRACTION] (NaN fails too)."""
+    if not 0 < fraction <= MAX_DEVICE_KV_FRACTION:
+        raise ValueError(f"{name} must be in (0, {MAX_DEVICE_KV_FRACTION:g}], got {fraction}")
+
+
 @dataclass(frozen=True)
 class SimSetup:
     """The simulator-side knobs of a sweep (`orbitflow simulate` flags), everything but the policy grid."""
@@ -71,9 +77,7 @@ class SimSetup:
     engine: dict = field(default_factory=dict)  # further EngineConfig overrides (alpha, victim, ...)
 
     def __post_init__(self) -> None:
-        if not 0 < self.device_kv_fraction <= MAX_DEVICE_KV_FRACTION:
-            raise ValueError(f"--device-kv-fraction must be in (0, {MAX_DEVICE_KV_FRACTION:g}], got "
-                             f"{self.device_kv_fraction}")
+        _check_device_fraction(self.device_kv_fraction, "--device-kv-fraction")
         if self.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
         if self.num_requests < 1:
@@ -146,9 +150,8 @@ class Point:
     kv_link: str = "edf"  # the link order the engine runs and the planner plans for (--kv-link)
 
     def __post_init__(self) -> None:
-        frac = self.device_kv_fraction
-        if frac is not None and not 0 < frac <= MAX_DEVICE_KV_FRACTION:  # as SimSetup's (NaN fails it too)
-            raise ValueError(f"device_kv_fraction must be in (0, {MAX_DEVICE_KV_FRACTION:g}], got {frac}")
+        if self.device_kv_fraction is not None:  # None: the setup's
+            _check_device_fraction(self.device_kv_fraction, "device_kv_fraction")
 
     def label(self) -> str:
         return (self.policy + ("" if self.prefetch_slots is None else f" (depth {self.prefetch_slots})")
