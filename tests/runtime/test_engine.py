@@ -157,6 +157,33 @@ def test_rejects_what_can_never_fit(tiny_llama):
         llm.close()
 
 
+def test_queue_limit_counts_requests_not_aborts(tiny_llama):
+    """--max-queue-len counts requests waiting for admission, those still in the inbox included; the inbox's
+    abort messages (clients that hung up) are not requests and must not turn new ones away."""
+    from orbitflow.runtime.engine import QueueFull
+
+    llm = make_llm(tiny_llama, profile=tiny_profile(), max_queue_len=2)
+    try:
+        e = llm.engine
+        params = SamplingParams(max_tokens=4)
+        e.add_request("a", [5, 6, 7], params)
+        for i in range(10):  # disconnects pile up before the engine loop runs
+            e.abort(f"gone-{i}")
+        assert e.num_queued() == 1
+        e.add_request("b", [5, 6, 7], params)
+        with pytest.raises(QueueFull, match="--max-queue-len"):
+            e.add_request("c", [5, 6, 7], params)
+        e.step()  # takes the inbox: both requests are admitted, none waits
+        assert e.num_queued() == 0
+        e.add_request("c", [5, 6, 7], params)
+        while e.has_work():
+            e.step()
+        assert sorted(r.request_id for r in e.finished) == ["a", "b", "c"]
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
+
+
 def test_new_request_waits_while_both_pools_are_full_and_runs_when_one_finishes(tiny_llama):
     # 6 layers; each request needs ceil((40 + 60) / 16) = 7 blocks per layer = 42 blocks to finish, plus up
     # to 7 blocks of prefetch buffer: one fits in 30 + 60 blocks (49), a second does not, so it waits (it

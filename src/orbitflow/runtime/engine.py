@@ -116,6 +116,7 @@ class Engine:
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._add_lock = threading.Lock()  # makes the queue-length check and the enqueue one step
+        self._inbox_adds = 0  # requests in the inbox (its aborts do not wait for admission); under _add_lock
         self._wakeup = threading.Event()
 
     # The scheduler's queues, read by the server's metrics and by tests.
@@ -170,6 +171,7 @@ class Engine:
                 raise QueueFull(f"the server is busy: {limit} requests are already waiting (--max-queue-len); "
                                 "retry later", self.retry_after_s())
             self._inbox.put(("add", req))
+            self._inbox_adds += 1
         self._wakeup.set()
         return req
 
@@ -219,9 +221,9 @@ class Engine:
         return lo
 
     def num_queued(self) -> int:
-        """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe,
-        approximate: aborts still in the inbox count too)."""
-        return len(self.waiting) + self._inbox.qsize()
+        """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe; a request
+        whose abort is still in the inbox counts until the engine loop takes both)."""
+        return len(self.waiting) + self._inbox_adds
 
     def retry_after_s(self) -> int:
         """A rough wait before a retry may be admitted: until the running request closest to its end
@@ -278,7 +280,11 @@ class Engine:
         while not self._inbox.empty():
             kind, item = self._inbox.get()
             if kind == "add":
-                self.scheduler.add_request(item)
+                try:
+                    self.scheduler.add_request(item)
+                finally:
+                    with self._add_lock:
+                        self._inbox_adds -= 1
             else:
                 self._finish_ids([item], "abort")
 
