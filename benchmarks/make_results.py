@@ -9,10 +9,11 @@ Run:  python benchmarks/make_results.py                 # simulator stage + the 
 Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% CIs), planner
 (benchmarks/planner.py), planner_proof (its proof section), planner_link (its link section: the same batches planned
 for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), kv_link (benchmarks/kv_link.py:
-the preemptive link on the engine), engine_vs_hf
-(benchmarks/engine_vs_hf.py),
-host_copy_bound (benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), sim_fidelity
-(benchmarks/sim_vs_engine.py).
+the preemptive link on the engine), engine_vs_hf (benchmarks/engine_vs_hf.py), host_copy_bound
+(benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), sim_fidelity and sim_fidelity_tight
+(benchmarks/sim_vs_engine.py), tensor_parallel (benchmarks/tensor_parallel.py), cluster (benchmarks/cluster_sim.py); all
+of them with --stages all (OTHER_STAGES has each one's command). The GPU, planner-beside-the-engine and victims
+fragments come from the runs they name.
 The page always includes whichever fragments exist. Every simulator run is appended to a cache
 (docs/results/sim_runs.jsonl); --resume reuses the cached runs of the same setup, so an interrupted
 regeneration picks up where it stopped.
@@ -221,12 +222,13 @@ def sim_section(res: Results, profile, setup: SimSetup, rates, reduced: bool, ou
            f"link {profile.link_bytes_per_s / 1e9:.2f} GB/s unless a table says otherwise; base SLO = the no-offload "
            f"decode step with the budget full; Poisson arrivals at the paper's 0.97 req/min times the rate scale; "
            f"long-context length mix (inputs around 0.5K/4K/12K, outputs around 0.25K/1K/3K tokens).", "",
-           f"Fairness (DESIGN.md, 'Evaluation rules'): **{setup.seeds} seeds x {setup.num_requests} requests** per "
+           f"Fairness: **{setup.seeds} seeds x {setup.num_requests} requests** per "
            f"point (each seed its own trace and noise); every number is the mean over seeds with its **95% "
            f"confidence interval** (Student t); a policy is called better only where the intervals do not overlap. "
            f"Every step (its compute and transfers alike) carries a seeded lognormal factor (CV {setup.noise_cv}; "
-           f"the default 0.07 is the real engine's step jitter, `benchmarks/step_jitter.py`) the planner does not "
-           f"see; the planner's measured solve time is charged on the virtual clock ({setup.solver_time}) as the "
+           f"the default 0.07 is the spread `benchmarks/step_jitter.py` measured on the engine: a fixed batch of 4, every "
+           f"layer on the device; `orbitflow profile` measures a smaller one, which the fidelity sections below use) "
+           f"the planner does not see; the planner's measured solve time is charged on the virtual clock ({setup.solver_time}) as the "
            f"engine runs its solves: an expiry is solved ahead while the steps before it run, every other solve "
            f"holds its step; DeepSpeed runs at prefetch depth 2 (it fetches layer i+1 while layer i "
            f"runs), every other policy at depth 1 unless a table says depth 2. Every policy runs with Token-Deposit "
@@ -632,15 +634,16 @@ def main() -> None:
             + (f": {info['runs']} simulator runs ({info['points']} points x seeds)" if info else "")
             + (f", {info['reused']} of them reused from the cache of an earlier invocation (`--resume`), so the "
                f"time above is this invocation's only" if info.get("reused") else "") + ". "
-            "`--stages all` also re-runs the planner, engine-vs-HF and simulator-fidelity benchmarks whose fragments "
-            "(`docs/results/<name>.md`) are included below; `--resume` continues an interrupted run from "
+            f"`--stages all` also re-runs the benchmarks whose fragments (`docs/results/<name>.md`) are included below "
+            f"({', '.join(OTHER_STAGES)}); the other sections (GPU, the planner beside the engine, victims) come from "
+            f"the runs they name; `--resume` continues an interrupted run from "
             "`docs/results/sim_runs.jsonl`. `orbitflow simulate` with no flags runs the headline grid alone.", ""]
     page += sim_md
     for name, title in FRAGMENTS:
         path = out_dir / f"{name}.md"
         if path.exists():
             text = path.read_text().strip()
-            if not text.startswith("#"):
+            if not text.startswith("## "):  # a fragment that opens with a subsection still gets its title
                 text = f"## {title}\n\n{text}"
             page += [text, ""]
     (docs / "results.md").write_text("\n".join(page).rstrip() + "\n")

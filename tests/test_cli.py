@@ -115,6 +115,18 @@ def test_simulate_defaults_are_the_papers_setup():
     assert args.policies == "all"
 
 
+@pytest.mark.parametrize("policies, expected", [
+    ("orbitflow", ["orbitflow", "orbitflow@longest"]),  # OrbitFlow's own rule runs once, as itself
+    ("flexgen", ["flexgen", "orbitflow@largest-kv+deposit", "orbitflow@longest"]),
+])
+def test_simulate_victims_do_not_run_orbitflows_own_rule_twice(policies, expected):
+    from orbitflow.cli import build_parser, simulate_points
+
+    args = build_parser().parse_args(["simulate", "--policies", policies, "--victims", "largest-kv+deposit,longest",
+                                      "--slo-scales", "1", "--rate-scales", "1"])
+    assert [p.policy for p in simulate_points(args, None)] == expected
+
+
 def test_simulate_replays_an_artifact_trace(tmp_path, capsys):
     trace = {"requests": {"a": {"input_length": 300, "output_length": 20, "arrival_time": 0},
                           "b": {"input_length": 500, "output_length": 10, "arrival_time": 40}},
@@ -282,6 +294,7 @@ def test_bench_refuses_generate_flags_with_a_trace(flag, tmp_path, capsys):
     (["simulate", "--preset", "a5000-llama3-8b", "--profile", "p.json"], "not allowed with"),
     (["profile", "--policy", "deepspeed"], "unrecognized arguments: --policy"),  # it changes nothing measured
     (["profile", "--max-num-seqs", "2"], "unrecognized arguments: --max-num-seqs"),
+    (["profile", "--seed", "3"], "unrecognized arguments: --seed"),
 ])
 def test_flags_that_would_be_ignored_are_usage_errors(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:

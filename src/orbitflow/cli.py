@@ -163,8 +163,10 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
         policies = _names(args.policies, "--policies", policy_names(), also="or all: orbitflow and every baseline")
     if args.ablations:
         policies += [p for p in ABLATIONS if p not in policies]
-    if args.victims:
-        policies += [f"orbitflow@{v}" for v in _names(args.victims, "--victims", VICTIM_CHOICES)]
+    if args.victims:  # the default rule is OrbitFlow itself: not run twice when it is in --policies
+        default = PlannerConfig().victim
+        policies += [f"orbitflow@{v}" for v in _names(args.victims, "--victims", VICTIM_CHOICES)
+                     if not (v == default and "orbitflow" in policies)]
     slo_scales = _floats(args.slo_scales, "--slo-scales")
     rate_scales = _floats(args.rate_scales, "--rate-scales")
     fractions = [None]  # None: the setup's budget (0.5 of the largest batch, or a trace file's own)
@@ -416,7 +418,8 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--ablations", action="store_true", help="also run the ablation steps of paper Fig. 13a")
     p.add_argument("--victims", default=None, metavar="LIST",
                    help="also run OrbitFlow with each of these pause-victim rules (paper Fig. 13c), e.g. "
-                        "largest-kv+deposit,longest,shortest,random")
+                        "longest,shortest,random (OrbitFlow's own rule, largest-kv+deposit, runs once, as "
+                        "'orbitflow', when --policies has it)")
     p.add_argument("--slo-scales", default="1,1.5,2.5", help="comma list of SLO scales")
     p.add_argument("--rate-scales", default="1,3,5", help="comma list of arrival-rate scales (x the paper's 0.97/min)")
     p.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="requests per run")
@@ -502,9 +505,12 @@ def _add_profile_parser(sub) -> None:
     p.add_argument("--out", "--output", "-o", dest="output", default=None,
                    help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
     # what the measurement depends on: the model, its device and threads, the KV pools and link, tensor parallelism;
-    # the scheduler's and the planner's flags change nothing it measures
-    unused = [dest_of(f) for cls in (SchedulerConfig, PlannerConfig) for f in fields(cls)]
-    add_engine_args(p, skip=(*SERVING_ONLY, *unused))
+    # the scheduler's and the planner's flags, and the seed (of sampling, the random victim rule and the simulator's
+    # noise), change nothing it measures
+    unused = [dest_of(f) for cls in (SchedulerConfig, PlannerConfig) for f in fields(cls)] + ["seed"]
+    helps = {"prefetch_slots": "prefetch depth: KV layers of one request in flight at once (default: 1, OrbitFlow's: "
+                               "profile builds OrbitFlow's engine)"}
+    add_engine_args(p, skip=(*SERVING_ONLY, *unused), helps=helps)
     p.set_defaults(func=cmd_profile)
 
 

@@ -108,7 +108,7 @@ def prefetch_slots_for(config, policy: Policy | None) -> int:
 
 def default_slo_s(config, profile) -> float:
     """--slo-ms if given, else --slo-scale x the base SLO: a no-offload decode step with the device
-    budget full of KV (DESIGN.md, "Metrics")."""
+    budget full of KV (the base SLO the paper's SLO scales multiply)."""
     if config.planner.slo_ms is not None:
         return config.planner.slo_ms / 1000.0
     budget = config.cache.device_kv_blocks
