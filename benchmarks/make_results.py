@@ -226,13 +226,13 @@ def sim_section(res: Results, profile, setup: SimSetup, rates, reduced: bool, ou
            f"point (each seed its own trace and noise); every number is the mean over seeds with its **95% "
            f"confidence interval** (Student t); a policy is called better only where the intervals do not overlap. "
            f"Every step (its compute and transfers alike) carries a seeded lognormal factor (CV {setup.noise_cv}; "
-           f"the default 0.07 is the spread `benchmarks/step_jitter.py` measured on the engine: a fixed batch of 4, every "
-           f"layer on the device; `orbitflow profile` measures a smaller one, which the fidelity sections below use) "
-           f"the planner does not see; the planner's measured solve time is charged on the virtual clock ({setup.solver_time}) as the "
-           f"engine runs its solves: an expiry is solved ahead while the steps before it run, every other solve "
-           f"holds its step; DeepSpeed runs at prefetch depth 2 (it fetches layer i+1 while layer i "
-           f"runs), every other policy at depth 1 unless a table says depth 2. Every policy runs with Token-Deposit "
-           f"unless noted.", ""]
+           f"the default 0.07 is the spread `benchmarks/step_jitter.py` measured on the engine: a fixed batch of 4, "
+           f"every layer on the device; `orbitflow profile` measures a smaller one, which the fidelity sections below "
+           f"use) the planner does not see; the planner's measured solve time is charged on the virtual clock "
+           f"({setup.solver_time}) as the engine runs its solves: an expiry is solved ahead while the steps before it "
+           f"run, every other solve holds its step; DeepSpeed runs at prefetch depth 2 (it fetches layer i+1 while "
+           f"layer i runs), every other policy at depth 1 unless a table says depth 2. Every policy runs with "
+           f"Token-Deposit unless noted.", ""]
     if reduced:
         md += [f"> **Reduced configuration.** This page was generated with `--reduced` "
                f"(rate scales {', '.join(f'{r:g}' for r in rates)}; {setup.num_requests} requests per run). "
