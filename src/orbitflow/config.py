@@ -185,7 +185,8 @@ class SchedulerConfig(_Validated):
                                        check="positive?")
     # More waiting requests than this get 503 (None: unbounded); `serve` defaults it to 256.
     max_queue_len: int | None = option(
-        None, "requests that may wait for admission; more get 503 with Retry-After", type=int, check="positive?")
+        None, "requests that may wait for admission beyond the batch's free places (--max-num-seqs); more get 503 "
+              "with Retry-After", type=int, check="positive?")
 
 
 @dataclass(frozen=True)

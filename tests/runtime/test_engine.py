@@ -157,28 +157,37 @@ def test_rejects_what_can_never_fit(tiny_llama):
         llm.close()
 
 
-def test_queue_limit_counts_requests_not_aborts(tiny_llama):
-    """--max-queue-len counts requests waiting for admission, those still in the inbox included; the inbox's
-    abort messages (clients that hung up) are not requests and must not turn new ones away."""
+def test_queue_limit_counts_requests_that_wait_not_aborts_or_free_places(tiny_llama):
+    """--max-queue-len counts the requests that wait beyond the batch's free places, those still in the inbox
+    included: a burst the batch can take at once is not turned away, and the inbox's abort messages (clients that
+    hung up) are not requests."""
+    import pickle
+
     from orbitflow.runtime.engine import QueueFull
 
-    llm = make_llm(tiny_llama, profile=tiny_profile(), max_queue_len=2)
+    llm = make_llm(tiny_llama, profile=tiny_profile(), max_queue_len=2, max_num_seqs=2)
     try:
         e = llm.engine
         params = SamplingParams(max_tokens=4)
-        e.add_request("a", [5, 6, 7], params)
-        for i in range(10):  # disconnects pile up before the engine loop runs
-            e.abort(f"gone-{i}")
-        assert e.num_queued() == 1
-        e.add_request("b", [5, 6, 7], params)
-        with pytest.raises(QueueFull, match="--max-queue-len"):
-            e.add_request("c", [5, 6, 7], params)
-        e.step()  # takes the inbox: both requests are admitted, none waits
-        assert e.num_queued() == 0
-        e.add_request("c", [5, 6, 7], params)
+        for rid in "abcd":  # two places in the batch, two more may wait
+            e.add_request(rid, [5, 6, 7], params)
+            for i in range(5):  # disconnects pile up before the engine loop runs
+                e.abort(f"gone-{rid}-{i}")
+        assert e.num_queued() == 4 and e.free_seats() == 2
+        with pytest.raises(QueueFull, match="--max-queue-len") as refused:
+            e.add_request("e", [5, 6, 7], params)
+        again = pickle.loads(pickle.dumps(refused.value))  # a cluster replica's refusal crosses processes whole
+        assert isinstance(again, QueueFull) and again.retry_after_s == refused.value.retry_after_s >= 1
+        e.step()  # takes the inbox: two run, two wait
+        assert len(e.running) == 2 and e.num_queued() == 2 and e.free_seats() == 0
+        with pytest.raises(QueueFull):
+            e.add_request("e", [5, 6, 7], params)
         while e.has_work():
             e.step()
-        assert sorted(r.request_id for r in e.finished) == ["a", "b", "c"]
+        e.add_request("e", [5, 6, 7], params)
+        while e.has_work():
+            e.step()
+        assert sorted(r.request_id for r in e.finished) == list("abcde")
         assert llm.kv.usage() == (0, 0)
     finally:
         llm.close()

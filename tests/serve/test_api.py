@@ -96,8 +96,9 @@ def submit_running(pool, http, server):
 
 
 def test_d3_overflow_of_the_queue_gets_503_with_retry_after(http, server):
-    """With the engine stuck in a step, requests queue up to --max-queue-len (8); the next gets 503 at once
-    with Retry-After. /health turns 503 too (D6's watchdog), and both recover when the engine moves again."""
+    """With the engine stuck in a step, requests queue up to --max-queue-len (8) beyond the batch's free places
+    (3 of --max-num-seqs 4); the next gets 503 at once with Retry-After. /health turns 503 too (D6's watchdog), and
+    both recover when the engine moves again."""
     release = threading.Event()
 
     def stuck_step(real_step, seqs):
@@ -105,10 +106,10 @@ def test_d3_overflow_of_the_queue_gets_503_with_retry_after(http, server):
         return real_step(seqs)
 
     try:
-        with engine_steps(server, stuck_step), ThreadPoolExecutor(9) as pool:
+        with engine_steps(server, stuck_step), ThreadPoolExecutor(12) as pool:
             running = submit_running(pool, http, server)
-            queued = [pool.submit(http.post, "/v1/completions", json=GOOD) for _ in range(8)]
-            while server.llm.engine.num_queued() < 8:
+            queued = [pool.submit(http.post, "/v1/completions", json=GOOD) for _ in range(11)]
+            while server.llm.engine.num_queued() < 11:
                 time.sleep(0.01)
             over = http.post("/v1/completions", json=GOOD)
             assert over.status_code == 503 and int(over.headers["retry-after"]) >= 1

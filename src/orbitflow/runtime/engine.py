@@ -42,6 +42,9 @@ class QueueFull(RuntimeError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):  # pickled whole: a cluster replica's refusal reaches the ingress as itself (a 503)
+        return type(self), (str(self), self.retry_after_s)
+
 
 @dataclass
 class TokenEvent:
@@ -167,9 +170,9 @@ class Engine:
         self._check_servable(req)
         with self._add_lock:
             limit = self.config.scheduler.max_queue_len
-            if limit is not None and self.num_queued() >= limit:
-                raise QueueFull(f"the server is busy: {limit} requests are already waiting (--max-queue-len); "
-                                "retry later", self.retry_after_s())
+            if limit is not None and self.num_queued() - self.free_seats() >= limit:
+                raise QueueFull(f"the server is busy: {limit} requests are already waiting beyond the batch's "
+                                "free places (--max-queue-len); retry later", self.retry_after_s())
             self._inbox.put(("add", req))
             self._inbox_adds += 1
         self._wakeup.set()
@@ -219,6 +222,11 @@ class Engine:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if servable(mid) else (lo, mid)
         return lo
+
+    def free_seats(self) -> int:
+        """Places the batch has for requests now queued (--max-num-seqs less those running or paused, which
+        resume first): that many of the queue start at once, memory permitting (thread-safe, approximate)."""
+        return max(0, self.config.scheduler.max_num_seqs - len(self.running) - len(self.paused))
 
     def num_queued(self) -> int:
         """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe; a request

@@ -17,7 +17,8 @@ request router of ours. The application has two deployments:
 to the replicas' routing stats, counting the requests it sent a replica since that replica last reported.
 
 A replica that dies ends the requests streaming from it with an error (an error event, or a 500 before the
-first token; a request that had not started yet is retried once on another replica); the router stops
+first token; a request that had not started yet is retried once on another replica, as is one the replica's full
+queue refused, which gets the replica's 503 if the retry is refused too); the router stops
 choosing it at once (Serve tells it), and Serve starts a replacement.
 
 Ray is the optional ``cluster`` extra: nothing here is imported by single-process serving.
@@ -252,10 +253,12 @@ class RemoteEngine:
             except (GeneratorExit, asyncio.CancelledError):
                 raise
             except Exception as exc:
-                if not started and attempt == 0 and _replica_died(exc):
-                    log.warning("replica died before request %s started; retrying on another", request_id)
+                error = _translate(exc)
+                if not started and attempt == 0 and (_replica_died(exc) or isinstance(error, QueueFull)):
+                    log.warning("request %s: %s before it started; trying another replica", request_id,
+                                "its replica's queue was full" if isinstance(error, QueueFull) else "replica died")
                     continue
-                raise _translate(exc) from exc
+                raise error from exc
             finally:
                 if not finished:
                     stream.cancel()  # the replica aborts the request and frees its blocks
