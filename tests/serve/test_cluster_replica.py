@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,3 +27,70 @@ def test_health_check_fails_on_a_failed_executor():
     _replica(None).check_health()
     with pytest.raises(RuntimeError, match="rank 1 died"):
         _replica("tensor-parallel rank 1 died (exit code -9)").check_health()
+
+
+# ---- the request router, on fake replicas -------------------------------------------------------------------
+def _stats(rid, headroom, running=0, queued=0, received=0, max_len=4096):
+    from orbitflow.runtime.replica_state import OUTPUT_GRID, PROMPT_GRID
+
+    state = dict(running=running, queued=queued, paused=0, free_device_blocks=256, free_host_blocks=4096,
+                 predicted_step_s=0.1, slo_s=0.2, max_num_seqs=4)
+    points = {(p, o) for p in PROMPT_GRID for o in OUTPUT_GRID if p + o <= max_len}
+    points |= {(p, max_len - p) for p in PROMPT_GRID if p < max_len}
+    return {"replica": rid, "stamp": time.monotonic(), "received": received, "state": state, "max_len": max_len,
+            "what_if": [(p, o, True, 0.1, headroom) for p, o in sorted(points)]}
+
+
+def _router():
+    from orbitflow.serve.cluster import OrbitflowRequestRouter
+
+    router = object.__new__(OrbitflowRequestRouter)  # Serve constructs it; the routing state is ours
+    router.initialize_state(policy="slo-aware", seed=0)
+    return router
+
+
+def _route(router, replicas, max_tokens=32, prompt=10):
+    """One request through choose_replicas, accepted by the replica chosen (as Serve reports it)."""
+    from orbitflow.runtime.sampling import SamplingParams
+
+    request = SimpleNamespace(args=("id", [1] * prompt, SamplingParams(max_tokens=max_tokens)))
+    chosen = asyncio.run(router.choose_replicas(replicas, request))[0][0].replica_id
+    router.on_request_routed(request, chosen, None)
+    return chosen
+
+
+def test_a_burst_spreads_over_the_replicas_instead_of_following_one_stale_report():
+    """Four requests at once into two idle replicas: the what-if tables answer for the replicas before any of them,
+    so only the first follows the headroom; the rest go by load, two each (it was four on A, which then paused one
+    and spilled to host memory while B held nothing)."""
+    router = _router()
+    a = SimpleNamespace(replica_id="A", routing_stats=_stats("A", headroom=0.40))
+    b = SimpleNamespace(replica_id="B", routing_stats=_stats("B", headroom=0.35))
+    chosen = [_route(router, [a, b]) for _ in range(4)]
+    assert chosen[0] == "A" and sorted(chosen) == ["A", "A", "B", "B"], chosen
+
+
+def test_requests_in_flight_count_until_the_replicas_report_counts_them():
+    """A report stamped after the router sent requests, which do not count in it yet, does not make them vanish:
+    A took 4 (its batch), reports idle without having received them, and the next request goes to B."""
+    router = _router()
+    a = SimpleNamespace(replica_id="A", routing_stats=_stats("A", headroom=0.40))
+    b = SimpleNamespace(replica_id="B", routing_stats=_stats("B", headroom=0.35))
+    for _ in range(4):
+        router.on_request_routed(SimpleNamespace(), "A", None)
+    a.routing_stats = _stats("A", headroom=0.40)  # a new report, still received=0
+    assert [_route(router, [a, b]) for _ in range(2)] == ["B", "B"]
+    # once A's report counts them (received=4, running 4), they are no longer in flight: its table holds again
+    a.routing_stats = _stats("A", headroom=0.40, running=2, received=4)
+    b.routing_stats = _stats("B", headroom=0.35, running=2, received=2)
+    assert _route(router, [a, b]) == "A" and router.rule.fallbacks == 1  # the one decision with both unknown
+
+
+def test_a_request_without_max_tokens_is_routed_by_headroom():
+    """The API gives a request without max_tokens the rest of the context; the tables' rest-of-context points
+    cover it, so slo-aware decides by headroom rather than falling back to least-loaded every time."""
+    router = _router()
+    a = SimpleNamespace(replica_id="A", routing_stats=_stats("A", headroom=0.10, max_len=2176))
+    b = SimpleNamespace(replica_id="B", routing_stats=_stats("B", headroom=0.30, max_len=2176))
+    assert _route(router, [a, b], prompt=13, max_tokens=2176 - 13) == "B"
+    assert router.rule.fallbacks == 0

@@ -114,24 +114,33 @@ def _current_step_s(engine) -> float:
 # ---- a what-if table: the planner's answers for a grid of request sizes ----------------------------------
 # A router that cannot ask a replica per request (Ray Serve's routers read the replicas' periodic routing stats)
 # looks the request up here: the smallest grid point at least as long in prompt and in output, so the answer
-# errs on the safe side; a request beyond the grid is not known feasible.
+# errs on the safe side; a request beyond the grid is not known feasible. A request sent without max_tokens gets the
+# rest of the context (the API sets max_tokens = max_len - prompt), which no fixed output length covers: each
+# prompt length also has a point that takes the rest of the context, and such a point covers any request whose
+# prompt is no longer and whose prompt plus output fits the context (its KV ends at most as large, and it holds
+# at least as many tokens now).
 PROMPT_GRID = (128, 512, 2048, 8192, 32768)
 OUTPUT_GRID = (64, 512, 4096)
 
 
 def what_if_table(engine, max_len: int) -> list[tuple[int, int, WhatIf]]:
-    """`what_if` at every grid point that fits in `max_len` tokens (prompt + output), smallest first."""
-    out = []
-    for p in PROMPT_GRID:
-        for o in OUTPUT_GRID:
-            if p + o <= max_len:
-                out.append((p, o, what_if(engine, p, o)))
-    return out
+    """`what_if` at every grid point that fits in `max_len` tokens (prompt + output), and for each grid prompt
+    shorter than `max_len` at the point taking the rest of it, smallest first."""
+    points = sorted({(p, o) for p in PROMPT_GRID for o in OUTPUT_GRID if p + o <= max_len}
+                    | {(p, max_len - p) for p in PROMPT_GRID if p < max_len}, key=lambda t: (t[0] + t[1], t[0]))
+    return [(p, o, what_if(engine, p, o)) for p, o in points]
 
 
-def lookup_what_if(table, prompt_tokens: int, max_tokens: int) -> WhatIf | None:
-    """The answer of the smallest grid point covering the request (None: no point does)."""
-    covering = [(p, o, w) for p, o, w in table if p >= prompt_tokens and o >= max_tokens]
+def lookup_what_if(table, prompt_tokens: int, max_tokens: int, max_len: int | None = None) -> WhatIf | None:
+    """The answer of the smallest grid point covering the request (None: no point does). With `max_len` (the
+    table's), a point that takes the rest of the context covers every request it holds (see above)."""
+    def covers(p: int, o: int) -> bool:
+        if p < prompt_tokens:
+            return False
+        rest = max_len is not None and p + o == max_len and prompt_tokens + max_tokens <= max_len
+        return o >= max_tokens or rest
+
+    covering = [(p, o, w) for p, o, w in table if covers(p, o)]
     if not covering:
         return None
     return min(covering, key=lambda t: (t[0] + t[1], t[0]))[2]

@@ -4,8 +4,9 @@ Three rules over the replicas' states (:class:`~orbitflow.runtime.replica_state.
 
 - ``slo-aware``: power of two choices. Two replicas drawn at random are asked what their planner predicts
   if the request joined now (``what_if``); of those whose plan keeps every request inside its SLO, the one
-  with the most headroom wins. When neither can, the least loaded replica of all takes it (it will queue
-  there the shortest).
+  with the most headroom wins. When neither can (or neither's answer is known: a Ray Serve router does not know
+  it for a replica with requests in flight to it), the least loaded replica of all takes it (it will queue there
+  the shortest).
 - ``least-loaded``: fewest requests held (running + queued + paused), then most free device KV blocks.
 - ``round-robin``: each replica in turn.
 
@@ -33,7 +34,7 @@ class Router:
         self.name = name
         self.rng = random.Random(seed)
         self._next = 0
-        self.fallbacks = 0  # slo-aware decisions where neither sampled replica had a feasible plan
+        self.fallbacks = 0  # slo-aware decisions where neither sampled replica had a known feasible plan
 
     def choose(self, candidates: Sequence[tuple[Hashable, ReplicaState]],
                what_if: Callable[[Hashable], WhatIf]) -> Hashable:

@@ -14,7 +14,10 @@ request router of ours. The application has two deployments:
 
 :class:`OrbitflowRequestRouter` is the deployment's Ray Serve request router: it applies
 `orbitflow.runtime.routing.Router` (slo-aware / least-loaded / round-robin, the rule the cluster simulator uses)
-to the replicas' routing stats, counting the requests it sent a replica since that replica last reported.
+to the replicas' routing stats. A replica's report counts the requests it has received; those the router sent it
+that the report does not count yet (in flight, at most ``IN_FLIGHT_S`` old) are added to its queue, and its what-if
+table, which answers for the replica as it was, is then not known to hold (so a burst spreads by load rather than
+all going to the replica whose last report had the most headroom).
 
 A replica that dies ends the requests streaming from it with an error (an error event, or a 500 before the
 first token; a request that had not started yet is retried once on another replica, as is one the replica's full
@@ -32,7 +35,7 @@ import os
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 
 from prometheus_client import Counter
@@ -54,6 +57,7 @@ APP_NAME = "orbitflow"
 ENGINE_DEPLOYMENT = "orbitflow-engine"
 INGRESS_DEPLOYMENT = "orbitflow-api"
 DEFAULT_STATS_PERIOD_S = 0.5
+IN_FLIGHT_S = 5.0  # a request sent to a replica whose reports have not counted it for this long is taken as lost
 
 
 # ---- the engine replica -----------------------------------------------------------------------------------
@@ -75,10 +79,12 @@ class EngineReplica:
         self.max_len = max_len_of(self.llm)
         self._metric_values = engine_metric_values
         self._table: tuple[tuple, list] | None = None  # (engine state key, what-if table)
+        self._received = 0  # generate calls so far: the router adds the requests it sent that this does not count
         log.info("replica %s ready: SLO %.1f ms/token", self.replica_id, 1000 * self.llm.engine.default_slo_s)
 
     async def generate(self, request_id: str, prompt_ids: list[int],
                        sampling: SamplingParams) -> AsyncIterator[tuple[str, GenerationOutput]]:
+        self._received += 1
         async for out in self.engine.generate(request_id, prompt_ids, sampling):
             yield self.replica_id, out
 
@@ -106,7 +112,9 @@ class EngineReplica:
                len(engine.paused), engine.stats.steps // 16)
         if self._table is None or self._table[0] != key:
             self._table = (key, what_if_table(engine, self.max_len))
-        return {"replica": self.replica_id, "stamp": time.monotonic(), "state": replica_state(engine).to_dict(),
+        received = self._received  # before the state: a request counted here is in the state or about to be
+        return {"replica": self.replica_id, "stamp": time.monotonic(), "received": received,
+                "state": replica_state(engine).to_dict(), "max_len": self.max_len,
                 "what_if": [(p, o, w.feasible, w.predicted_step_s, w.headroom) for p, o, w in self._table[1]],
                 "metrics": self._metric_values(engine)}
 
@@ -140,26 +148,44 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, policy: str = DEFAULT_ROUTER, seed: int = 0) -> None:
         self.rule = Router(policy, seed)
-        self._sent: dict = defaultdict(int)  # replica id -> requests sent since its stats' stamp
-        self._stamp: dict = {}
+        self._routed: dict = defaultdict(int)  # replica id -> requests it accepted from this router, ever
+        self._routed_at: dict = defaultdict(deque)  # replica id -> when (monotonic) it accepted the recent ones
+        self._chosen: dict = {}  # id(pending request) -> (replica id, when): chosen, not yet accepted
         # Serve may load this class by value (its own copy of this module's globals): register in the module
         import orbitflow.serve.cluster as this_module
 
         this_module._ROUTERS.append(self)
 
-    def _view(self, replica) -> tuple[ReplicaState, list]:
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        """Serve: `replica_id` accepted the request."""
+        self._chosen.pop(id(pending_request), None)
+        self._routed[replica_id] += 1
+        self._routed_at[replica_id].append(time.monotonic())
+
+    def _in_flight(self, rid, received: int | None) -> int:
+        """Requests sent to `rid` that its last report does not count: accepted after it (the report's `received`
+        lags the router's count), or chosen and not yet accepted; none older than IN_FLIGHT_S."""
+        now = time.monotonic()
+        recent = self._routed_at[rid]
+        while recent and recent[0] < now - IN_FLIGHT_S:
+            recent.popleft()
+        accepted = len(recent) if received is None else min(len(recent), max(0, self._routed[rid] - received))
+        for key, (_, when) in list(self._chosen.items()):
+            if when < now - IN_FLIGHT_S:
+                del self._chosen[key]
+        return accepted + sum(1 for chosen, _ in self._chosen.values() if chosen == rid)
+
+    def _view(self, replica) -> tuple[ReplicaState, list, bool]:
+        """The replica's state with the requests in flight to it queued, its what-if table, and whether that
+        table still answers for it (nothing in flight)."""
         stats = replica.routing_stats or {}
-        rid = replica.replica_id
-        if stats.get("stamp") != self._stamp.get(rid):
-            self._stamp[rid] = stats.get("stamp")
-            self._sent[rid] = 0
         state = _stats_state(stats)
         if state is None:  # not reported yet: an empty replica as far as we know
             state = ReplicaState(0, 0, 0, 0, 0, 0.0, 0.0, 1)
-        sent = self._sent[rid]
-        if sent:
-            state = ReplicaState(**{**state.to_dict(), "queued": state.queued + sent})
-        return state, stats.get("what_if") or []
+        in_flight = self._in_flight(replica.replica_id, stats.get("received"))
+        if in_flight:
+            state = ReplicaState(**{**state.to_dict(), "queued": state.queued + in_flight})
+        return state, stats.get("what_if") or [], not in_flight
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -173,15 +199,18 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
         views = {rid: self._view(r) for rid, r in by_id.items()}
 
         def what_if(rid) -> WhatIf:
-            state, table = views[rid]
+            state, table, current = views[rid]
             if state.running + state.queued + state.paused + 1 > state.max_num_seqs:
                 return WhatIf(False, state.predicted_step_s, float("-inf"), "batch full")
+            if not current:  # the table answers for the replica before the requests in flight to it
+                return WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
             rows = [(p, o, WhatIf(f, s, h)) for p, o, f, s, h in table]
-            answer = lookup_what_if(rows, prompt_tokens, max_tokens)
+            answer = lookup_what_if(rows, prompt_tokens, max_tokens, (by_id[rid].routing_stats or {}).get("max_len"))
             return answer or WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
 
         chosen = self.rule.choose([(rid, views[rid][0]) for rid in by_id], what_if)
-        self._sent[chosen] += 1  # counted now: requests routed at once must not all see the same state
+        if pending_request is not None:  # in flight from now: requests routed at once must not see the same state
+            self._chosen[id(pending_request)] = (chosen, time.monotonic())
         rest = [r for rid, r in by_id.items() if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
