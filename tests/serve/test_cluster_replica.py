@@ -94,3 +94,101 @@ def test_a_request_without_max_tokens_is_routed_by_headroom():
     b = SimpleNamespace(replica_id="B", routing_stats=_stats("B", headroom=0.30, max_len=2176))
     assert _route(router, [a, b], prompt=13, max_tokens=2176 - 13) == "B"
     assert router.rule.fallbacks == 0
+
+
+# ---- the ingress's engine bridge and metrics, on fake replicas ------------------------------------------------
+class _Stream:
+    """A replica's token stream as a Serve handle gives it: ``n`` tokens ``delay_s`` apart, then a finish."""
+
+    def __init__(self, n: int, delay_s: float) -> None:
+        from orbitflow.serve.async_engine import GenerationOutput
+
+        self.items = [("R", GenerationOutput(i, "x", None)) for i in range(n)] + [("R", GenerationOutput(None, "",
+                                                                                                         "length"))]
+        self.delay_s, self.cancelled = delay_s, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        await asyncio.sleep(self.delay_s)
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _handle(streams: list):
+    def remote(*args):
+        streams.append(_Stream(*streams.pop(0)))
+        return streams[-1]
+
+    generate = SimpleNamespace(remote=remote)
+    return SimpleNamespace(options=lambda **kw: SimpleNamespace(generate=generate))
+
+
+def test_drain_lets_short_requests_finish_and_ends_the_rest_with_abort():
+    """SIGTERM with --replicas (run_cluster asks the ingress to drain): a request that finishes within the grace
+    ends as usual, one that does not ends with finish_reason "abort" and its replica stream is cancelled (the replica
+    aborts it), and a new request is refused as the server shuts down (503), as in one process."""
+    from orbitflow.serve.async_engine import EngineUnavailable
+    from orbitflow.serve.cluster import RemoteEngine
+
+    streams = [(3, 0.01), (1000, 0.01)]  # a short request, a long one
+    remote = RemoteEngine(_handle(streams))
+
+    async def run():
+        async def collect(rid):
+            return [out async for out in remote.generate(rid, [1, 2], None)]
+
+        short, long = asyncio.ensure_future(collect("s")), asyncio.ensure_future(collect("l"))
+        await asyncio.sleep(0.1)
+        await remote.drain(0.3)
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            await anext(remote.generate("new", [1], None))
+        return await short, await long
+
+    short, long = asyncio.run(run())
+    assert short[-1].finish_reason == "length" and len(short) == 4
+    assert long[-1].finish_reason == "abort" and 10 < len(long) < 1000
+    assert [s.cancelled for s in streams] == [False, True]
+    assert remote._aborts == {}
+
+
+def test_health_reports_no_engine_once_every_replica_is_gone(monkeypatch):
+    """/health answers 503 'engine not running' when the routers know no live replica (it said ok while every
+    request hung)."""
+    import orbitflow.serve.cluster as cluster
+
+    remote = cluster.RemoteEngine(handle=None)
+    monkeypatch.setattr(cluster, "_ROUTERS", [])
+    assert remote.running  # no router yet: nothing known (none is made before the first request)
+    router = SimpleNamespace(curr_replicas={"A": object()})
+    monkeypatch.setattr(cluster, "_ROUTERS", [router])
+    assert remote.running
+    router.curr_replicas = {}
+    assert not remote.running
+
+
+def test_cluster_counters_never_go_back_when_a_replica_dies(monkeypatch):
+    import orbitflow.serve.cluster as cluster
+
+    def report(replica, steps, running):
+        return {"replica": replica, "metrics": [("orbitflow:engine_steps", "counter", "steps", steps),
+                                                ("orbitflow:num_requests_running", "gauge", "running", running)]}
+
+    reports = [report("A", 400, 2), report("B", 300, 1)]
+    monkeypatch.setattr(cluster, "_ROUTERS", [SimpleNamespace(replica_stats=lambda: list(reports))])
+    collector = cluster._ClusterCollector()
+
+    def values():
+        return {m.name: m.samples[0].value for m in collector.collect()}
+
+    assert values()["orbitflow:engine_steps"] == 700
+    reports[:] = [report("B", 310, 1)]  # A died: what it counted stays, its gauge goes
+    got = values()
+    assert got["orbitflow:engine_steps"] == 710 and got["orbitflow:num_requests_running"] == 1
+    reports[:] = [report("B", 320, 1), report("C", 5, 1)]  # Serve's replacement starts from 0
+    assert values()["orbitflow:engine_steps"] == 725 and values()["orbitflow:cluster_replicas"] == 2

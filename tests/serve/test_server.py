@@ -23,9 +23,21 @@ def test_a_port_in_use_is_named_before_anything_loads(monkeypatch, capsys):
         monkeypatch.setattr("orbitflow.llm.LLM", no_loading)
         assert main(["serve", "--port", str(port)]) == 2
         assert f"--port {port}" in capsys.readouterr().err
+        if _has_ray():  # --replicas too, before Ray starts (it was a Ray traceback after 12 s)
+            monkeypatch.setattr("orbitflow.serve.cluster.run_cluster", no_loading)
+            assert main(["serve", "--replicas", "2", "--port", str(port)]) == 2
+            assert f"--port {port}" in capsys.readouterr().err
     server._check_port_free("127.0.0.1", port)  # free again
 
 
 def test_an_unknown_host_is_named():
     with pytest.raises(ConfigError, match="--host"):
         server._check_port_free("no-such-host.invalid", 8000)
+
+
+def _has_ray() -> bool:
+    try:
+        import orbitflow.serve.cluster  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -250,6 +250,7 @@ class RemoteEngine:
         self.handle = handle
         self.draining = False
         self.on_routed = on_routed  # called with the replica id that took a request
+        self._aborts: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}  # requests in flight
 
     def start(self) -> None:
         pass
@@ -259,18 +260,59 @@ class RemoteEngine:
 
     @property
     def running(self) -> bool:
-        return True
+        """False once the routers know no live engine replica (every one died; Serve is starting others)."""
+        routers = list(_ROUTERS)
+        return not routers or any(router.curr_replicas for router in routers)  # no router yet: nothing known
 
     def stalled(self, after_s: float) -> float | None:
         return None  # each replica's own health check covers its loop (Serve replaces a stalled one)
 
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking requests (503); let those in flight finish for `grace_s` seconds, then end them with
+        finish_reason "abort" (their replicas abort them and free their blocks), as one process does on SIGTERM."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._aborts and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for owner, event in list(self._aborts.values()):
+            owner.call_soon_threadsafe(event.set)
+        while self._aborts and loop.time() < deadline + 5.0:  # their last events reach the clients
+            await asyncio.sleep(0.05)
+
     async def generate(self, request_id: str, prompt_ids: list[int],
                        sampling: SamplingParams) -> AsyncIterator[GenerationOutput]:
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
+        abort = asyncio.Event()
+        self._aborts[request_id] = (asyncio.get_running_loop(), abort)
+        aborted = asyncio.ensure_future(abort.wait())
+        try:
+            async for out in self._attempts(request_id, prompt_ids, sampling, aborted):
+                yield out
+        finally:
+            aborted.cancel()
+            self._aborts.pop(request_id, None)
+
+    async def _attempts(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                        aborted: asyncio.Future) -> AsyncIterator[GenerationOutput]:
         for attempt in (0, 1):
             stream = self.handle.options(stream=True).generate.remote(request_id, prompt_ids, sampling)
             started = finished = False
+            item = None
             try:
-                async for replica, out in stream:
+                items = stream.__aiter__()
+                while True:
+                    item = asyncio.ensure_future(items.__anext__())
+                    await asyncio.wait((item, aborted), return_when=asyncio.FIRST_COMPLETED)
+                    if not item.done():  # drained: the request ends here (the stream's cancel aborts it)
+                        item.cancel()
+                        yield GenerationOutput(None, "", "abort")
+                        return
+                    try:
+                        replica, out = item.result()
+                    except StopAsyncIteration:
+                        return
                     if not started:
                         started = True
                         if self.on_routed is not None:
@@ -278,7 +320,6 @@ class RemoteEngine:
                     if out.finish_reason is not None:
                         finished = True
                     yield out
-                return
             except (GeneratorExit, asyncio.CancelledError):
                 raise
             except Exception as exc:
@@ -289,13 +330,21 @@ class RemoteEngine:
                     continue
                 raise error from exc
             finally:
+                if item is not None and not item.done():
+                    item.cancel()
                 if not finished:
                     stream.cancel()  # the replica aborts the request and frees its blocks
 
 
 class _ClusterCollector:
     """The engine gauges and counters of single-process serving, summed over the replicas' last reports
-    (the plan-gap gauge is the largest), plus the replica count."""
+    (the plan-gap gauge is the largest), plus the replica count. A counter keeps what a replica that is gone had
+    counted, so it never goes back when one dies."""
+
+    def __init__(self) -> None:
+        self._counted: dict[str, dict[str, tuple]] = {}  # replica -> its counters' last (kind, doc, value)
+        self._retired: dict[str, list] = {}  # counter name -> [kind, doc, what replicas now gone had counted]
+        self._lock = threading.Lock()
 
     def collect(self):
         reports = [s for router in list(_ROUTERS) for s in router.replica_stats()]
@@ -305,11 +354,18 @@ class _ClusterCollector:
                 latest[s["replica"]] = s
         yield GaugeMetricFamily("orbitflow:cluster_replicas", "Engine replicas reporting to this ingress",
                                 value=len(latest))
-        totals: dict[str, list] = {}
-        for s in latest.values():
-            for name, kind, doc, value in s.get("metrics", []):
-                entry = totals.setdefault(name, [kind, doc, 0.0])
-                entry[2] = max(entry[2], value) if name.endswith("optimality_gap") else entry[2] + value
+        with self._lock:
+            for gone in set(self._counted) - set(latest):
+                for name, (kind, doc, value) in self._counted.pop(gone).items():
+                    self._retired.setdefault(name, [kind, doc, 0.0])[2] += value
+            totals: dict[str, list] = {name: list(entry) for name, entry in self._retired.items()}
+            for replica, s in latest.items():
+                counted = self._counted.setdefault(replica, {})
+                for name, kind, doc, value in s.get("metrics", []):
+                    if kind == "counter":
+                        counted[name] = (kind, doc, value)
+                    entry = totals.setdefault(name, [kind, doc, 0.0])
+                    entry[2] = max(entry[2], value) if name.endswith("optimality_gap") else entry[2] + value
         for name, (kind, doc, value) in totals.items():
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, doc, value=value)
@@ -334,10 +390,16 @@ class ClusterIngress:
         metrics = ServerMetrics(collector=_ClusterCollector())
         routed = Counter("orbitflow:cluster_requests_routed", "Requests each replica took", ["replica"],
                          registry=metrics.registry)
-        remote = RemoteEngine(self.handle, on_routed=lambda replica: routed.labels(replica).inc())
+        remote = self._remote = RemoteEngine(self.handle, on_routed=lambda replica: routed.labels(replica).inc())
         server = OpenAIServer(self.model_name, tokenizer, remote, metrics, WallClock(), info["max_len"],
                               info["vocab_size"], self.watchdog_s)
         return serve_app(server, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM's drain (`run_cluster`): new requests get 503, those in flight finish or end with "abort"."""
+        remote = getattr(self, "_remote", None)
+        if remote is not None:
+            await remote.drain(grace_s)
 
 
 # ---- building and running the application -------------------------------------------------------------------
@@ -380,8 +442,10 @@ def start_cluster(app, host: str = "127.0.0.1", port: int = 8000, ray_address: s
 
 
 def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, host: str, port: int,
-                router: str, **kwargs) -> None:
-    """`orbitflow serve --replicas N`: deploy, serve until SIGINT/SIGTERM, then shut the application down."""
+                router: str, shutdown_timeout: float = 10.0, **kwargs) -> None:
+    """`orbitflow serve --replicas N`: deploy, serve until SIGINT/SIGTERM, then drain as one process does (new
+    requests 503, those in flight finish for `shutdown_timeout` seconds, then end with "abort") and shut the
+    application down."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     replica_cpus = kwargs.pop("replica_cpus", 1.0)
     app = build_cluster_app(config, replicas, router, replica_cpus=replica_cpus, **kwargs)
@@ -392,6 +456,11 @@ def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, ho
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         stop.wait()
+        log.info("shutting down: finishing requests in flight for up to %g s", shutdown_timeout)
+        try:
+            serve.get_app_handle(APP_NAME).drain.remote(shutdown_timeout).result(timeout_s=shutdown_timeout + 15)
+        except Exception as exc:  # the ingress is gone or stuck: the deletion below ends what is left
+            log.warning("draining the API failed (%s: %s); stopping anyway", type(exc).__name__, exc)
     finally:
         log.info("shutting down the cluster application")
         serve.delete(APP_NAME)

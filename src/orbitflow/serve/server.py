@@ -111,7 +111,10 @@ def _run_replicas(config: EngineConfig, server: ServerConfig, cluster: ClusterCo
         from orbitflow.serve.cluster import run_cluster
     except ImportError as exc:
         raise ConfigError(f"--replicas needs Ray Serve ({exc}): pip install 'orbitflow[cluster]'") from None
+    if cluster.ray_address is None:  # Serve's proxy listens on this machine: say so before starting Ray, not after
+        _check_port_free(server.host, server.port)
     run_cluster(config, cluster.replicas, cluster.ray_address, server.host, server.port, cluster.router,
-                served_model_name=server.served_model_name, api_key=server.api_key,
+                shutdown_timeout=server.shutdown_timeout, served_model_name=server.served_model_name,
+                api_key=server.api_key,
                 max_body_bytes=server.max_body_bytes, watchdog_s=server.watchdog_s, replica_cpus=cluster.replica_cpus)
     return 0
