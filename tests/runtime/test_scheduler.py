@@ -87,6 +87,58 @@ def test_pauses_the_policys_victim_and_resumes_it_only_after_a_completion():
     assert {s.req_id for s in out.seqs} == {"a", "c"} and out.is_decode
 
 
+def test_the_end_of_a_request_that_never_ran_does_not_open_the_resume_gate():
+    """The gate waits for a request that held KV to end (memory freed); aborting one still waiting frees nothing, and
+    resuming then is the thrash the gate exists to stop (here: noise makes a plan hold both for a moment)."""
+    policy = CapPolicy(cap=1, victim="a")
+    sched = make_scheduler(policy)
+    a = add(sched, "a", max_tokens=50)
+    run(sched, sched.schedule())
+    run(sched, sched.schedule())
+    add(sched, "b", max_tokens=50, arrival=1.0)
+    out = sched.schedule()
+    run(sched, out)
+    assert out.paused_ids == ["a"]
+    policy.cap = 2
+    add(sched, "c", max_tokens=50, arrival=2.0)  # waits behind the paused a, never runs
+    sched.finish_requests(["c"], "abort")
+    out = sched.schedule()
+    assert not out.resumed_ids and a.status is Status.PAUSED
+    run(sched, out)
+    sched.finish_requests(["b"], "length")  # a request that held KV ends: now a may come back
+    assert sched.schedule().resumed_ids == ["a"]
+
+
+def test_a_lone_request_paused_in_its_chunked_prefill_steps_aside_instead_of_failing():
+    """A re-plan in the middle of a chunked prefill finds no plan holding the lone request beside a paused request's
+    KV: its prefill chunk is progress, so it steps aside (it ended with an error, although it can be served); both
+    then finish."""
+    policy = CrowdedPolicy(cap=1, victim="a")
+    sched = make_scheduler(policy, chunked_prefill=16)
+    policy.scheduler = sched
+    sched.controller._settle = lambda reqs: policy.plan(reqs, sched.controller.ctx)
+    a = add(sched, "a", prompt=20, max_tokens=8)
+    for _ in range(3):
+        run(sched, sched.schedule())
+    b = add(sched, "b", prompt=200, max_tokens=4, arrival=1.0)
+    out = sched.schedule()
+    run(sched, out)
+    assert out.paused_ids == ["a"] and 0 < b.num_cached < b.num_prompt and "a" in sched.kv.tables
+    policy.crowded = {"b"}  # from now on no plan holds b beside a's KV
+    sched.controller.forget()  # a re-plan (expiry, mismatch) while b prefills
+    out = sched.schedule()
+    assert out.paused_ids == ["b"] and b.status is Status.PAUSED and b.error is None
+    policy.crowded = set()
+    for _ in range(100):  # the engine's output processing ends a request at max_tokens
+        if not sched.has_work():
+            break
+        run(sched, sched.schedule())
+        sched.finish_requests([r.request_id for r in (a, b)
+                               if not r.finished and len(r.output_ids) >= r.sampling.max_tokens], "length")
+    assert (a.finish_reason, b.finish_reason) == ("length", "length") and len(b.output_ids) == 4
+    assert sched.kv.usage() == (0, 0)
+
+
 def test_a_paused_request_is_not_resumed_when_that_would_pause_someone():
     sched = make_scheduler(CapPolicy(cap=1, victim="b"))
     add(sched, "a")

@@ -39,9 +39,14 @@ class Request:
     paused_at_step: int | None = None
     completions_at_pause: int = 0  # the engine's finished-request count when this request was paused
     outputs_at_start: int = 0  # its output tokens when it last started running (admitted or resumed)
+    cached_at_start: int = 0  # ... and its tokens in the KV cache then (a chunked prefill progresses without outputs)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     finished_s: float | None = None
+
+    def progressed(self) -> bool:
+        """Whether it moved on since it last started running: an output token, or a chunk of its prefill."""
+        return len(self.output_ids) > self.outputs_at_start or self.num_cached > self.cached_at_start
 
     @property
     def num_prompt(self) -> int:

@@ -70,7 +70,7 @@ class Scheduler:
         self._just_finished: list[Request] = []  # finished since the engine last took them (`take_finished`)
         self._installed: tuple[Plan, list] | None = None  # the plan now in place, and its request ids
         self._batch_version = 0  # bumps on arrival, finish and pause
-        self._completions = 0  # requests finished so far (the resume gate)
+        self._completions = 0  # requests that held KV and finished so far (the resume gate)
         self._admission_blocked_at: int | None = None  # version at which admission last found no room
         self._out: ScheduleOutput | None = None  # the output being built by `schedule`
 
@@ -98,6 +98,7 @@ class Scheduler:
         for bucket in (self.waiting, self.running, self.paused):
             if req in bucket:
                 bucket.remove(req)
+        held_kv = req.request_id in self.kv.tables
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)  # a later abort of it is then a no-op
         req.deposit.flush(now)
@@ -106,7 +107,8 @@ class Scheduler:
         req.finish_reason = reason
         req.error = error
         req.finished_s = now
-        self._completions += 1
+        if held_kv:  # what the resume gate waits for: memory freed (not the end of one that never ran)
+            self._completions += 1
         self._batch_version += 1
         self._just_finished.append(req)
         if self._out is not None:
@@ -210,7 +212,7 @@ class Scheduler:
             else:
                 self.waiting.remove(cand)
             cand.status = Status.RUNNING
-            cand.outputs_at_start = len(cand.output_ids)
+            cand.outputs_at_start, cand.cached_at_start = len(cand.output_ids), cand.num_cached
             self.running.append(cand)
 
     def _may_try(self, cand: Request) -> bool:
@@ -306,9 +308,10 @@ class Scheduler:
                 return
             if len(self.running) == 1:
                 lone = self.running[0]
-                if self._blocked_by_paused(lone) and len(lone.output_ids) > lone.outputs_at_start:
+                if self._blocked_by_paused(lone) and lone.progressed():
                     # It grew past what the pools hold beside the paused requests' KV: it steps aside and they run
-                    # (it has made progress since it started, so two requests cannot swap forever without any)
+                    # (it has made progress since it started, an output or a prefill chunk, so two requests cannot
+                    # swap forever without any)
                     log.info("request %s is paused: no split of its layers fits beside the paused requests' KV",
                              lone.request_id)
                     self._pause_request(lone)
