@@ -30,6 +30,7 @@ class ScriptedEngine:
         self.clock = Clock()
         self.listeners = []
         self.aborted: list[str] = []
+        self.finished: list[tuple] = []  # finish(request_id, reason) calls, with when
 
     def has_work(self) -> bool:
         return False
@@ -42,6 +43,9 @@ class ScriptedEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def finish(self, request_id: str, reason: str) -> None:
+        self.finished.append((request_id, reason, time.perf_counter()))
 
     def add_request(self, request_id, prompt_ids, sampling):
         start = self.clock.now()
@@ -115,6 +119,29 @@ def test_closing_the_stream_aborts_the_request(run):
 def test_engine_error_raises(run):
     with pytest.raises(EngineError, match="boom"):
         run([(0.0, token(0, 0.0)), (0.01, finish("error", "boom"))])
+
+
+def test_a_stop_string_stops_the_engine_when_generated_not_when_delivered():
+    """Token-Deposit holds tokens back; a stop string is looked for as the text is generated, so the engine stops the
+    request at once (reason "stop") instead of decoding on until the stop string's due time, and tokens generated
+    after it are never delivered. Tokens 'a b c d e' are generated at once, due 0.2 s apart; 'bc' is the stop."""
+    script = [(0.0, token(i, 0.2 * (i + 1))) for i in range(5)] + [(0.5, finish("stop"))]
+    fake = ScriptedEngine(script)
+    engine = AsyncEngine(fake, LetterTokenizer())
+    engine.start()
+    try:
+        start = time.perf_counter()
+
+        async def collect():
+            return [item async for item in engine.generate("r1", [1], SamplingParams(), stop=["bc"])]
+
+        out = asyncio.run(collect())
+    finally:
+        engine.shutdown()
+    assert [(rid, reason) for rid, reason, _ in fake.finished] == [("r1", "stop")]
+    assert fake.finished[0][2] - start < 0.1  # as soon as 'c' was generated, not at its due time (0.6 s)
+    assert [item.text_delta for item in out] == ["a", "b", "c", ""] and out[-1].finish_reason == "stop"
+    assert fake.aborted == []
 
 
 def test_stop_string_filter_holds_back_and_truncates():

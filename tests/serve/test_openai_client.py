@@ -1,5 +1,7 @@
 """The official openai client against a live server: streaming equals non-streaming (greedy), usage."""
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -62,6 +64,12 @@ def test_token_id_prompt_and_stop_string(client, server):
                                     stop=[stop])
     assert cut.choices[0].text == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 10  # the engine stopped it where the stop string was generated
+    while not (server.llm.engine.finished and server.llm.engine.finished[-1].request_id.startswith(cut.id)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ended = server.llm.engine.finished[-1]
+    assert ended.finish_reason == "stop" and len(ended.output_ids) <= cut.usage.completion_tokens + 1
     streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10,
                                          temperature=0, stop=[stop], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text

@@ -242,7 +242,12 @@ class Engine:
         return int(min(60, max(1, math.ceil(remaining * step_s))))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """End a request from outside the engine loop (thread-safe): "abort", or "stop" when its caller found a stop
+        string in the text it generated. Unknown or finished ids are ignored."""
+        self._inbox.put(("finish", (request_id, reason)))
         self._wakeup.set()
 
     def has_work(self) -> bool:
@@ -294,7 +299,8 @@ class Engine:
                     with self._add_lock:
                         self._inbox_adds -= 1
             else:
-                self._finish_ids([item], "abort")
+                request_id, reason = item
+                self._finish_ids([request_id], reason)
 
     # ---- output processing ------------------------------------------------------------------------
     def _emit_outputs(self, out: ScheduleOutput, result: StepResult) -> None:

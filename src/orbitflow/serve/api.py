@@ -147,7 +147,7 @@ class OpenAIServer:
         reason: str | None = "abort"
         tokens: list[TokenInfo] = []
         try:
-            async with aclosing(self.engine.generate(request_id, prompt_ids, sampling)) as outputs:
+            async with aclosing(self.engine.generate(request_id, prompt_ids, sampling, stop)) as outputs:
                 async for out in outputs:
                     if out.token_id is not None:
                         tracker.on_token(clock.now())

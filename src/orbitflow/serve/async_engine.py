@@ -2,7 +2,9 @@
 
 The engine steps on a thread of its own; its TokenEvents are handed to the event loop and queued per
 request. `generate` releases each token to its consumer no earlier than the token's Token-Deposit due
-time, except that a finish event releases everything still held at once.
+time, except that a finish event releases everything still held at once. Stop strings are looked for in the text
+as it is generated, not as it is delivered: the engine stops the request at once (finish reason "stop"), rather than
+decoding on for as long as the deposit holds tokens back.
 
 The engine thread beats a heartbeat every loop iteration; `stalled` says when it has not beaten for a while
 although work is pending (the /health watchdog). `drain` stops taking requests and aborts what is still in
@@ -16,12 +18,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from orbitflow.model.tokenizer import IncrementalDecoder
 from orbitflow.runtime.engine import Engine, TokenEvent
 from orbitflow.runtime.sampling import SamplingParams
+from orbitflow.serve.stop import StopStringFilter
 
 log = logging.getLogger("orbitflow.serve")
 
@@ -158,9 +161,11 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: Sequence[str] = ()
     ) -> AsyncIterator[GenerationOutput]:
-        """Tokens as they become due, then one final item with the finish reason.
+        """Tokens as they become due, then one final item with the finish reason. ``stop``: the request's stop
+        strings; the token that completes one is the last generated (finish reason "stop"), and its text is
+        delivered whole: the caller's own filter cuts it where the stop string begins.
 
         Raises RequestRejected (before anything is yielded) when the request can never be served, and
         EngineError when the engine ends it with an error. Closing or cancelling the iterator early aborts
@@ -179,6 +184,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(request_id, prompt_ids, sampling)
             decoder = IncrementalDecoder(self.tokenizer)
+            ahead = _StopLookahead(self.tokenizer, stop) if any(stop) else None
             clock = self.engine.clock
             held: deque[TokenEvent] = deque()
             while True:
@@ -187,8 +193,10 @@ class AsyncEngine:
                     event = stream.events.popleft()
                     if event.finished:
                         final = event
-                    else:
+                    elif ahead is None or not ahead.stopped:  # after a stop: generated before the engine took it
                         held.append(event)
+                        if ahead is not None and ahead.push(event.token):
+                            self.engine.finish(request_id, "stop")
                 if final is not None:
                     finished = True
                     for event in held:  # finish flushes the deposit: everything left goes now
@@ -211,6 +219,25 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.engine.abort(request_id)  # disconnect, cancellation or rejection: free its blocks
+
+
+class _StopLookahead:
+    """The request's text as it is generated, watched for its stop strings."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.filter = StopStringFilter(list(stop))
+
+    @property
+    def stopped(self) -> bool:
+        return self.filter.stopped
+
+    def push(self, token: int | None) -> bool:
+        """Whether `token` completes a stop string."""
+        if token is None:
+            return False
+        self.filter.push(_detokenize(self.decoder.push, token))
+        return self.filter.stopped
 
 
 def _output(decoder: IncrementalDecoder, event: TokenEvent) -> GenerationOutput:

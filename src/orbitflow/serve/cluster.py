@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -82,10 +82,10 @@ class EngineReplica:
         self._received = 0  # generate calls so far: the router adds the requests it sent that this does not count
         log.info("replica %s ready: SLO %.1f ms/token", self.replica_id, 1000 * self.llm.engine.default_slo_s)
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> AsyncIterator[tuple[str, GenerationOutput]]:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       stop: tuple[str, ...] = ()) -> AsyncIterator[tuple[str, GenerationOutput]]:
         self._received += 1
-        async for out in self.engine.generate(request_id, prompt_ids, sampling):
+        async for out in self.engine.generate(request_id, prompt_ids, sampling, stop):
             yield self.replica_id, out
 
     def info(self) -> dict:
@@ -280,24 +280,24 @@ class RemoteEngine:
         while self._aborts and loop.time() < deadline + 5.0:  # their last events reach the clients
             await asyncio.sleep(0.05)
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       stop: Sequence[str] = ()) -> AsyncIterator[GenerationOutput]:
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
         abort = asyncio.Event()
         self._aborts[request_id] = (asyncio.get_running_loop(), abort)
         aborted = asyncio.ensure_future(abort.wait())
         try:
-            async for out in self._attempts(request_id, prompt_ids, sampling, aborted):
+            async for out in self._attempts(request_id, prompt_ids, sampling, tuple(stop), aborted):
                 yield out
         finally:
             aborted.cancel()
             self._aborts.pop(request_id, None)
 
     async def _attempts(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                        aborted: asyncio.Future) -> AsyncIterator[GenerationOutput]:
+                        stop: tuple[str, ...], aborted: asyncio.Future) -> AsyncIterator[GenerationOutput]:
         for attempt in (0, 1):
-            stream = self.handle.options(stream=True).generate.remote(request_id, prompt_ids, sampling)
+            stream = self.handle.options(stream=True).generate.remote(request_id, prompt_ids, sampling, stop)
             started = finished = False
             item = None
             try:
