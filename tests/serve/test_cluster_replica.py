@@ -192,3 +192,21 @@ def test_cluster_counters_never_go_back_when_a_replica_dies(monkeypatch):
     assert got["orbitflow:engine_steps"] == 710 and got["orbitflow:num_requests_running"] == 1
     reports[:] = [report("B", 320, 1), report("C", 5, 1)]  # Serve's replacement starts from 0
     assert values()["orbitflow:engine_steps"] == 725 and values()["orbitflow:cluster_replicas"] == 2
+
+
+def test_a_client_that_hangs_up_cancels_its_replica_stream_at_once():
+    """Closing the ingress's stream (the API does when the client disconnects) cancels the replica's stream then and
+    there, so the replica aborts the request and frees its blocks, not whenever the inner generator is collected."""
+    from orbitflow.serve.cluster import RemoteEngine
+
+    streams = [(1000, 0.001)]
+    remote = RemoteEngine(_handle(streams))
+
+    async def run():
+        outs = remote.generate("r", [1], None)
+        await anext(outs)
+        await anext(outs)
+        await outs.aclose()
+        return streams[0].cancelled, dict(remote._aborts)
+
+    assert asyncio.run(run()) == (True, {})

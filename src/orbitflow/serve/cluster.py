@@ -37,6 +37,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -287,9 +288,10 @@ class RemoteEngine:
         abort = asyncio.Event()
         self._aborts[request_id] = (asyncio.get_running_loop(), abort)
         aborted = asyncio.ensure_future(abort.wait())
-        try:
-            async for out in self._attempts(request_id, prompt_ids, sampling, tuple(stop), aborted):
-                yield out
+        try:  # closed with this generator (a client that hung up): its replica stream is cancelled at once
+            async with aclosing(self._attempts(request_id, prompt_ids, sampling, tuple(stop), aborted)) as outs:
+                async for out in outs:
+                    yield out
         finally:
             aborted.cancel()
             self._aborts.pop(request_id, None)
