@@ -124,7 +124,8 @@ def test_engine_error_raises(run):
 def test_a_stop_string_stops_the_engine_when_generated_not_when_delivered():
     """Token-Deposit holds tokens back; a stop string is looked for as the text is generated, so the engine stops the
     request at once (reason "stop") instead of decoding on until the stop string's due time, and tokens generated
-    after it are never delivered. Tokens 'a b c d e' are generated at once, due 0.2 s apart; 'bc' is the stop."""
+    after it are never delivered; those before it go out with the stop, as at an end-of-sequence token. Tokens
+    'a b c d e' are generated at once, due 0.2 s apart; 'bc' is the stop."""
     script = [(0.0, token(i, 0.2 * (i + 1))) for i in range(5)] + [(0.5, finish("stop"))]
     fake = ScriptedEngine(script)
     engine = AsyncEngine(fake, LetterTokenizer())
@@ -140,8 +141,9 @@ def test_a_stop_string_stops_the_engine_when_generated_not_when_delivered():
         engine.shutdown()
     assert [(rid, reason) for rid, reason, _ in fake.finished] == [("r1", "stop")]
     assert fake.finished[0][2] - start < 0.1  # as soon as 'c' was generated, not at its due time (0.6 s)
-    assert [item.text_delta for item in out] == ["a", "b", "c", ""] and out[-1].finish_reason == "stop"
-    assert fake.aborted == []
+    # the text ends before the stop string ('b' is held back until 'c' shows it is one); its tokens are delivered
+    assert "".join(item.text_delta for item in out) == "a" and out[-1].finish_reason == "stop"
+    assert [item.token_id for item in out] == [0, 1, 2, None] and fake.aborted == []
 
 
 def test_stop_string_filter_holds_back_and_truncates():

@@ -31,14 +31,14 @@ def test_health_check_fails_on_a_failed_executor():
 
 # ---- the request router, on fake replicas -------------------------------------------------------------------
 def _stats(rid, headroom, running=0, queued=0, received=0, max_len=4096):
-    from orbitflow.runtime.replica_state import OUTPUT_GRID, PROMPT_GRID
+    """A replica's routing stats as EngineReplica.record_routing_stats reports them (its table's points, every
+    answer feasible with `headroom`)."""
+    from orbitflow.runtime.replica_state import what_if_points
 
     state = dict(running=running, queued=queued, paused=0, free_device_blocks=256, free_host_blocks=4096,
                  predicted_step_s=0.1, slo_s=0.2, max_num_seqs=4)
-    points = {(p, o) for p in PROMPT_GRID for o in OUTPUT_GRID if p + o <= max_len}
-    points |= {(p, max_len - p) for p in PROMPT_GRID if p < max_len}
     return {"replica": rid, "stamp": time.monotonic(), "received": received, "state": state, "max_len": max_len,
-            "what_if": [(p, o, True, 0.1, headroom) for p, o in sorted(points)]}
+            "what_if": [(p, o, True, 0.1, headroom) for p, o in what_if_points(max_len)]}
 
 
 def _router():
@@ -49,14 +49,24 @@ def _router():
     return router
 
 
-def _route(router, replicas, max_tokens=32, prompt=10):
-    """One request through choose_replicas, accepted by the replica chosen (as Serve reports it)."""
+_ID = {name: type("ReplicaID", (), {"unique_id": name})()
+       for name in "ABC"}  # Serve's ReplicaID: hashable, with the unique_id the replica reports
+
+
+def _running(name, stats):
+    """A replica as the router sees it (Serve's RunningReplica)."""
+    return SimpleNamespace(replica_id=_ID[name], routing_stats=stats)
+
+
+def _route(router, replicas, max_tokens=32, prompt=10, avoid=None, method="generate"):
+    """One call through choose_replicas, accepted by the replica chosen (as Serve reports it); its replica's name."""
     from orbitflow.runtime.sampling import SamplingParams
 
-    request = SimpleNamespace(args=("id", [1] * prompt, SamplingParams(max_tokens=max_tokens)))
+    request = SimpleNamespace(args=("id", [1] * prompt, SamplingParams(max_tokens=max_tokens), (), avoid),
+                              metadata=SimpleNamespace(call_method=method))
     chosen = asyncio.run(router.choose_replicas(replicas, request))[0][0].replica_id
     router.on_request_routed(request, chosen, None)
-    return chosen
+    return chosen.unique_id
 
 
 def test_a_burst_spreads_over_the_replicas_instead_of_following_one_stale_report():
@@ -64,8 +74,8 @@ def test_a_burst_spreads_over_the_replicas_instead_of_following_one_stale_report
     so only the first follows the headroom; the rest go by load, two each (it was four on A, which then paused one
     and spilled to host memory while B held nothing)."""
     router = _router()
-    a = SimpleNamespace(replica_id="A", routing_stats=_stats("A", headroom=0.40))
-    b = SimpleNamespace(replica_id="B", routing_stats=_stats("B", headroom=0.35))
+    a = _running("A", _stats("A", headroom=0.40))
+    b = _running("B", _stats("B", headroom=0.35))
     chosen = [_route(router, [a, b]) for _ in range(4)]
     assert chosen[0] == "A" and sorted(chosen) == ["A", "A", "B", "B"], chosen
 
@@ -74,10 +84,10 @@ def test_requests_in_flight_count_until_the_replicas_report_counts_them():
     """A report stamped after the router sent requests, which do not count in it yet, does not make them vanish:
     A took 4 (its batch), reports idle without having received them, and the next request goes to B."""
     router = _router()
-    a = SimpleNamespace(replica_id="A", routing_stats=_stats("A", headroom=0.40))
-    b = SimpleNamespace(replica_id="B", routing_stats=_stats("B", headroom=0.35))
+    a = _running("A", _stats("A", headroom=0.40))
+    b = _running("B", _stats("B", headroom=0.35))
     for _ in range(4):
-        router.on_request_routed(SimpleNamespace(), "A", None)
+        router.on_request_routed(SimpleNamespace(), _ID["A"], None)
     a.routing_stats = _stats("A", headroom=0.40)  # a new report, still received=0
     assert [_route(router, [a, b]) for _ in range(2)] == ["B", "B"]
     # once A's report counts them (received=4, running 4), they are no longer in flight: its table holds again
@@ -90,8 +100,8 @@ def test_a_request_without_max_tokens_is_routed_by_headroom():
     """The API gives a request without max_tokens the rest of the context; the tables' rest-of-context points
     cover it, so slo-aware decides by headroom rather than falling back to least-loaded every time."""
     router = _router()
-    a = SimpleNamespace(replica_id="A", routing_stats=_stats("A", headroom=0.10, max_len=2176))
-    b = SimpleNamespace(replica_id="B", routing_stats=_stats("B", headroom=0.30, max_len=2176))
+    a = _running("A", _stats("A", headroom=0.10, max_len=2176))
+    b = _running("B", _stats("B", headroom=0.30, max_len=2176))
     assert _route(router, [a, b], prompt=13, max_tokens=2176 - 13) == "B"
     assert router.rule.fallbacks == 0
 
@@ -190,6 +200,10 @@ def test_cluster_counters_never_go_back_when_a_replica_dies(monkeypatch):
     reports[:] = [report("B", 310, 1)]  # A died: what it counted stays, its gauge goes
     got = values()
     assert got["orbitflow:engine_steps"] == 710 and got["orbitflow:num_requests_running"] == 1
+    reports[:] = [report("A", 400, 2), report("B", 310, 1)]  # Serve lists the dead A again for a while
+    assert values()["orbitflow:engine_steps"] == 710
+    reports[:] = [report("B", 310, 1)]
+    assert values()["orbitflow:engine_steps"] == 710
     reports[:] = [report("B", 320, 1), report("C", 5, 1)]  # Serve's replacement starts from 0
     assert values()["orbitflow:engine_steps"] == 725 and values()["orbitflow:cluster_replicas"] == 2
 
@@ -210,3 +224,32 @@ def test_a_client_that_hangs_up_cancels_its_replica_stream_at_once():
         return streams[0].cancelled, dict(remote._aborts)
 
     assert asyncio.run(run()) == (True, {})
+
+
+def test_calls_that_are_not_requests_are_not_in_flight():
+    """The ingress's start-up `info` call goes through the router too; the replica counts only requests
+    (`generate`), so counting it left that replica 'in flight' for good (its table unknown, its queue one long)."""
+    router = _router()
+    a = _running("A", _stats("A", headroom=0.40))
+    b = _running("B", _stats("B", headroom=0.35))
+    _route(router, [a], method="info")
+    assert _route(router, [a, b]) == "A"
+    a.routing_stats = _stats("A", headroom=0.40, running=1, received=1)  # its report counts the request
+    assert _route(router, [a, b]) == "A" and router.rule.fallbacks == 0
+
+
+def test_a_request_a_full_queue_refused_goes_to_another_replica():
+    router = _router()
+    a = _running("A", _stats("A", headroom=0.40))
+    b = _running("B", _stats("B", headroom=0.35))
+    assert _route(router, [a, b], avoid="A") == "B"
+    assert _route(router, [a], avoid="A") == "A"  # no other: it tries the same one (and gets its 503)
+
+
+def test_a_refusal_names_its_replica_across_processes():
+    import pickle
+
+    from orbitflow.runtime.engine import QueueFull
+
+    again = pickle.loads(pickle.dumps(QueueFull("busy", 3, "A")))
+    assert (str(again), again.retry_after_s, again.replica) == ("busy", 3, "A")

@@ -38,12 +38,13 @@ class RequestRejected(ValueError):
 class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue_len`: the request may be retried later."""
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
+    def __init__(self, message: str, retry_after_s: int, replica: str | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.replica = replica  # the cluster replica that refused it (None in one process)
 
     def __reduce__(self):  # pickled whole: a cluster replica's refusal reaches the ingress as itself (a 503)
-        return type(self), (str(self), self.retry_after_s)
+        return type(self), (str(self), self.retry_after_s, self.replica)
 
 
 @dataclass

@@ -123,12 +123,16 @@ PROMPT_GRID = (128, 512, 2048, 8192, 32768)
 OUTPUT_GRID = (64, 512, 4096)
 
 
+def what_if_points(max_len: int) -> list[tuple[int, int]]:
+    """The table's (prompt, output) points: every grid point that fits in `max_len` tokens, and for each grid
+    prompt shorter than `max_len` the point taking the rest of it, smallest first."""
+    return sorted({(p, o) for p in PROMPT_GRID for o in OUTPUT_GRID if p + o <= max_len}
+                  | {(p, max_len - p) for p in PROMPT_GRID if p < max_len}, key=lambda t: (t[0] + t[1], t[0]))
+
+
 def what_if_table(engine, max_len: int) -> list[tuple[int, int, WhatIf]]:
-    """`what_if` at every grid point that fits in `max_len` tokens (prompt + output), and for each grid prompt
-    shorter than `max_len` at the point taking the rest of it, smallest first."""
-    points = sorted({(p, o) for p in PROMPT_GRID for o in OUTPUT_GRID if p + o <= max_len}
-                    | {(p, max_len - p) for p in PROMPT_GRID if p < max_len}, key=lambda t: (t[0] + t[1], t[0]))
-    return [(p, o, what_if(engine, p, o)) for p, o in points]
+    """`what_if` at each of `what_if_points(max_len)`."""
+    return [(p, o, what_if(engine, p, o)) for p, o in what_if_points(max_len)]
 
 
 def lookup_what_if(table, prompt_tokens: int, max_tokens: int, max_len: int | None = None) -> WhatIf | None:

@@ -30,7 +30,6 @@ from orbitflow.serve.async_engine import AsyncEngine, EngineError, EngineUnavail
 from orbitflow.serve.auth import APIKeyMiddleware, BodySizeLimitMiddleware
 from orbitflow.serve.errors import APIError, bad_request, install_error_handlers, unavailable
 from orbitflow.serve.metrics import ServerMetrics
-from orbitflow.serve.stop import StopStringFilter
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_WATCHDOG_S = 60.0
@@ -140,10 +139,10 @@ class OpenAIServer:
     # ---- generation ------------------------------------------------------------------------------------
     async def deltas(self, index: int, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      stop: list[str]) -> AsyncIterator[Delta]:
-        """One choice's text deltas, the last one with the finish reason; stop strings applied."""
+        """One choice's text deltas, the last one with the finish reason; stop strings applied (by the engine's
+        bridge, where the text is made as it is generated)."""
         clock = self.clock
         tracker = self.metrics.tracker(clock.now(), len(prompt_ids))
-        stops = StopStringFilter(stop)
         reason: str | None = "abort"
         tokens: list[TokenInfo] = []
         try:
@@ -152,14 +151,10 @@ class OpenAIServer:
                     if out.token_id is not None:
                         tracker.on_token(clock.now())
                         tokens.append(TokenInfo(out.token_id, out.logprob, out.top_logprobs))
-                    text = _checked(stops.push, out.text_delta)
-                    if stops.stopped:
-                        reason = "stop"
-                        yield Delta(index, text, reason, tracker.num_tokens, tokens)
-                        return
+                    text = out.text_delta
                     if out.finish_reason is not None:
                         reason = out.finish_reason
-                        yield Delta(index, text + _checked(stops.flush), reason, tracker.num_tokens, tokens)
+                        yield Delta(index, text, reason, tracker.num_tokens, tokens)
                         return
                     if text:
                         yield Delta(index, text, None, tracker.num_tokens, tokens)
@@ -300,14 +295,6 @@ async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
         for stream in streams:
             with suppress(BaseException):
                 await stream.aclose()
-
-
-def _checked(fn: Callable[..., str], *args) -> str:
-    """A stop-string failure ends this request alone."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        raise EngineError(f"applying stop strings failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:

@@ -2,9 +2,10 @@
 
 The engine steps on a thread of its own; its TokenEvents are handed to the event loop and queued per
 request. `generate` releases each token to its consumer no earlier than the token's Token-Deposit due
-time, except that a finish event releases everything still held at once. Stop strings are looked for in the text
-as it is generated, not as it is delivered: the engine stops the request at once (finish reason "stop"), rather than
-decoding on for as long as the deposit holds tokens back.
+time, except that a finish event releases everything still held at once. Each token is detokenized and its
+request's stop strings are applied as it is generated, not as it is delivered: the engine stops the request at
+once (finish reason "stop") rather than decoding on for as long as the deposit holds tokens back, and the held
+tokens before the stop then go out with the finish, as at an end-of-sequence token.
 
 The engine thread beats a heartbeat every loop iteration; `stalled` says when it has not beaten for a while
 although work is pending (the /health watchdog). `drain` stops taking requests and aborts what is still in
@@ -164,8 +165,8 @@ class AsyncEngine:
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: Sequence[str] = ()
     ) -> AsyncIterator[GenerationOutput]:
         """Tokens as they become due, then one final item with the finish reason. ``stop``: the request's stop
-        strings; the token that completes one is the last generated (finish reason "stop"), and its text is
-        delivered whole: the caller's own filter cuts it where the stop string begins.
+        strings. The text ends before the first one (text that could begin one is held back until it cannot), and
+        the token that completes it is the last generated and delivered (finish reason "stop").
 
         Raises RequestRejected (before anything is yielded) when the request can never be served, and
         EngineError when the engine ends it with an error. Closing or cancelling the iterator early aborts
@@ -183,33 +184,33 @@ class AsyncEngine:
         finished = False
         try:
             self.engine.add_request(request_id, prompt_ids, sampling)
-            decoder = IncrementalDecoder(self.tokenizer)
-            ahead = _StopLookahead(self.tokenizer, stop) if any(stop) else None
+            text = _Text(self.tokenizer, stop)
             clock = self.engine.clock
-            held: deque[TokenEvent] = deque()
+            held: deque[tuple[TokenEvent, str]] = deque()  # generated, not yet due: with their text
             while True:
                 final = None
                 while stream.events:
                     event = stream.events.popleft()
                     if event.finished:
                         final = event
-                    elif ahead is None or not ahead.stopped:  # after a stop: generated before the engine took it
-                        held.append(event)
-                        if ahead is not None and ahead.push(event.token):
+                    elif not text.stopped:
+                        held.append((event, text.push(event.token)))
+                        if text.stopped:  # its text is complete: the engine ends it (tokens it makes meanwhile go)
                             self.engine.finish(request_id, "stop")
-                if final is not None:
+                if final is not None or text.stopped:
                     finished = True
-                    for event in held:  # finish flushes the deposit: everything left goes now
-                        yield _output(decoder, event)
-                    if final.finish_reason == "error":
+                    for event, piece in held:  # finish flushes the deposit: everything left goes now
+                        yield _output(event, piece)
+                    if final is not None and final.finish_reason == "error" and not text.stopped:
                         raise EngineError(final.error or "the engine failed this request")
-                    yield GenerationOutput(None, _detokenize(decoder.flush), final.finish_reason)
+                    tail = text.flush()
+                    yield GenerationOutput(None, tail, "stop" if text.stopped else final.finish_reason)
                     return
-                if held and held[0].due_s <= clock.now():
-                    yield _output(decoder, held.popleft())
+                if held and held[0][0].due_s <= clock.now():
+                    yield _output(*held.popleft())
                     continue
                 stream.wakeup.clear()
-                delay = held[0].due_s - clock.now() if held else None
+                delay = held[0][0].due_s - clock.now() if held else None
                 try:
                     await asyncio.wait_for(stream.wakeup.wait(), delay)
                 except TimeoutError:
@@ -221,28 +222,39 @@ class AsyncEngine:
                 self.engine.abort(request_id)  # disconnect, cancellation or rejection: free its blocks
 
 
-class _StopLookahead:
-    """The request's text as it is generated, watched for its stop strings."""
+class _Text:
+    """A request's text as it is generated: detokenized token by token, its stop strings applied."""
 
     def __init__(self, tokenizer, stop: Sequence[str]) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
-        self.filter = StopStringFilter(list(stop))
+        self.stops = StopStringFilter(list(stop))
 
     @property
     def stopped(self) -> bool:
-        return self.filter.stopped
+        """A stop string has been generated: the text is complete."""
+        return self.stops.stopped
 
-    def push(self, token: int | None) -> bool:
-        """Whether `token` completes a stop string."""
-        if token is None:
-            return False
-        self.filter.push(_detokenize(self.decoder.push, token))
-        return self.filter.stopped
+    def push(self, token: int) -> str:
+        """The text `token` releases."""
+        return _stop_strings(self.stops.push, _detokenize(self.decoder.push, token))
+
+    def flush(self) -> str:
+        """What is still held back once the request ends."""
+        if self.stopped:
+            return ""
+        return _stop_strings(self.stops.push, _detokenize(self.decoder.flush)) + _stop_strings(self.stops.flush)
 
 
-def _output(decoder: IncrementalDecoder, event: TokenEvent) -> GenerationOutput:
-    text = _detokenize(decoder.push, event.token)
+def _output(event: TokenEvent, text: str) -> GenerationOutput:
     return GenerationOutput(event.token, text, None, event.logprob, event.top_logprobs)
+
+
+def _stop_strings(fn, *args) -> str:
+    """A stop-string failure ends this request alone."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise EngineError(f"applying stop strings failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _detokenize(fn, *args) -> str:

@@ -84,10 +84,16 @@ class EngineReplica:
         log.info("replica %s ready: SLO %.1f ms/token", self.replica_id, 1000 * self.llm.engine.default_slo_s)
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       stop: tuple[str, ...] = ()) -> AsyncIterator[tuple[str, GenerationOutput]]:
+                       stop: tuple[str, ...] = (), avoid: str | None = None
+                       ) -> AsyncIterator[tuple[str, GenerationOutput]]:
+        """The request's outputs, each with this replica's id. ``avoid``: a replica whose full queue refused it
+        (the router reads it; here it means nothing)."""
         self._received += 1
-        async for out in self.engine.generate(request_id, prompt_ids, sampling, stop):
-            yield self.replica_id, out
+        try:
+            async for out in self.engine.generate(request_id, prompt_ids, sampling, stop):
+                yield self.replica_id, out
+        except QueueFull as exc:  # the ingress retries elsewhere: say where it was refused
+            raise QueueFull(str(exc), exc.retry_after_s, self.replica_id) from None
 
     def info(self) -> dict:
         llm = self.llm
@@ -140,6 +146,11 @@ class EngineReplica:
 _ROUTERS: list = []  # the routers of this process (the ingress reads their replicas' stats for /metrics)
 
 
+def _is_generate(pending_request) -> bool:
+    """Whether a routed call is a request (`generate`), not the ingress asking a replica something (`info`)."""
+    return getattr(getattr(pending_request, "metadata", None), "call_method", "generate") == "generate"
+
+
 def _stats_state(stats: dict) -> ReplicaState | None:
     return ReplicaState.from_dict(stats["state"]) if stats.get("state") else None
 
@@ -158,10 +169,11 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
         this_module._ROUTERS.append(self)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        """Serve: `replica_id` accepted the request."""
+        """Serve: `replica_id` accepted the request (counted when it is a generate call, as the replica counts)."""
         self._chosen.pop(id(pending_request), None)
-        self._routed[replica_id] += 1
-        self._routed_at[replica_id].append(time.monotonic())
+        if _is_generate(pending_request):
+            self._routed[replica_id] += 1
+            self._routed_at[replica_id].append(time.monotonic())
 
     def _in_flight(self, rid, received: int | None) -> int:
         """Requests sent to `rid` that its last report does not count: accepted after it (the report's `received`
@@ -193,9 +205,13 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         prompt_tokens, max_tokens = 1, 1
-        if pending_request is not None and len(pending_request.args) >= 3:
+        generate = pending_request is not None and _is_generate(pending_request) and len(pending_request.args) >= 3
+        if generate:
             prompt_tokens = max(1, len(pending_request.args[1]))
             max_tokens = max(1, int(pending_request.args[2].max_tokens))
+            avoid = pending_request.args[4] if len(pending_request.args) >= 5 else None  # its queue refused it
+            others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
+            candidate_replicas = others or candidate_replicas
         by_id = {r.replica_id: r for r in candidate_replicas}
         views = {rid: self._view(r) for rid, r in by_id.items()}
 
@@ -203,14 +219,15 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
             state, table, current = views[rid]
             if state.running + state.queued + state.paused + 1 > state.max_num_seqs:
                 return WhatIf(False, state.predicted_step_s, float("-inf"), "batch full")
-            if not current:  # the table answers for the replica before the requests in flight to it
-                return WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
-            rows = [(p, o, WhatIf(f, s, h)) for p, o, f, s, h in table]
-            answer = lookup_what_if(rows, prompt_tokens, max_tokens, (by_id[rid].routing_stats or {}).get("max_len"))
+            answer = None
+            if current:  # (else the table answers for the replica before the requests in flight to it)
+                rows = [(p, o, WhatIf(f, s, h)) for p, o, f, s, h in table]
+                answer = lookup_what_if(rows, prompt_tokens, max_tokens,
+                                        (by_id[rid].routing_stats or {}).get("max_len"))
             return answer or WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
 
         chosen = self.rule.choose([(rid, views[rid][0]) for rid in by_id], what_if)
-        if pending_request is not None:  # in flight from now: requests routed at once must not see the same state
+        if generate:  # in flight from now: requests routed at once must not see the same state
             self._chosen[id(pending_request)] = (chosen, time.monotonic())
         rest = [r for rid, r in by_id.items() if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
@@ -298,8 +315,9 @@ class RemoteEngine:
 
     async def _attempts(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                         stop: tuple[str, ...], aborted: asyncio.Future) -> AsyncIterator[GenerationOutput]:
+        avoid = None  # the replica whose full queue refused the first attempt
         for attempt in (0, 1):
-            stream = self.handle.options(stream=True).generate.remote(request_id, prompt_ids, sampling, stop)
+            stream = self.handle.options(stream=True).generate.remote(request_id, prompt_ids, sampling, stop, avoid)
             started = finished = False
             item = None
             try:
@@ -327,6 +345,7 @@ class RemoteEngine:
             except Exception as exc:
                 error = _translate(exc)
                 if not started and attempt == 0 and (_replica_died(exc) or isinstance(error, QueueFull)):
+                    avoid = getattr(error, "replica", None)
                     log.warning("request %s: %s before it started; trying another replica", request_id,
                                 "its replica's queue was full" if isinstance(error, QueueFull) else "replica died")
                     continue
@@ -339,13 +358,13 @@ class RemoteEngine:
 
 
 class _ClusterCollector:
-    """The engine gauges and counters of single-process serving, summed over the replicas' last reports
-    (the plan-gap gauge is the largest), plus the replica count. A counter keeps what a replica that is gone had
-    counted, so it never goes back when one dies."""
+    """The engine gauges of single-process serving summed over the replicas' last reports (the plan-gap gauge is
+    the largest), its counters summed over the last report of every replica ever seen (so a counter never goes back
+    when a replica dies, nor counts one twice when Serve lists a dead one again for a while), plus the replica count.
+    """
 
     def __init__(self) -> None:
-        self._counted: dict[str, dict[str, tuple]] = {}  # replica -> its counters' last (kind, doc, value)
-        self._retired: dict[str, list] = {}  # counter name -> [kind, doc, what replicas now gone had counted]
+        self._counted: dict[str, dict[str, tuple]] = {}  # replica (ever seen) -> its counters' last (kind, doc, value)
         self._lock = threading.Lock()
 
     def collect(self):
@@ -356,18 +375,19 @@ class _ClusterCollector:
                 latest[s["replica"]] = s
         yield GaugeMetricFamily("orbitflow:cluster_replicas", "Engine replicas reporting to this ingress",
                                 value=len(latest))
+        totals: dict[str, list] = {}
         with self._lock:
-            for gone in set(self._counted) - set(latest):
-                for name, (kind, doc, value) in self._counted.pop(gone).items():
-                    self._retired.setdefault(name, [kind, doc, 0.0])[2] += value
-            totals: dict[str, list] = {name: list(entry) for name, entry in self._retired.items()}
             for replica, s in latest.items():
                 counted = self._counted.setdefault(replica, {})
                 for name, kind, doc, value in s.get("metrics", []):
                     if kind == "counter":
                         counted[name] = (kind, doc, value)
+                        continue
                     entry = totals.setdefault(name, [kind, doc, 0.0])
                     entry[2] = max(entry[2], value) if name.endswith("optimality_gap") else entry[2] + value
+            for counted in self._counted.values():
+                for name, (kind, doc, value) in counted.items():
+                    totals.setdefault(name, [kind, doc, 0.0])[2] += value
         for name, (kind, doc, value) in totals.items():
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, doc, value=value)
