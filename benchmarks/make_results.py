@@ -565,7 +565,7 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
                    "runs": [{k: v for k, v in r.items() if k != "_point"} | {"point": r["_point"]} for r in runs]},
                   fh, indent=None)
     info = {"runs": len(runs), "points": len(points), "reused": reused, "made_by": sorted(made_by),
-            "run_s": sum(r.get("wall_s") or 0.0 for r in runs)}
+            "run_s": sum(r.get("wall_s") or 0.0 for r in runs), "commit": commit}
     return md + reproduction_md(claims) + losses_md(res, rates), info
 
 
@@ -654,8 +654,10 @@ def _provenance(info: dict, elapsed_s: float) -> str:
     """The simulator section's first line: which code made it, so a page re-assembled later (`--stages none`)
     still says so."""
     reused = info.get("reused", 0)
+    # the commit the runs started at (a commit made while they ran is not the code that ran)
     return (f"> **Which code made the simulator section.** `python benchmarks/make_results.py` at commit "
-            f"{_commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {info.get('runs', '?')} runs in "
+            f"{info.get('commit') or _commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
+            f"{info.get('runs', '?')} runs in "
             f"{elapsed_s / 60:.1f} min"
             + (f"; {reused} of them reused from `docs/results/sim_runs.jsonl` (`--resume`) as the code at commit "
                f"{', '.join(info.get('made_by') or ['unknown'])} ran them." if reused else "."))
