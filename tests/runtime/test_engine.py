@@ -193,6 +193,25 @@ def test_queue_limit_counts_requests_that_wait_not_aborts_or_free_places(tiny_ll
         llm.close()
 
 
+def test_a_request_id_in_use_is_refused_and_free_again_once_it_finished(tiny_llama):
+    """A second live request with the same id would take the first's place in the scheduler and its KV table (a
+    KeyError in a later step, which fails every request in flight): it is refused at once, the first is untouched, and
+    the id may be used again once that request ended."""
+    llm = make_llm(tiny_llama, profile=tiny_profile())
+    try:
+        e = llm.engine
+        first = e.add_request("x", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        with pytest.raises(ValueError, match="'x' is already in use"):
+            e.add_request("x", [8, 9], SamplingParams(max_tokens=3))
+        e.run_until_done()
+        assert first.finish_reason == "length" and len(first.output_ids) == 3
+        again = e.add_request("x", [8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+        e.run_until_done()
+        assert again.finish_reason == "length" and llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
+
+
 def test_new_request_waits_while_both_pools_are_full_and_runs_when_one_finishes(tiny_llama):
     # 6 layers; each request needs ceil((40 + 60) / 16) = 7 blocks per layer = 42 blocks to finish, plus up
     # to 7 blocks of prefetch buffer: one fits in 30 + 60 blocks (49), a second does not, so it waits (it

@@ -121,6 +121,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._add_lock = threading.Lock()  # makes the queue-length check and the enqueue one step
         self._inbox_adds = 0  # requests in the inbox (its aborts do not wait for admission); under _add_lock
+        self._live: set[str] = set()  # ids of the requests added and not yet finished; under _add_lock
         self._wakeup = threading.Event()
 
     # The scheduler's queues, read by the server's metrics and by tests.
@@ -170,12 +171,15 @@ class Engine:
         )
         self._check_servable(req)
         with self._add_lock:
+            if request_id in self._live:  # it would take the other's place in the scheduler and its KV table
+                raise ValueError(f"request_id {request_id!r} is already in use by a request that has not finished")
             limit = self.config.scheduler.max_queue_len
             if limit is not None and self.num_queued() - self.free_seats() >= limit:
                 raise QueueFull(f"the server is busy: {limit} requests are already waiting beyond the batch's "
                                 "free places (--max-queue-len); retry later", self.retry_after_s())
             self._inbox.put(("add", req))
             self._inbox_adds += 1
+            self._live.add(request_id)
         self._wakeup.set()
         return req
 
@@ -347,6 +351,8 @@ class Engine:
     def _publish_finished(self) -> None:
         """Record and announce the requests the scheduler finished (their KV is already free)."""
         for req in self.scheduler.take_finished():
+            with self._add_lock:
+                self._live.discard(req.request_id)
             self.finished.append(req)
             now = req.finished_s
             self._notify(TokenEvent(req.request_id, None, now, now, finished=True, finish_reason=req.finish_reason,
