@@ -253,3 +253,31 @@ def test_a_refusal_names_its_replica_across_processes():
 
     again = pickle.loads(pickle.dumps(QueueFull("busy", 3, "A")))
     assert (str(again), again.retry_after_s, again.replica) == ("busy", 3, "A")
+
+
+class ActorUnavailableError(Exception):
+    """What Ray raises for a replica it cannot reach (matched by name, as for the real one)."""
+
+
+def test_a_retry_after_an_unreachable_replica_runs_under_an_id_of_its_own():
+    """The replica may only have been unreachable for a moment and still hold the first attempt: the retry must not
+    collide with it there (the engine refuses an id in use)."""
+    from orbitflow.serve.cluster import RemoteEngine
+
+    ids, streams = [], [(2, 0.0)]
+
+    class Unreachable(_Stream):
+        async def __anext__(self):  # Ray raises it where the stream is read
+            raise ActorUnavailableError("replica unreachable")
+
+    def remote(request_id, *args):
+        ids.append(request_id)
+        return Unreachable(0, 0.0) if len(ids) == 1 else _Stream(*streams.pop(0))
+
+    handle = SimpleNamespace(options=lambda **kw: SimpleNamespace(generate=SimpleNamespace(remote=remote)))
+
+    async def run():
+        return [out async for out in RemoteEngine(handle).generate("r", [1], None)]
+
+    assert asyncio.run(run())[-1].finish_reason == "length"
+    assert ids == ["r", "r-retry"]

@@ -317,7 +317,9 @@ class RemoteEngine:
                         stop: tuple[str, ...], aborted: asyncio.Future) -> AsyncIterator[GenerationOutput]:
         avoid = None  # the replica whose full queue refused the first attempt
         for attempt in (0, 1):
-            stream = self.handle.options(stream=True).generate.remote(request_id, prompt_ids, sampling, stop, avoid)
+            # a retry has an id of its own: a replica only unavailable for a moment may still hold the first attempt
+            engine_id = request_id if attempt == 0 else f"{request_id}-retry"
+            stream = self.handle.options(stream=True).generate.remote(engine_id, prompt_ids, sampling, stop, avoid)
             started = finished = False
             item = None
             try:
