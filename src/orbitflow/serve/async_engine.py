@@ -236,30 +236,24 @@ class _Text:
 
     def push(self, token: int) -> str:
         """The text `token` releases."""
-        return _stop_strings(self.stops.push, _detokenize(self.decoder.push, token))
+        return _alone("applying stop strings", self.stops.push, _alone("detokenizing", self.decoder.push, token))
 
     def flush(self) -> str:
         """What is still held back once the request ends."""
         if self.stopped:
             return ""
-        return _stop_strings(self.stops.push, _detokenize(self.decoder.flush)) + _stop_strings(self.stops.flush)
+        tail = _alone("applying stop strings", self.stops.push, _alone("detokenizing", self.decoder.flush))
+        return tail + _alone("applying stop strings", self.stops.flush)
 
 
 def _output(event: TokenEvent, text: str) -> GenerationOutput:
     return GenerationOutput(event.token, text, None, event.logprob, event.top_logprobs)
 
 
-def _stop_strings(fn, *args) -> str:
-    """A stop-string failure ends this request alone."""
+def _alone(action: str, fn, *args) -> str:
+    """`fn(*args)`; a failure (of the detokenizer, of the stop strings) ends this request alone (the caller's `finally`
+    aborts it in the engine)."""
     try:
         return fn(*args)
     except Exception as exc:
-        raise EngineError(f"applying stop strings failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _detokenize(fn, *args) -> str:
-    """A detokenizer failure ends this request alone (the caller's `finally` aborts it in the engine)."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        raise EngineError(f"detokenizing failed: {type(exc).__name__}: {exc}") from exc
+        raise EngineError(f"{action} failed: {type(exc).__name__}: {exc}") from exc

@@ -175,27 +175,23 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
             self._routed[replica_id] += 1
             self._routed_at[replica_id].append(time.monotonic())
 
-    def _in_flight(self, rid, received: int | None) -> int:
+    def _in_flight(self, rid, received: int | None, since: float) -> int:
         """Requests sent to `rid` that its last report does not count: accepted after it (the report's `received`
-        lags the router's count), or chosen and not yet accepted; none older than IN_FLIGHT_S."""
-        now = time.monotonic()
+        lags the router's count), or chosen and not yet accepted; none from before `since`."""
         recent = self._routed_at[rid]
-        while recent and recent[0] < now - IN_FLIGHT_S:
+        while recent and recent[0] < since:
             recent.popleft()
         accepted = len(recent) if received is None else min(len(recent), max(0, self._routed[rid] - received))
-        for key, (_, when) in list(self._chosen.items()):
-            if when < now - IN_FLIGHT_S:
-                del self._chosen[key]
         return accepted + sum(1 for chosen, _ in self._chosen.values() if chosen == rid)
 
-    def _view(self, replica) -> tuple[ReplicaState, list, bool]:
-        """The replica's state with the requests in flight to it queued, its what-if table, and whether that
-        table still answers for it (nothing in flight)."""
+    def _view(self, replica, since: float) -> tuple[ReplicaState, list, bool]:
+        """The replica's state with the requests in flight to it (since `since`) queued, its what-if table, and
+        whether that table still answers for it (nothing in flight)."""
         stats = replica.routing_stats or {}
         state = _stats_state(stats)
         if state is None:  # not reported yet: an empty replica as far as we know
             state = ReplicaState(0, 0, 0, 0, 0, 0.0, 0.0, 1)
-        in_flight = self._in_flight(replica.replica_id, stats.get("received"))
+        in_flight = self._in_flight(replica.replica_id, stats.get("received"), since)
         if in_flight:
             state = ReplicaState(**{**state.to_dict(), "queued": state.queued + in_flight})
         return state, stats.get("what_if") or [], not in_flight
@@ -213,7 +209,9 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
             others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
             candidate_replicas = others or candidate_replicas
         by_id = {r.replica_id: r for r in candidate_replicas}
-        views = {rid: self._view(r) for rid, r in by_id.items()}
+        since = time.monotonic() - IN_FLIGHT_S  # sent before this: lost, or long counted
+        self._chosen = {key: (rid, when) for key, (rid, when) in self._chosen.items() if when >= since}
+        views = {rid: self._view(r, since) for rid, r in by_id.items()}
 
         def what_if(rid) -> WhatIf:
             state, table, current = views[rid]
