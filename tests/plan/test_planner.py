@@ -225,6 +225,27 @@ def test_full_space_never_worse_than_pruned():
     assert stopped > 0
 
 
+def test_a_faster_plan_does_not_expire_a_plan_before_the_least_window():
+    """The paper's Delta_min: the solver is never invoked more often than every min_steps steps. Here a faster plan
+    exists from step 1 (a block boundary); the plan ran out at step 1 although the window's least length is 4."""
+    cm = CostModel([1e-3] * 8, link_blocks_per_s=1e4)
+    reqs = [PlanRequest("r0", 10, 160, 68, 0.0, 0.009), PlanRequest("r1", 10, 159, 70, 0.0, 0.02),
+            PlanRequest("r2", 1, 16, 186, 0.0, 0.02)]
+    unbounded = Planner(cm, 148.0, alpha=0.5, window=(1, 64)).plan(reqs)
+    assert unbounded.feasible and unbounded.replan_step == 1  # what the search finds without a least window
+    p = Planner(cm, 148.0, alpha=0.5, window=(4, 64)).plan(reqs)
+    assert p.feasible and p.stats.expiry_searches >= 1 and p.replan_step >= 4
+
+
+def test_victim_rules_pause_the_newest_of_equals():
+    """Requests the rule cannot tell apart keep their order of arrival: the last in the batch is paused first (the
+    oldest was, so a stream of equal newcomers each paused the one before it and the first waited for them all)."""
+    cm = CostModel([1.0] * 4, 1.0)
+    reqs = [PlanRequest(i, 4, 60, None, 0.0) for i in ("old", "mid", "new")]
+    for rule in ("largest-kv+deposit", "longest", "shortest"):
+        assert Planner(cm, 0, victim_order=rule).plan(reqs).victims == ("new", "mid", "old"), rule
+
+
 def test_expiry_detects_better_plan_after_growth():
     # B is optimal at step 1 only while request 1 has 3 blocks; the plan must expire at the boundary
     pl = Planner(CM, 70, alpha=1, window=(1, 20))
@@ -272,14 +293,15 @@ def brute_force_replan_step(pl, reqs, plan, n_layers):
 
 def _brute_force_replan_step(pl, reqs, plan, n_layers):
     """min(window, capacity overflow, first block boundary inside the window where some feasible plan of the
-    pruned space is strictly faster than ``plan`` for the batch as it will be then)."""
+    pruned space is strictly faster than ``plan`` for the batch as it will be then); a boundary before the window's
+    least length (the paper's Delta_min) counts as that length."""
 
     host = plan.placement.host
     win = pl.constraints.horizon(reqs)
     over = pl.constraints.first_over(host, win.blocks)
     stop = plan.window if not over.size or over[0] < 1 else min(plan.window, int(over[0]))
     seg_lat = pl.constraints.seg_latencies(win, host)
-    for t in win.boundaries:
+    for t in sorted({max(t, pl.constraints.min_steps) for t in win.boundaries}):
         if t >= stop:
             break
         later = [PlanRequest(q.request_id, q.blocks_per_layer,
@@ -315,16 +337,16 @@ def test_replan_step_matches_brute_force(token_compute, impl):
 
 
 def test_expiry_when_growth_speeds_up_another_plan():
-    # non-preemptive EDF is not monotone: once request 0 grows, (5, 5, 2) gets faster than the step-0 optimum
-    # although that plan's own latency did not change
-    pl = Planner(CostModel([3.0, 2.0, 1.0, 3.0, 4.0], 1.0), 39.0, window=(2, 2), node_limit=None,
+    # non-preemptive EDF is not monotone: once request 0 grows (step 1), (5, 5, 2) gets faster than the step-0 optimum
+    # although that plan's own latency did not change; the plan expires at the least window (2), not before
+    pl = Planner(CostModel([3.0, 2.0, 1.0, 3.0, 4.0], 1.0), 39.0, window=(2, 3), node_limit=None,
                  expiry_node_limit=None)
     reqs = [PlanRequest(0, 1, 16), PlanRequest(1, 4, 49), PlanRequest(2, 3, 33)]
     plan = pl.plan(reqs)
-    later = [PlanRequest(q.request_id, q.blocks_per_layer, q.tokens + 1) for q in reqs]
+    later = [PlanRequest(q.request_id, q.blocks_per_layer, q.tokens + 2) for q in reqs]
     assert pl.evaluate(plan.placement, later).predicted_step_s == plan.predicted_step_s
     assert pl.evaluate(Placement.from_distances(5, [5, 5, 2]), later).predicted_step_s < plan.predicted_step_s
-    assert plan.expiry_step == 1
+    assert plan.window == 3 and plan.expiry_step == 2
 
 
 def test_expiry_when_more_compute_hides_another_plans_transfers():
@@ -332,7 +354,7 @@ def test_expiry_when_more_compute_hides_another_plans_transfers():
     cm = CostModel(lambda tokens: np.full(n_layers, 1.0 if tokens <= tokens_now else 4.0), 1.0)
     reqs = [PlanRequest("a", 2, 17), PlanRequest("b", 6, 81), PlanRequest("c", 3, 48)]  # c grows at step 1
     plan = Planner(cm, n_layers * 12 - 6, window=(2, 4), node_limit=None, expiry_node_limit=None).plan(reqs)
-    assert plan.feasible and plan.window >= 2 and plan.expiry_step == 1
+    assert plan.feasible and plan.window > 2 and plan.expiry_step == 2  # not before the least window
 
 
 @pytest.mark.parametrize("seed", range(3))

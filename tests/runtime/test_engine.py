@@ -21,6 +21,7 @@ def tiny_profile(layers=6, link_bytes_per_s=1e9, device_kv_blocks=64):
 
 def test_pause_and_resume_under_a_budget_that_cannot_hold_the_batch(tiny_llama):
     ps = prompts(4, 40)
+    ps[0] = ps[0] + ps[1][:24]  # the most KV: it is the victim (of equals the newest would wait its turn instead)
     reference = [hf_greedy(tiny_llama.hf, p, 48) for p in ps]
     # The planner believes in a slow link (2 MB/s): offloading everything would miss a 30 ms SLO, so the
     # batch cannot all run within 24 device blocks and someone must be paused.

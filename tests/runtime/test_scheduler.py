@@ -139,6 +139,29 @@ def test_a_lone_request_paused_in_its_chunked_prefill_steps_aside_instead_of_fai
     assert sched.kv.usage() == (0, 0)
 
 
+def test_a_newcomer_does_not_pause_a_request_resumed_in_the_same_pass():
+    """Resumed, a paused request is back in line ahead of the newcomers: a new request that would pause it again in
+    the same schedule() waits instead (it was paused again there each time, ran nothing, and each newcomer overtook
+    it)."""
+    sched = make_scheduler(CapPolicy(cap=2, victim="a"))
+    a = add(sched, "a", max_tokens=100)
+    add(sched, "b", max_tokens=100)
+    run(sched, sched.schedule())
+    add(sched, "c", max_tokens=100, arrival=1.0)
+    out = sched.schedule()
+    run(sched, out)
+    assert out.paused_ids == ["a"]
+    outputs = len(a.output_ids)
+    add(sched, "d", max_tokens=100, arrival=2.0)
+    sched.finish_requests(["b"], "length")
+    sched.take_finished()
+    out = sched.schedule()  # b's end opens the gate: a is back, and d waits behind it
+    assert out.resumed_ids == ["a"] and not out.paused_ids and a.status is Status.RUNNING
+    assert ids(sched.running) == ["c", "a"] and ids(sched.waiting) == ["d"]
+    run(sched, out)
+    assert len(a.output_ids) == outputs + 1
+
+
 def test_a_paused_request_is_not_resumed_when_that_would_pause_someone():
     sched = make_scheduler(CapPolicy(cap=1, victim="b"))
     add(sched, "a")
@@ -226,7 +249,7 @@ def serve_alone(sched: Scheduler, req: Request, steps: int = 200) -> list:
     raise AssertionError(f"{req.request_id} did not finish in {steps} steps")
 
 
-def orbitflow_scheduler(device_blocks: int, host_blocks: int) -> Scheduler:
+def orbitflow_scheduler(device_blocks: int, host_blocks: int, victim="largest-kv+deposit") -> Scheduler:
     """The scheduler with OrbitFlow's own planner (pruned space) at the serving default alpha = 0.5, whose
     steps take 4 ms whatever the placement."""
     from dataclasses import replace
@@ -234,8 +257,14 @@ def orbitflow_scheduler(device_blocks: int, host_blocks: int) -> Scheduler:
     from orbitflow.policies.orbitflow import OrbitFlowPolicy
 
     sched = make_scheduler(OrbitFlowPolicy(), device_blocks=device_blocks, host_blocks=host_blocks)
-    sched.controller = Controller(OrbitFlowPolicy(), replace(sched.controller.ctx, alpha=0.5), background=False)
+    ctx = replace(sched.controller.ctx, alpha=0.5, victim=victim)
+    sched.controller = Controller(OrbitFlowPolicy(), ctx, background=False)
     return sched
+
+
+def oldest_of_the_largest(reqs) -> list:
+    """Most KV plus deposit first, the oldest first among equals (the default rule takes the newest)."""
+    return [q.request_id for q in sorted(reqs, key=lambda q: -(q.blocks_per_layer * LAYERS + q.deposit))]
 
 
 def add_with_slo(sched: Scheduler, rid: str, prompt: int, max_tokens: int, slo_s: float) -> Request:
@@ -313,18 +342,18 @@ def serve_all(sched: Scheduler, arrivals: list[tuple[str, int, int, int]], slo_s
     raise AssertionError(f"still live after {steps} steps: {[r.request_id for r in reqs if not r.finished]}")
 
 
-def test_a_lone_request_that_outgrows_the_room_paused_requests_leave_steps_aside_for_them():
-    """Found by a random search of small pools. a is paused (4 blocks x 4 layers, all on the 27-block host) and b
-    runs alone; grown to 6 blocks per layer, b fits the 23-block device with 2 layers and its prefetch buffer, so 2
-    must go to the host, where 11 blocks are left beside a. It used to end with NO_FIT though the pools hold both
-    (admission's check) and b alone; now it is paused, a resumes and ends, then b resumes and ends."""
-    sched = orbitflow_scheduler(device_blocks=23, host_blocks=27)
+def test_a_request_resumed_when_the_batch_shrinks_runs_instead_of_thrashing():
+    """Found by a random search of small pools (it was the scenario of the step-aside rule). a is paused for b (a rule
+    that takes the oldest of equals: the three have 4 blocks per layer then); when c ends, a resumed and was paused
+    again in the same step, and later b outgrew the room a's KV left and had to step aside. Now a runs to its end once
+    back, and b never pauses."""
+    sched = orbitflow_scheduler(device_blocks=23, host_blocks=27, victim=oldest_of_the_largest)
     reqs, outs, ended = serve_all(sched, [("a", 45, 13, 0), ("c", 52, 29, 0), ("b", 58, 27, 5)], slo_s=1e-4)
     assert [(r.request_id, r.error, len(r.output_ids)) for r in reqs] == [("a", None, 13), ("c", None, 29),
                                                                           ("b", None, 27)]
-    steps_b_paused = [i for i, o in enumerate(outs) if "b" in o.paused_ids]
-    assert len(steps_b_paused) == 1 and "a" in outs[steps_b_paused[0] + 1].resumed_ids
-    assert [i for i, o in enumerate(outs) if "b" in o.resumed_ids][0] > ended["a"]  # b waits for a to end
+    assert [(i, o.paused_ids, o.resumed_ids) for i, o in enumerate(outs) if o.paused_ids or o.resumed_ids] == [
+        (5, ["a"], []), (ended["c"] + 1, [], ["a"])]
+    assert ended["a"] < ended["b"]
     assert sched.kv.usage() == (0, 0) and not sched.has_work()
 
 

@@ -103,6 +103,7 @@ def test_strict_preemptive_link_tokens_match_hf(tiny_llama, strict):
 
 def test_strict_pause_resume_and_abort(tiny_llama, strict):
     ps = prompts(4, 40)
+    ps[0] = ps[0] + ps[1][:24]  # the most KV: the victim (see test_engine)
     reference = [hf_greedy(tiny_llama.hf, p, 24) for p in ps]
     # The planner believes in a slow link: the batch cannot all run within 24 device blocks (see test_engine).
     llm = make_llm(tiny_llama, profile=tiny_profile(24, link_bytes_per_s=2e6), device_kv_blocks=24,

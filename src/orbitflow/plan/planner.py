@@ -58,11 +58,15 @@ __all__ = ["Planner", "VICTIM_ORDERS", "resolve_victim_order", "warm_up"]
 VictimOrder = Callable[[Sequence[PlanRequest]], list[Hashable]]
 
 
+def _newest_first_by(reqs: Sequence[PlanRequest], key: Callable[[PlanRequest], float]) -> list[Hashable]:
+    """Ids by ``key``, least first; among equals the one latest in the batch (the newest) first, so requests that the
+    rule cannot tell apart keep their order of arrival (a newcomer does not pause the one before it)."""
+    return [reqs[i].request_id for i in sorted(range(len(reqs)), key=lambda i: (key(reqs[i]), -i))]
+
+
 def _largest_kv_deposit(reqs: Sequence[PlanRequest], num_layers: int) -> list[Hashable]:
-    return [
-        q.request_id
-        for q in sorted(reqs, key=lambda q: -(q.blocks_per_layer * num_layers + q.deposit))
-    ]
+    """The paper's victim rule: the most KV blocks plus deposited tokens first."""
+    return _newest_first_by(reqs, lambda q: -(q.blocks_per_layer * num_layers + q.deposit))
 
 
 VICTIM_ORDERS = ("largest-kv+deposit", "longest", "shortest", "random")
@@ -77,9 +81,9 @@ def resolve_victim_order(
     if name == "largest-kv+deposit":
         return lambda reqs: _largest_kv_deposit(reqs, num_layers)
     if name == "longest":
-        return lambda reqs: [q.request_id for q in sorted(reqs, key=lambda q: -q.tokens)]
+        return lambda reqs: _newest_first_by(reqs, lambda q: -q.tokens)
     if name == "shortest":
-        return lambda reqs: [q.request_id for q in sorted(reqs, key=lambda q: q.tokens)]
+        return lambda reqs: _newest_first_by(reqs, lambda q: q.tokens)
     if name == "random":
         rng = np.random.default_rng(seed)
         return lambda reqs: [reqs[i].request_id for i in rng.permutation(len(reqs))]
@@ -297,16 +301,23 @@ class Planner:
         stats: PlanStats,
         deadline: float | None = None,
     ) -> int | None:
-        """First block boundary before ``stop`` at which some feasible plan is strictly faster (None if none).
+        """First block boundary before ``stop`` at which some feasible plan is strictly faster (None if none), but
+        not before ``min_steps``: the paper's Delta_min, the fewest steps between two solves (a boundary before it
+        is searched at ``min_steps``, the batch as it will be then).
 
         Every boundary is searched unless the plan is stall-free there: the executor's schedule is not
         monotone in transfer sizes, and token-dependent compute can hide other plans' transfers, so a plan
         whose own stall did not grow can still be overtaken.
         """
         rules = self.constraints
+        searched = 0
         for t in win.boundaries:
+            t = max(t, rules.min_steps)
             if t >= stop:
                 break
+            if t == searched:
+                continue  # several boundaries before min_steps: searched once, there
+            searched = t
             if deadline is not None and time.perf_counter() > deadline:  # out of time: end the plan here
                 stats.expiry_exact = False
                 return t

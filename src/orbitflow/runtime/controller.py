@@ -200,15 +200,16 @@ class Controller:
     def ahead_step(self, step: int) -> int | None:
         """With ``step`` the next step to run: the step whose plan to start solving in the background now, or None.
 
-        That is the plan's expiry once it is at most :meth:`lead_steps` steps after ``step`` (not before
-        ``step + 1``: the solve runs while ``step`` does), so a solve that takes longer than a step starts early
-        enough to be done when the expiry comes."""
+        That is the plan's expiry once it is at most :meth:`lead_steps` steps after ``step``, so a solve that takes
+        longer than a step starts early enough to be done when the expiry comes. An expiry at ``step`` itself (a plan
+        whose window is one step) is too close: the solve would run while ``step`` does and be for a later step, and
+        ``step`` solves its plan at once anyway (``trigger``), which drops a solve for a later step unused."""
         if self._background is None or self.plan is None or "expiry" not in self.policy.replan_on:
             return None
         if self._ahead is not None:
             return None
         due = self.plan_step + self.plan.replan_step
-        return max(due, step + 1) if due <= step + self.lead_steps() else None
+        return due if step < due <= step + self.lead_steps() else None
 
     def lead_steps(self) -> int:
         """:func:`lead_steps` of the last background solves and the decode steps' EWMA."""

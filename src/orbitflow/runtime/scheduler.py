@@ -16,7 +16,8 @@ Pause-Resume. A paused request keeps its KV (its device layers are evicted lazil
 needed), so it sits in its own `paused` queue rather than back in `waiting` as a preempted request would in
 vLLM, and it comes back under its own gate: only after some in-flight request has completed (the paper's
 rule: without it, measurement noise flips feasibility and requests thrash), and only when a plan holds it
-without pausing anyone. Paused requests come before new ones, most-paused first, so none starves.
+without pausing anyone. Paused requests come before new ones, most-paused first, so none starves, and a new
+request does not pause one resumed in the same pass.
 A layer's blocks live in one pool, so a lone request can outgrow every split of its layers between the device
 budget and the host KV the paused requests leave, though the pools hold everyone (admission's check): it is then
 paused too, and a paused request runs in its place (`_blocked_by_paused`). When no paused request can run beside
@@ -249,11 +250,13 @@ class Scheduler:
                 return True
             victim = self._victim(plan, trial)
             # A paused request comes back only when a plan holds it without pausing anyone (the overload
-            # has cleared); until then nobody overtakes it, so it cannot starve.
-            if resuming or victim is cand:
+            # has cleared); until then nobody overtakes it, so it cannot starve. That holds after it is back too:
+            # a newcomer does not pause a request resumed in this very pass (it would be back where it was, having
+            # run nothing, with the newcomer ahead of it).
+            if resuming or victim is cand or victim.request_id in self._out.resumed_ids:
                 self.controller.forget()
                 self._admission_blocked_at = self._batch_version
-                return False  # it would be paused at once: keep it waiting until load allows
+                return False  # it would be paused at once, or overtake: keep it waiting until load allows
             self._pause_request(victim)
 
     @property
