@@ -119,10 +119,10 @@ def sim_points(rates=RATE_SCALES) -> dict[str, list[Point]]:
                        for p in grid(POLICIES, token_deposit=(True,), link_gbps=link, **sens)]
     studies["depth"] = (grid([p for p in POLICIES if p != "deepspeed"], prefetch_slots=2, **sens)
                         + grid(["deepspeed"], prefetch_slots=1, **sens))
-    studies["deposit"] = grid(["orbitflow", "flexgen+", "dynamic"], [1.0, 2.5], [SENS_RATE], (False,))
+    studies["deposit"] = grid(POLICIES, [1.0, 2.5], [SENS_RATE], (False,))  # DESIGN: every policy with and without
     studies["ablation"] = grid(list(ABLATION_STEPS), token_deposit=(False,), **sens)
     # the reference points of the studies above (in the headline grid unless --reduced drops their rate)
-    studies["reference"] = grid(POLICIES, **sens) + grid(["orbitflow", "flexgen+", "dynamic"], [2.5], [SENS_RATE])
+    studies["reference"] = grid(POLICIES, **sens) + grid(POLICIES, [2.5], [SENS_RATE])
     return studies
 
 
@@ -177,9 +177,16 @@ def fmt(cell: dict, spec: str = ".3f", scale: float = 1.0) -> str:
     return f"{format(cell['mean'] * scale, spec)} ± {format(cell['ci95'] * scale, spec)}"
 
 
-def ratio_cell(a: dict[int, float], b: dict[int, float]) -> dict:
-    """Per-seed ratio a/b (paired by seed), mean and CI."""
-    return mean_ci95(a[s] / b[s] for s in a if s in b and b[s])
+def ratio_of_means(a: dict[int, float], b: dict[int, float], less: float = 0.0) -> dict:
+    """mean(a) / mean(b) - ``less`` over the seeds both have, with a 95% interval by the delta method (the Student-t
+    interval of the paired residuals a - R b, over mean(b)). A mean of per-seed ratios lets one seed where b is near
+    0 carry the row (a baseline at 0.04 attainment on one seed made a +127% gain read +186%)."""
+    seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
+    x, y = np.array([a[s] for s in seeds], dtype=float), np.array([b[s] for s in seeds], dtype=float)
+    if not seeds or not y.mean():
+        return {"mean": None, "ci95": None, "n": 0}
+    r = float(x.mean() / y.mean())
+    return {"mean": r - less, "ci95": mean_ci95(x - r * y)["ci95"] / abs(float(y.mean())), "n": len(seeds)}
 
 
 def verdict(ours: dict, theirs: dict, metric: str) -> str:
@@ -300,9 +307,9 @@ def sim_section(res: Results, profile, setup: SimSetup, rates, reduced: bool, ou
         md.append(f"| {'+Token-Deposit (= OrbitFlow)' if dep else LABEL.get(step, step)} | "
                   f"{fmt(res.cell('tbt_attainment', step, SENS_SLO, [SENS_RATE], deposit=dep))} | "
                   f"{fmt(res.cell('tpot_attainment', step, SENS_SLO, [SENS_RATE], deposit=dep))} | {paper_abl[step]} |")
-    md += ["", "Token-Deposit on every adaptive policy (rate scale 3; TBT attainment with / without it):", "",
+    md += ["", "Token-Deposit on every policy (rate scale 3; TBT attainment with / without it):", "",
            "| policy | SLO 1 with | SLO 1 without | SLO 2.5 with | SLO 2.5 without |", "|---|---|---|---|---|"]
-    for p in ("orbitflow", "flexgen+", "dynamic"):
+    for p in POLICIES:
         cells = [fmt(res.cell("tbt_attainment", p, s, [SENS_RATE], deposit=d))
                  for s in (1.0, 2.5) for d in (True, False)]
         md.append(f"| {LABEL[p]} | " + " | ".join(cells) + " |")
@@ -326,38 +333,27 @@ def reproduction(res: Results, rates) -> dict:
 
     for metric, paper in (("tbt_attainment", 0.66), ("tpot_attainment", 0.62)):
         b = best_baseline(metric, 1.0)
-        ours = ratio_cell(res.per_seed(metric, "orbitflow", 1.0, rates), res.per_seed(metric, b, 1.0, rates))
-        ours = {k: (v - 1 if k == "mean" and v is not None else v) for k, v in ours.items()}
+        ours = ratio_of_means(res.per_seed(metric, "orbitflow", 1.0, rates), res.per_seed(metric, b, 1.0, rates), 1)
         name = metric.split("_")[0].upper()
         add(f"{name} attainment gain over the best baseline ({LABEL[b]}), SLO 1", paper, ours, "%")
-    for b, paper in (("flexgen", -0.217), ("deepspeed", -0.686)):
-        per = {}
-        for slo in SLO_SCALES:
-            o = res.per_seed("p95_tbt_s", "orbitflow", slo, rates)
-            t = res.per_seed("p95_tbt_s", b, slo, rates)
-            for s in o:
-                if s in t and t[s]:
-                    per.setdefault(s, []).append(o[s] / t[s] - 1)
-        add(f"P95 TBT vs {LABEL[b]} (all SLO scales)", paper, mean_ci95(np.mean(v) for v in per.values()), "%")
+    for b, paper in (("flexgen", -0.217), ("deepspeed", -0.686)):  # the paper: "at an SLO scale of 1"
+        o, t = res.per_seed("p95_tbt_s", "orbitflow", 1.0, rates), res.per_seed("p95_tbt_s", b, 1.0, rates)
+        add(f"P95 TBT vs {LABEL[b]}, SLO 1", paper, ratio_of_means(o, t, 1), "%")
     for metric, paper in (("p99_tbt_s", -0.65), ("p99_tpot_s", -0.64)):
         o, t = res.per_seed(metric, "orbitflow", 1.5, rates), res.per_seed(metric, "deepspeed", 1.5, rates)
-        add(f"{metric[:3].upper()} {metric[4:-2].upper()} vs DeepSpeed, SLO 1.5", paper,
-            mean_ci95(o[s] / t[s] - 1 for s in o if s in t and t[s]), "%")
+        add(f"{metric[:3].upper()} {metric[4:-2].upper()} vs DeepSpeed, SLO 1.5", paper, ratio_of_means(o, t, 1), "%")
     for b in ("flexgen", "flexgen+", "slo-aware", "dynamic"):
         o, t = res.per_seed("p99_tbt_s", "orbitflow", 1.5, rates), res.per_seed("p99_tbt_s", b, 1.5, rates)
-        add(f"P99 TBT vs {LABEL[b]}, SLO 1.5 (paper: 3-9% lower)", -0.06,
-            mean_ci95(o[s] / t[s] - 1 for s in o if s in t and t[s]), "%")
+        add(f"P99 TBT vs {LABEL[b]}, SLO 1.5 (paper: 3-9% lower)", -0.06, ratio_of_means(o, t, 1), "%")
     for b in ADAPTIVE:
         o, t = res.per_seed("e2e_mean_s", "orbitflow", 1.5, rates), res.per_seed("e2e_mean_s", b, 1.5, rates)
-        add(f"E2E latency vs {LABEL[b]}, SLO 1.5 (paper: 12-21% higher)", 0.165,
-            mean_ci95(o[s] / t[s] - 1 for s in o if s in t and t[s]), "%")
+        add(f"E2E latency vs {LABEL[b]}, SLO 1.5 (paper: 12-21% higher)", 0.165, ratio_of_means(o, t, 1), "%")
     o = res.per_seed("throughput_rpm", "orbitflow", 1.5, rates)
     t = res.per_seed("throughput_rpm", "deepspeed", 1.5, rates)
-    add("Throughput vs DeepSpeed, SLO 1.5", 3.3, mean_ci95(o[s] / t[s] for s in o if s in t and t[s]), "x")
+    add("Throughput vs DeepSpeed, SLO 1.5", 3.3, ratio_of_means(o, t), "x")
     for b in ("flexgen", "flexgen+", "slo-aware", "dynamic"):
         t = res.per_seed("throughput_rpm", b, 1.5, rates)
-        add(f"Throughput vs {LABEL[b]}, SLO 1.5 (paper: 4-52% higher)", 0.28,
-            mean_ci95(o[s] / t[s] - 1 for s in o if s in t and t[s]), "%")
+        add(f"Throughput vs {LABEL[b]}, SLO 1.5 (paper: 4-52% higher)", 0.28, ratio_of_means(o, t, 1), "%")
     add("OrbitFlow TBT attainment, SLO 1, highest rate (paper: over 75%)", 0.75,
         res.cell("tbt_attainment", "orbitflow", 1.0, [max(rates)]))
     per = {}
@@ -374,8 +370,7 @@ def reproduction(res: Results, rates) -> dict:
     for p, paper in (("flexgen+", 0.18), ("dynamic", 0.11), ("orbitflow", 0.05)):
         on = res.per_seed("tbt_attainment", p, 2.5, [SENS_RATE])
         off = res.per_seed("tbt_attainment", p, 2.5, [SENS_RATE], deposit=False)
-        add(f"Token-Deposit gain for {LABEL[p]}, SLO 2.5 (rate {SENS_RATE:g})", paper,
-            mean_ci95(on[s] / off[s] - 1 for s in on if s in off and off[s]), "%")
+        add(f"Token-Deposit gain for {LABEL[p]}, SLO 2.5 (rate {SENS_RATE:g})", paper, ratio_of_means(on, off, 1), "%")
     share = {}
     for r in res.select("orbitflow", slo=1.5):
         if r["rate_scale"] in rates and r.get("makespan_s"):
@@ -395,7 +390,9 @@ def reproduction_md(claims: dict) -> list[str]:
     md = ["## Reproduction of the paper's numbers", "",
           "Every number the paper's evaluation states (section 5.2-5.4) that the simulator can produce, under the "
           "paper's setup above (mean ± 95% CI over seeds, averaged over rate scales unless noted). Ratio = ours / "
-          "paper's. Differences above 25% are explained below the table.", "",
+          "paper's; a ratio of two policies is the ratio of their means over the seeds, its interval by the delta "
+          "method. Differences above 25% whose interval excludes the paper's number are explained below the table; "
+          "a row whose interval holds it is consistent with the paper, however far its mean.", "",
           "| claim | paper | ours | ratio |", "|---|---|---|---|"]
     off = []
     for what, paper, ours, unit in claims["rows"]:
@@ -411,7 +408,8 @@ def reproduction_md(claims: dict) -> list[str]:
         o_txt = f"{format(ours['mean'] * scale, spec)} ± {format(ours['ci95'] * scale, spec)}{suffix}"
         ratio = ours["mean"] / paper if paper else float("nan")
         md.append(f"| {what} | {p_txt} | {o_txt} | {ratio:.2f} |")
-        if not 0.75 <= ratio <= 1.25:
+        held = abs(ours["mean"] - paper) <= (ours["ci95"] or 0.0)
+        if not 0.75 <= ratio <= 1.25 and not held:
             off.append(what)
     md += [""]
     if off:
@@ -429,16 +427,19 @@ def explain(what: str) -> str:
     """The reason behind a difference, by claim family."""
     w = what.lower()
     if "gain over the best baseline" in w:
-        return ("the baselines here lose more at SLO scale 1 than the paper's: every long request must stream part "
-                "of its KV each step over a 3.85 GB/s link, and only Pause-Resume avoids running two long "
-                "requests together; the ordering of the policies matches the paper's.")
+        return ("at SLO scale 1 the SLO is the step of a batch whose KV just fills the device budget, so any batch "
+                "that must offload misses it on compute alone, whatever the link or the placement: attainment there "
+                "comes from keeping the batch within the budget, which only Pause-Resume does, and the baselines "
+                "lose more than the paper's. The best baseline is the one the row names; the paper's is Dynamic "
+                "Heuristic (section 5.2), so the ordering of the baselines differs from the paper's too.")
     if "over 75%" in w:
         return "the paper states a lower bound ('over 75%'), which ours meets."
     if "p95" in w or "p99" in w:
         return ("the baselines never pause, so whenever two long requests share the batch they stream KV over the "
-                "link on every step (steps of 0.4-1 s against a 65-163 ms SLO), while Token-Deposit paces "
-                "OrbitFlow's delivery at the SLO; the paper's baselines stall far less often, so its tail gaps "
-                "to the adaptive baselines are 3-9%, ours 75-85%.")
+                "link on every step (steps of 0.4-1 s against a 65-163 ms SLO), while OrbitFlow sets a long request "
+                "aside and Token-Deposit paces the others at the SLO; a paused request's own gaps are long (up to "
+                "minutes) but few, beyond the P95 and P99 of all gaps. The paper's baselines stall far less often, "
+                "so its tail gaps to the adaptive baselines are 3-9%, ours far larger.")
     if "e2e" in w:
         return ("Pause-Resume defers long requests, which costs E2E, but the baselines' steps are so slow under "
                 "this budget and link that their requests take longer overall, so the sign can flip against "
@@ -447,9 +448,9 @@ def explain(what: str) -> str:
         return ("throughput over the makespan follows from how much slower the baselines' steps are here "
                 "(see the P95 rows); the direction matches the paper's.")
     if "ablation" in w:
-        return ("in this simulator Pause-Resume carries most of the gain: once the batch is feasible without "
-                "stalls, request-wise placement alone already meets most SLOs, so the first steps sit lower or "
-                "higher than the paper's depending on how often two long requests overlap.")
+        return ("in this simulator Pause-Resume carries most of the gain and request-wise placement adds little "
+                "over Batch-Uniform (their intervals overlap): at SLO scale 1 a batch that must offload misses the "
+                "SLO on compute alone, so no placement rescues it, and only setting a request aside does.")
     if "token-deposit" in w:
         return ("Token-Deposit only hides gaps shorter than the deposit; with Pause-Resume OrbitFlow's generated "
                 "stream already meets the SLO on most tokens, and the misses left are long single gaps (a 12K-token "
