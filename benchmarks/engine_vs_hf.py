@@ -3,12 +3,15 @@
 Ours is what `orbitflow generate --placement none` runs: `orbitflow.llm.LLM` with every layer's KV on the
 device (`FixedPlacementPolicy("none")`, profile "rough"), i.e. the whole engine loop, not just the model,
 built afresh for every run so its block pool's pages are counted in that run's memory. Theirs is
-`LlamaForCausalLM.from_pretrained(...).generate` with SDPA attention (its best CPU setting; every prompt of
-a batch has the same length, so no padding mask). Prompts are seeded random token ids of exactly `context`
-tokens; both sides get the same ones.
+`LlamaForCausalLM.from_pretrained(...).generate` with SDPA attention (every prompt of a batch has the same
+length, so no padding mask), once with each KV cache of `--hf-cache`: its default `DynamicCache`, which
+concatenates the whole cache onto itself every step, and `cache_implementation="static"`, preallocated for the
+run's length. Each figure compares ours with the faster of them for that figure, named beside it: the best
+configuration transformers offers, per point. Prompts are seeded random token ids of exactly `context` tokens;
+every side gets the same ones.
 
-Per (context, batch), runs alternate ours, theirs, ours, ... `--repeats` times; each figure is the median,
-the ratio range is over the paired repeats:
+Per (context, batch), runs alternate ours, theirs (each cache), ours, ... `--repeats` times; each figure is the
+median, the ratio range is over the paired repeats:
 - decode tok/s = batch * (N - 1) / (time of the last new token - time of the first): the first token comes
   out of the prefill, so the span is the decode of the other N - 1 tokens, for both sides alike. Ours stamps
   each token in the engine loop (`Request.generated_s`); theirs through a `streamer` that `generate` calls
@@ -146,16 +149,21 @@ def ours_runner(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, 
     return lambda: measured(run)
 
 
-def hf_runner(hf: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, pad: int) -> Run:
+HF_CACHES = ("static", "dynamic")
+
+
+def hf_runner(hf: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, pad: int, cache: str = "dynamic") -> Run:
+    """transformers' `generate` with its default DynamicCache, or with ``cache="static"`` a StaticCache."""
     input_ids = torch.tensor(prompts)
     mask = torch.ones_like(input_ids)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
 
     def run() -> tuple[float, float]:
         stamps = _TokenStamps()
         start = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=pad, streamer=stamps)
+                              do_sample=False, pad_token_id=pad, streamer=stamps, **extra)
         assert out.shape[1] == input_ids.shape[1] + new_tokens and len(stamps.times) == new_tokens + 1
         return stamps.times[1] - start, stamps.times[-1] - stamps.times[1]
 
@@ -171,29 +179,37 @@ def interleave(runs: dict[str, Run], repeats: int, bar: tqdm) -> dict[str, list[
     return samples
 
 
-def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str, pool_mib: float = 0.0) -> dict:
+def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str | list[str],
+              pool_mib: float = 0.0) -> dict:
+    """Side ``a`` against side ``b``; with several ``b`` sides (transformers' caches), against the best of them for
+    each figure: the highest median decode and prefill rate, the least peak memory (named in ``*_by``)."""
     decode = {k: [batch * (new_tokens - 1) / span for _, span, _ in v] for k, v in samples.items()}
     prefill = {k: [batch * context / ttft for ttft, _, _ in v] for k, v in samples.items()}
     rss = {k: statistics.median(m for _, _, m in v) / 2**20 for k, v in samples.items()}
-    ratios = [x / y for x, y in zip(decode[a], decode[b])]
-    pratios = [x / y for x, y in zip(prefill[a], prefill[b])]
+    sides = [b] if isinstance(b, str) else list(b)
+    bd = max(sides, key=lambda k: statistics.median(decode[k]))
+    bp = max(sides, key=lambda k: statistics.median(prefill[k]))
+    bm = min(sides, key=lambda k: rss[k])
+    ratios = [x / y for x, y in zip(decode[a], decode[bd])]
+    pratios = [x / y for x, y in zip(prefill[a], prefill[bp])]
     return {
         "context": context, "batch": batch,
-        "decode_a": statistics.median(decode[a]), "decode_b": statistics.median(decode[b]),
+        "decode_a": statistics.median(decode[a]), "decode_b": statistics.median(decode[bd]), "decode_by": bd,
         "ratio": statistics.median(ratios), "range": f"{min(ratios):.2f}-{max(ratios):.2f}",
-        "prefill_a": statistics.median(prefill[a]), "prefill_b": statistics.median(prefill[b]),
+        "prefill_a": statistics.median(prefill[a]), "prefill_b": statistics.median(prefill[bp]), "prefill_by": bp,
         "pratio": statistics.median(pratios), "prange": f"{min(pratios):.2f}-{max(pratios):.2f}",
-        "rss_a": rss[a], "rss_b": rss[b],
-        "headroom": rss[b] + pool_mib - rss[a], "pool": pool_mib,
+        "rss_a": rss[a], "rss_b": rss[bm], "rss_by": bm,
+        "headroom": rss[bm] + pool_mib - rss[a], "pool": pool_mib,
+        **{f"decode_{k}": statistics.median(decode[k]) for k in sides},
     }
 
 
 COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "orbitflow decode tok/s"),
-           ("decode_b", "HF decode tok/s"), ("ratio", "Decode ratio"), ("range", "Decode ratio range"),
-           ("prefill_a", "orbitflow prefill tok/s"), ("prefill_b", "HF prefill tok/s"),
-           ("pratio", "Prefill ratio"), ("prange", "Prefill ratio range"),
-           ("rss_a", "orbitflow peak RSS MiB"), ("rss_b", "HF peak RSS MiB"), ("pool", "orbitflow device pool MiB"),
-           ("headroom", "HF + pool - orbitflow MiB")]
+           ("decode_b", "HF decode tok/s"), ("decode_by", "HF cache"), ("ratio", "Decode ratio"),
+           ("range", "Decode ratio range"), ("prefill_a", "orbitflow prefill tok/s"), ("prefill_b", "HF prefill tok/s"),
+           ("prefill_by", "HF cache"), ("pratio", "Prefill ratio"), ("prange", "Prefill ratio range"),
+           ("rss_a", "orbitflow peak RSS MiB"), ("rss_b", "HF peak RSS MiB"), ("rss_by", "HF cache"),
+           ("pool", "orbitflow device pool MiB"), ("headroom", "HF + pool - orbitflow MiB")]
 OFFLOAD_COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "half on host decode tok/s"),
                    ("decode_b", "none decode tok/s"), ("ratio", "Ratio (host/none)"),
                    ("range", "Ratio range")]
@@ -221,6 +237,27 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def where_we_lose(rows: list[dict]) -> str:
+    """Every point where ours is behind transformers' best: a median ratio under 1, a ratio range that dips under 1,
+    memory over the bound."""
+    def at(r):
+        return f"{r['context']} x {r['batch']}"
+
+    parts = []
+    for key, what in (("ratio", "decode"), ("pratio", "prefill")):
+        rng = "range" if key == "ratio" else "prange"
+        behind = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']})" for r in rows if r[key] < 1]
+        dips = [f"{at(r)} ({r[rng]})" for r in rows if r[key] >= 1 and float(r[rng].split("-")[0]) < 1]
+        if behind:
+            parts.append(f"{what} at {', '.join(behind)}")
+        if dips:
+            parts.append(f"{what} in some repeats at {', '.join(dips)} (median at least 1)")
+    over = [f"{at(r)} ({r['headroom']:.0f} MiB)" for r in rows if r["headroom"] < 0]
+    if over:
+        parts.append(f"memory over the bound at {', '.join(over)}")
+    return ("Where we lose: " + "; ".join(parts) + ".") if parts else "Where we lose: nowhere in this grid."
+
+
 def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threads: int, elapsed_s: float) -> None:
     command = "python benchmarks/engine_vs_hf.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     load = os.getloadavg()
@@ -230,7 +267,9 @@ def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threa
         f"SmolLM2-135M, float32, greedy, {args.tokens} new tokens per prompt, seeded random prompts (seed "
         f"{args.seed}) of exactly `context` tokens, placement none, median of {args.repeats} interleaved "
         f"repeats (ours, transformers, ours, ...); ranges are over the paired repeats. Transformers is "
-        f"`LlamaForCausalLM.generate` with SDPA attention in the same process. Peak RSS is the growth of the "
+        f"`LlamaForCausalLM.generate` with SDPA attention in the same process, with each KV cache of "
+        f"{', '.join(args.hf_cache)}; each figure is compared with the better of them (the 'HF cache' beside it). "
+        f"Peak RSS is the growth of the "
         f"process's high-water mark during one run, the heap earlier runs freed handed back first (`malloc_trim`; "
         f"both models stay loaded); ours includes its freshly built "
         f"block pool. The last column is the issue's memory bound: transformers' peak plus our device pool's "
@@ -239,6 +278,8 @@ def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threa
         "",
         *([args.note, ""] if args.note else []),
         markdown_table(rows, COLUMNS),
+        "",
+        where_we_lose(rows),
         "",
     ]
     if offload:
@@ -266,6 +307,14 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def cache_list(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in values if v not in HF_CACHES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(HF_CACHES)}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
 def context_batch(text: str) -> tuple[int, int] | None:
     if text.lower() == "none":
         return None
@@ -287,6 +336,9 @@ def main() -> None:
                         help="CONTEXT:BATCH of the half-layers-on-host vs none comparison, or none (default 2048:4)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both sides (default: torch's own choice)")
+    parser.add_argument("--hf-cache", type=cache_list, default=list(HF_CACHES),
+                        help="transformers' KV caches to run, comma list of static, dynamic (default: both; each "
+                             "figure is compared with the better)")
     parser.add_argument("--note", default="", help="a sentence added to the --md fragment (e.g. how busy the "
                                                         "machine was)")
     parser.add_argument("--md", default=None, help="write the results as a Markdown fragment to this path "
@@ -310,21 +362,26 @@ def main() -> None:
           f"{threads} (cores available {len(os.sched_getaffinity(0))})", flush=True)
 
     points = [(c, b) for c in args.contexts for b in args.batches]
-    total = 2 * args.repeats * (len(points) + (args.offload is not None)) + 2
+    sides = 1 + len(args.hf_cache)
+    total = args.repeats * (sides * len(points) + 2 * (args.offload is not None)) + sides
     rows, offload = [], []
     with tqdm(total=total, desc="runs", unit="run") as bar:
         warm = [[int(x) for x in torch.randint(3, vocab, (64,), generator=gen)]]
-        ours_runner(loaded, warm, 4, "none")(), hf_runner(hf, warm, 4, pad)()  # warm-up
-        bar.update(2)
+        ours_runner(loaded, warm, 4, "none")()  # warm-up, every side
+        for cache in args.hf_cache:
+            hf_runner(hf, warm, 4, pad, cache)()
+        bar.update(sides)
         for context, batch in points:
             prompts = [[int(x) for x in torch.randint(3, vocab, (context,), generator=gen)] for _ in range(batch)]
             runs = {"ours": ours_runner(loaded, prompts, args.tokens, "none"),
-                    "hf": hf_runner(hf, prompts, args.tokens, pad)}
-            row = summarize(interleave(runs, args.repeats, bar), batch, context, args.tokens, "ours", "hf",
+                    **{cache: hf_runner(hf, prompts, args.tokens, pad, cache) for cache in args.hf_cache}}
+            row = summarize(interleave(runs, args.repeats, bar), batch, context, args.tokens, "ours", args.hf_cache,
                             pool_mib(loaded, batch, context, args.tokens))
             rows.append(row)
-            bar.write(f"context {context} batch {batch}: decode {row['decode_a']:.1f} vs {row['decode_b']:.1f} tok/s "
-                      f"(ratio {row['ratio']:.2f}, {row['range']}), prefill ratio {row['pratio']:.2f}")
+            theirs = ", ".join(f"{c} {row[f'decode_{c}']:.1f}" for c in args.hf_cache)
+            bar.write(f"context {context} batch {batch}: decode {row['decode_a']:.1f} vs {theirs} tok/s "
+                      f"(ratio to {row['decode_by']} {row['ratio']:.2f}, {row['range']}), prefill ratio "
+                      f"{row['pratio']:.2f} (to {row['prefill_by']})")
         if args.offload is not None:
             context, batch = args.offload
             prompts = [[int(x) for x in torch.randint(3, vocab, (context,), generator=gen)] for _ in range(batch)]

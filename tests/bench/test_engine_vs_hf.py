@@ -55,3 +55,32 @@ def test_memory_headroom_is_transformers_peak_plus_the_pool_less_ours():
     row = bench.summarize(samples, 4, 512, 16, "ours", "hf", pool_mib=100.0)
     assert row["headroom"] == pytest.approx(50.0)
     assert bench.pool_mib(_loaded(), 1, 16, 0) == pytest.approx((30 + 64) * 2 * 16 * 3 * 64 * 4 / 2**20)
+
+
+def test_each_figure_is_compared_with_transformers_best_cache():
+    """Transformers' default DynamicCache copies the whole cache every step; StaticCache decodes faster on long
+    contexts. Each figure goes against the better side for it, named: here static decodes faster, dynamic prefills
+    faster and takes less memory."""
+    samples = {"ours": [(1.0, 3.0, 100 * 2**20)] * 3,  # (seconds to first token, decode span, peak RSS bytes)
+               "static": [(2.0, 2.0, 300 * 2**20)] * 3,
+               "dynamic": [(1.5, 6.0, 200 * 2**20)] * 3}
+    row = bench.summarize(samples, batch=2, context=100, new_tokens=4, a="ours", b=["static", "dynamic"])
+    assert (row["decode_by"], row["prefill_by"], row["rss_by"]) == ("static", "dynamic", "dynamic")
+    assert row["ratio"] == pytest.approx(2 / 3) and row["pratio"] == pytest.approx(1.5)
+    assert (row["decode_static"], row["decode_dynamic"]) == (3.0, 1.0) and row["rss_b"] == 200
+    assert bench.cache_list("dynamic,static,static") == ["dynamic", "static"]
+    with pytest.raises(Exception, match="comma list"):
+        bench.cache_list("paged")
+
+
+def test_where_we_lose_names_every_point_behind():
+    rows = [{"context": 512, "batch": 1, "ratio": 1.2, "range": "0.93-1.43", "pratio": 0.94, "prange": "0.91-1.01",
+             "decode_by": "static", "prefill_by": "dynamic", "headroom": 27.0},
+            {"context": 2048, "batch": 4, "ratio": 0.91, "range": "0.79-1.02", "pratio": 1.1, "prange": "1.05-1.2",
+             "decode_by": "static", "prefill_by": "static", "headroom": -3.0}]
+    text = bench.where_we_lose(rows)
+    assert "decode at 2048 x 4 (0.91 against static)" in text and "prefill at 512 x 1 (0.94 against dynamic)" in text
+    assert "decode in some repeats at 512 x 1 (0.93-1.43)" in text and "memory over the bound at 2048 x 4" in text
+    rows[1].update(ratio=1.1, range="1.0-1.2", headroom=5.0)
+    rows[0].update(pratio=1.0, prange="1.0-1.1", range="1.0-1.4")
+    assert bench.where_we_lose(rows) == "Where we lose: nowhere in this grid."
