@@ -73,6 +73,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                    "requests": group[0]["requests"]}
             for m in (*METRICS, "fallbacks", "pauses"):
                 row[m] = mean_ci95(r[m] for r in group)
+                row[m]["per_seed"] = {r["seed"]: r[m] for r in group}
             rows.append(row)
     return rows
 
@@ -96,27 +97,33 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def paired_difference(a: dict, b: dict) -> dict:
+    """Mean and 95% CI of a - b over the seeds both ran: every router replays each seed's trace, so the seeds pair."""
+    return mean_ci95(a["per_seed"][s] - b["per_seed"][s] for s in a["per_seed"]
+                     if s in b["per_seed"] and a["per_seed"][s] is not None and b["per_seed"][s] is not None)
+
+
 def reading(rows: list[dict]) -> list[str]:
-    """Per replica count: where SLO-aware routing wins, ties (95% CIs overlap) or loses, and how often it fell
-    back to least-loaded because neither sampled replica had a feasible plan."""
+    """Per replica count: where SLO-aware routing wins or loses (the 95% CI of the paired per-seed difference
+    excludes 0) on every metric of the table, and how often it fell back to least-loaded because neither sampled
+    replica had a feasible plan."""
     out = []
     for n in sorted({r["replicas"] for r in rows}):
         slo = next((r for r in rows if r["replicas"] == n and r["router"] == "slo-aware"), None)
         if slo is None:
             continue
         verdicts = []
-        for metric, higher in (("tbt_attainment", True), ("tpot_attainment", True), ("throughput_rpm", True),
-                               ("p95_ttft_s", False)):
+        for metric in METRICS:
+            higher = metric not in ("p95_ttft_s", "e2e_mean_s")
             for other in (r for r in rows if r["replicas"] == n and r["router"] != "slo-aware"):
-                a, b = slo[metric], other[metric]
-                if a["mean"] is None or b["mean"] is None:
-                    continue
-                if abs(a["mean"] - b["mean"]) <= (a["ci95"] or 0) + (b["ci95"] or 0):
-                    continue  # the intervals overlap: no call
-                wins = (a["mean"] > b["mean"]) == higher
-                verdicts.append(f"{'wins' if wins else 'loses'} on {HEADERS[metric]} vs {other['router']}")
+                d = paired_difference(slo[metric], other[metric])
+                if d["mean"] is None or d["n"] < 2 or abs(d["mean"]) <= d["ci95"]:
+                    continue  # the interval of the difference holds 0: no call
+                wins = (d["mean"] > 0) == higher
+                verdicts.append(f"{'wins' if wins else 'loses'} on {HEADERS[metric]} vs {other['router']} "
+                                f"({d['mean']:+.3g} ± {d['ci95']:.2g})")
         share = slo["fallbacks"]["mean"] / slo["requests"] if slo["requests"] else 0.0
-        text = "; ".join(verdicts) if verdicts else "no difference outside the 95% CIs on any metric"
+        text = "; ".join(verdicts) if verdicts else "no paired difference outside its 95% CI on any metric"
         out.append(f"- {n} replicas: SLO-aware {text}. In {share:.0%} of its decisions neither sampled replica "
                    "had a feasible plan (a full batch, memory, or the SLO), so it routed as least-loaded.")
     return out
@@ -152,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", default="16,64", help="comma-separated replica counts")
     ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated routers")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds (each its own trace and noise)")
+    ap.add_argument("--seeds", type=int, default=5, help="seeds (each its own trace and noise; every router replays "
+                                                         "it, so the seeds pair)")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--requests-per-replica", type=int, default=8)
     ap.add_argument("--rate-scale", type=float, default=48.0,
@@ -166,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--max-num-batched-tokens", type=int, default=32768)
     ap.add_argument("--noise-cv", type=float, default=DEFAULT_NOISE_CV)
-    ap.add_argument("--solver-time", default="off", help="planner solve time on the virtual clock (see simulate)")
+    ap.add_argument("--solver-time", default="measured",
+                    help="planner solve time on the virtual clock (see simulate; DESIGN: charged)")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--quick", action="store_true", help="4 replicas, 2 seeds")
     ap.add_argument("--md", type=Path, default=None, help="write the Markdown fragment here")
@@ -229,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             f"rate (Poisson), lengths of the long-context mix x {args.token_scale:g} with the device KV budget "
             f"scaled alike ({args.device_kv_fraction:g} of the largest batch), max {args.max_num_seqs} sequences "
             f"per replica, noise CV {args.noise_cv:g}, solver time `{args.solver_time}`; seeds "
-            f"{args.first_seed}..{args.first_seed + args.seeds - 1}; mean ± 95% CI (Student t) over seeds. "
+            f"{args.first_seed}..{args.first_seed + args.seeds - 1}; mean ± 95% CI (Student t) over seeds; a win or "
+            f"loss below is the paired per-seed difference's CI excluding 0. The routers' own what-if solves are not "
+            f"charged (on Ray Serve the replicas compute their what-if tables in the background). "
             f"In the simulator the router asks each replica exactly; on Ray Serve it reads the replicas' routing "
             f"stats (every 0.5 s: state and a what-if table over a grid of request sizes, rounded up).",
             "",
