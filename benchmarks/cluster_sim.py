@@ -58,6 +58,10 @@ def run_one(args: argparse.Namespace, replicas: int, router: str, seed: int) -> 
     return out
 
 
+SETUP_FLAGS = ("seeds", "first_seed", "requests_per_replica", "rate_scale", "token_scale", "slo_scale", "policy",
+               "preset", "device_kv_fraction", "max_num_seqs", "max_num_batched_tokens", "noise_cv", "solver_time")
+
+
 def _job(payload):
     return run_one(*payload)
 
@@ -203,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     saved: dict = {}
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
+        # the page describes the runs' setup from these flags: they must be the runs' own
+        differ = [f"--{k.replace('_', '-')} {saved['args'][k]}" for k in SETUP_FLAGS
+                  if k in saved.get("args", {}) and saved["args"][k] != str(getattr(args, k))]
+        if differ:
+            ap.error(f"--from-json: the runs were made with {', '.join(differ)}; give the same to re-render them")
         runs, elapsed = saved["runs"], float(saved.get("elapsed_s", 0.0))
         machine = saved.get("machine", machine)
         commit_of_runs = saved.get("commit")

@@ -23,3 +23,16 @@ def test_a_difference_every_seed_shows_is_called_though_the_intervals_overlap():
     text = " ".join(bench.reading(rows))
     assert "wins on p95 TTFT (s) vs round-robin (-1 ± 0)" in text
     assert "TBT attainment" not in text  # a difference whose sign changes by seed is no call
+
+
+def test_a_re_render_refuses_flags_that_are_not_the_runs_own(tmp_path, capsys):
+    """The page describes the setup from the flags: re-rendering 3-seed runs under the default 5 would say 5."""
+    import json
+
+    import pytest
+
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"args": {"seeds": "3", "solver_time": "off"}, "runs": []}))
+    with pytest.raises(SystemExit):
+        bench.main(["--from-json", str(path)])
+    assert "--seeds 3, --solver-time off" in capsys.readouterr().err
