@@ -68,6 +68,7 @@ LINKS = (
            "datasheet, and the paper's A6000 node"),
 )
 ABLATION_STEPS = ("batch-uniform", "+request-wise", "+pause-resume")
+VICTIM_RULES = ("orbitflow@longest", "orbitflow@shortest", "orbitflow@random")  # OrbitFlow with another victim rule
 FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("sim_fidelity_tight", "Simulator vs the real engine at a tighter SLO"), ("planner", "Planner speed"),
              ("planner_proof", "Planner: what an exact proof at (16, 80) takes"),
@@ -80,7 +81,7 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"),
              ("host_copy_bound", "Half on host: the copy's own cost"),
              ("host_layer_cost", "What reading prefetched KV adds to the compute"), ("serving", "Serving"),
-             ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
+             ("tensor_parallel", "Tensor parallelism"),
              ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),
              ("cluster", "Scale-out: routers on a simulated cluster"))
 OTHER_STAGES = {
@@ -105,7 +106,9 @@ OTHER_STAGES = {
 }
 LABEL = {"orbitflow": "OrbitFlow", "deepspeed": "DeepSpeed", "flexgen": "FlexGen", "flexgen+": "FlexGen+",
          "slo-aware": "SLO-aware", "dynamic": "Dynamic", "batch-uniform": "Batch-Uniform",
-         "+request-wise": "+Request-Wise", "+pause-resume": "+Pause-Resume"}
+         "+request-wise": "+Request-Wise", "+pause-resume": "+Pause-Resume",
+         "orbitflow@longest": "OrbitFlow, pause the longest", "orbitflow@shortest": "OrbitFlow, pause the shortest",
+         "orbitflow@random": "OrbitFlow, pause at random"}
 
 
 # ----------------------------------------------------------------------------- the points
@@ -121,6 +124,7 @@ def sim_points(rates=RATE_SCALES) -> dict[str, list[Point]]:
                         + grid(["deepspeed"], prefetch_slots=1, **sens))
     studies["deposit"] = grid(POLICIES, [1.0, 2.5], [SENS_RATE], (False,))  # DESIGN: every policy with and without
     studies["ablation"] = grid(list(ABLATION_STEPS), token_deposit=(False,), **sens)
+    studies["victims"] = grid(list(VICTIM_RULES), **sens)
     # the reference points of the studies above (in the headline grid unless --reduced drops their rate)
     studies["reference"] = grid(POLICIES, **sens) + grid(POLICIES, [2.5], [SENS_RATE])
     return studies
@@ -314,8 +318,34 @@ def sim_section(res: Results, profile, setup: SimSetup, rates, reduced: bool, ou
                  for s in (1.0, 2.5) for d in (True, False)]
         md.append(f"| {LABEL[p]} | " + " | ".join(cells) + " |")
     md += [""]
+    md += victims_md(res)
     claims = reproduction(res, rates)
     return md, claims
+
+
+def victims_md(res: Results) -> list[str]:
+    """Paper Fig. 13c: OrbitFlow with each pause-victim rule; a rule is called better or worse only where the intervals
+    do not overlap."""
+    rules = ["orbitflow", *VICTIM_RULES]
+    md = ["## Pause victims (paper Fig. 13c)", "",
+          f"OrbitFlow with each pause-victim rule, SLO scale {SENS_SLO:g}, rate scale {SENS_RATE:g}, with "
+          f"Token-Deposit (OrbitFlow's own rule is the paper's: the most KV blocks plus deposited tokens; of equals, "
+          f"the newest).", ""]
+    md += policy_table(res, SENS_SLO, [SENS_RATE], policies=rules) + [""]
+    calls = []
+    for rule in VICTIM_RULES:
+        for metric, name in (("tbt_attainment", "TBT attainment"), ("tpot_attainment", "TPOT attainment"),
+                             ("e2e_mean_s", "mean E2E"), ("num_pauses", "pauses")):
+            ours, theirs = (res.cell(metric, p, SENS_SLO, [SENS_RATE]) for p in ("orbitflow", rule))
+            key = "e2e_mean_s" if metric == "num_pauses" else metric  # fewer pauses is better, as a shorter E2E
+            ahead, behind = better(ours, theirs, key), better(theirs, ours, key)
+            if ahead or behind:
+                calls.append(f"{name}: OrbitFlow's rule {'better' if ahead else 'worse'} than "
+                             f"{LABEL[rule].split(', ', 1)[1]}")
+    md += [("Where the intervals do not overlap: " + "; ".join(calls) + ".") if calls else
+           "The intervals overlap on TBT and TPOT attainment, mean E2E and pauses for every rule: no rule is called "
+           "better here.", ""]
+    return md
 
 
 def reproduction(res: Results, rates) -> dict:
