@@ -12,8 +12,8 @@ for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxatio
 the preemptive link on the engine), engine_vs_hf (benchmarks/engine_vs_hf.py), host_copy_bound
 (benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), sim_fidelity and sim_fidelity_tight
 (benchmarks/sim_vs_engine.py), tensor_parallel (benchmarks/tensor_parallel.py), cluster (benchmarks/cluster_sim.py); all
-of them with --stages all (OTHER_STAGES has each one's command). The GPU, planner-beside-the-engine and victims
-fragments come from the runs they name.
+of them with --stages all (OTHER_STAGES has each one's command). The GPU and planner-beside-the-engine fragments
+come from the runs they name.
 The page always includes whichever fragments exist. Every simulator run is appended to a cache
 (docs/results/sim_runs.jsonl); --resume reuses the cached runs of the same setup, so an interrupted
 regeneration picks up where it stopped.
@@ -666,7 +666,7 @@ def main() -> None:
             + (f", {info['reused']} of them reused from the cache of an earlier invocation (`--resume`), so the "
                f"time above is this invocation's only" if info.get("reused") else "") + ". "
             f"`--stages all` also re-runs the benchmarks whose fragments (`docs/results/<name>.md`) are included below "
-            f"({', '.join(OTHER_STAGES)}); the other sections (GPU, the planner beside the engine, victims) come from "
+            f"({', '.join(OTHER_STAGES)}); the other sections (GPU, the planner beside the engine) come from "
             f"the runs they name; `--resume` continues an interrupted run from "
             "`docs/results/sim_runs.jsonl`. `orbitflow simulate` with no flags runs the headline grid alone.", ""]
     page += sim_md
