@@ -81,7 +81,7 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"),
              ("host_copy_bound", "Half on host: the copy's own cost"),
              ("host_layer_cost", "What reading prefetched KV adds to the compute"), ("serving", "Serving"),
-             ("tensor_parallel", "Tensor parallelism"),
+             ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
              ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),
              ("cluster", "Scale-out: routers on a simulated cluster"))
 OTHER_STAGES = {
@@ -672,6 +672,9 @@ def main() -> None:
     page += sim_md
     for name, title in FRAGMENTS:
         path = out_dir / f"{name}.md"
+        if name == "victims" and "## Pause victims" in "\n".join(sim_md):
+            path.unlink(missing_ok=True)  # the simulator section has its own now; the older fragment is gone for good
+            continue
         if path.exists():
             text = path.read_text().strip()
             if not text.startswith("## "):  # a fragment that opens with a subsection still gets its title
