@@ -6,7 +6,7 @@ on Ray Serve. For each replica count and seed one trace is drawn (Poisson arriva
 paper's per-engine rate x N, the long-context length mix scaled by `--token-scale`, with the device KV budget
 scaled alike) and replayed under every router, so the routers see the same requests at the same load.
 
-    python benchmarks/cluster_sim.py                      # 16 and 64 replicas, 3 seeds, table + plot
+    python benchmarks/cluster_sim.py                      # 16 and 64 replicas, 5 seeds, table + plot
     python benchmarks/cluster_sim.py --md docs/results/cluster.md --plot docs/results/cluster.png
     python benchmarks/cluster_sim.py --quick              # 4 replicas, 2 seeds: a smoke run
 """
@@ -226,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        # a re-render keeps the runs' own command and commit
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
-                                         "elapsed_s": elapsed, "machine": machine, "command": cmd,
-                                         "commit": commit}, indent=1))
+                                         "elapsed_s": elapsed, "machine": machine,
+                                         "command": saved.get("command", cmd), "commit": commit_of_runs or commit},
+                                        indent=1))
     if args.plot:
         plot(rows, args.plot)
     if args.md:
@@ -248,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             f"scaled alike ({args.device_kv_fraction:g} of the largest batch), max {args.max_num_seqs} sequences "
             f"per replica, noise CV {args.noise_cv:g}, solver time `{args.solver_time}`; seeds "
             f"{args.first_seed}..{args.first_seed + args.seeds - 1}; mean ± 95% CI (Student t) over seeds; a win or "
-            f"loss below is the paired per-seed difference's CI excluding 0. The routers' own what-if solves are not "
-            f"charged (on Ray Serve the replicas compute their what-if tables in the background). "
+            f"loss below is the paired per-seed difference's CI excluding 0 (one test per metric and router, no "
+            f"correction for their number: about one call in twenty may be chance). The routers' own what-if solves "
+            f"are not charged (on Ray Serve the replicas compute their what-if tables in the background). "
             f"In the simulator the router asks each replica exactly; on Ray Serve it reads the replicas' routing "
             f"stats (every 0.5 s: state and a what-if table over a grid of request sizes, rounded up).",
             "",

@@ -159,6 +159,9 @@ def hf_runner(hf: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, p
     extra = {"cache_implementation": "static"} if cache == "static" else {}
 
     def run() -> tuple[float, float]:
+        # generate sizes a StaticCache for the longest run so far on this model (to spare torch.compile a
+        # recompile): a short point after a long one would attend over, and allocate, the long one's length
+        hf.__dict__.pop("_previous_max_cache_length", None)
         stamps = _TokenStamps()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -266,7 +269,8 @@ def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threa
         "",
         f"SmolLM2-135M, float32, greedy, {args.tokens} new tokens per prompt, seeded random prompts (seed "
         f"{args.seed}) of exactly `context` tokens, placement none, median of {args.repeats} interleaved "
-        f"repeats (ours, transformers, ours, ...); ranges are over the paired repeats. Transformers is "
+        f"repeats (ours, then transformers with each cache, then ours again, ...); ranges are over the paired "
+        f"repeats. Transformers is "
         f"`LlamaForCausalLM.generate` with SDPA attention in the same process, with each KV cache of "
         f"{', '.join(args.hf_cache)}; each figure is compared with the better of them (the 'HF cache' beside it). "
         f"Peak RSS is the growth of the "

@@ -91,8 +91,8 @@ class Plan:
 
     ``placement`` is None when no placement is feasible (then ``victims`` gives the pause order).
     ``expiry_step``: the first step at which the plan overflows memory (within ``max_steps``) or, before its
-    window ends, some other feasible plan is strictly faster; None if neither. :attr:`replan_step` is when
-    the runtime calls the planner again.
+    window ends and not before the window's least length (``min_steps``, the paper's Delta_min), some other feasible
+    plan is strictly faster; None if neither. :attr:`replan_step` is when the runtime calls the planner again.
     """
 
     request_ids: tuple[Hashable, ...]
