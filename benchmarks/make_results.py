@@ -330,7 +330,7 @@ def victims_md(res: Results) -> list[str]:
     md = ["## Pause victims (paper Fig. 13c)", "",
           f"OrbitFlow with each pause-victim rule, SLO scale {SENS_SLO:g}, rate scale {SENS_RATE:g}, with "
           f"Token-Deposit (OrbitFlow's own rule is the paper's: the most KV blocks plus deposited tokens; of equals, "
-          f"the newest).", ""]
+          f"the one admitted or resumed last).", ""]
     md += policy_table(res, SENS_SLO, [SENS_RATE], policies=rules) + [""]
     calls = []
     for rule in VICTIM_RULES:

@@ -3,6 +3,8 @@ executor's part with hand-made StepResults and checks queues, Pause-Resume and t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from scripted_policies import CapPolicy, CrowdedPolicy
 
@@ -160,6 +162,49 @@ def test_a_newcomer_does_not_pause_a_request_resumed_in_the_same_pass():
     assert ids(sched.running) == ["c", "a"] and ids(sched.waiting) == ["d"]
     run(sched, out)
     assert len(a.output_ids) == outputs + 1
+
+
+class ListPolicy(CapPolicy):
+    """Feasible while the batch has at most `cap` requests (1 with d in it); otherwise the first of `victims` in the
+    batch."""
+
+    def __init__(self, cap: int, victims: list[str]):
+        super().__init__(cap)
+        self.victims = victims
+
+    def plan(self, requests, ctx):
+        ids = [r.request_id for r in requests]
+        cap = self.cap
+        self.cap = 1 if "d" in ids else cap
+        try:
+            plan = super().plan(requests, ctx)
+        finally:
+            self.cap = cap
+        return plan if plan.feasible else dataclasses.replace(plan, victims=tuple(v for v in self.victims if v in ids))
+
+
+def test_a_newcomer_refused_after_all_pauses_nobody():
+    """Admitting d takes two victims in turn: b, then a, resumed in this pass, which d may not pause. d waits, and b,
+    set aside on the way, is not paused for nothing (it was, and then waited for a completion)."""
+    policy = ListPolicy(cap=3, victims=["a"])
+    sched = make_scheduler(policy)
+    a = add(sched, "a", max_tokens=100)
+    add(sched, "b", max_tokens=100)
+    add(sched, "c", max_tokens=100)
+    run(sched, sched.schedule())
+    policy.cap = 2
+    sched.controller.forget()
+    out = sched.schedule()
+    run(sched, out)
+    assert out.paused_ids == ["a"]
+    policy.victims = ["b", "a"]
+    add(sched, "d", max_tokens=100, arrival=1.0)
+    sched.finish_requests(["c"], "length")
+    sched.take_finished()
+    out = sched.schedule()  # a is back beside b; d would need b and then a set aside
+    assert out.resumed_ids == ["a"] and not out.paused_ids and a.status is Status.RUNNING
+    assert ids(sched.running) == ["b", "a"] and ids(sched.waiting) == ["d"]
+    assert sched.controller.plan is not None and sched.controller.plan_ids == ["b", "a"]
 
 
 def test_a_paused_request_is_not_resumed_when_that_would_pause_someone():

@@ -59,8 +59,10 @@ VictimOrder = Callable[[Sequence[PlanRequest]], list[Hashable]]
 
 
 def _newest_first_by(reqs: Sequence[PlanRequest], key: Callable[[PlanRequest], float]) -> list[Hashable]:
-    """Ids by ``key``, least first; among equals the one latest in the batch (the newest) first, so requests that the
-    rule cannot tell apart keep their order of arrival (a newcomer does not pause the one before it)."""
+    """Ids by ``key``, least first; among equals the one latest in the batch first. The engine's batch is the running
+    requests in the order they were admitted or resumed, then the newcomer: so a newcomer does not pause an equal
+    request before it, and requests of one size are served in the order they were let in (a resumed request counts
+    from its resumption)."""
     return [reqs[i].request_id for i in sorted(range(len(reqs)), key=lambda i: (key(reqs[i]), -i))]
 
 

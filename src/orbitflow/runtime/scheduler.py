@@ -17,7 +17,8 @@ needed), so it sits in its own `paused` queue rather than back in `waiting` as a
 vLLM, and it comes back under its own gate: only after some in-flight request has completed (the paper's
 rule: without it, measurement noise flips feasibility and requests thrash), and only when a plan holds it
 without pausing anyone. Paused requests come before new ones, most-paused first, so none starves, and a new
-request does not pause one resumed in the same pass.
+request does not pause one resumed in the same pass. The victims a new request needs are set aside and paused only
+once a plan holds it: if it must wait after all, nobody was paused for it.
 A layer's blocks live in one pool, so a lone request can outgrow every split of its layers between the device
 budget and the host KV the paused requests leave, though the pools hold everyone (admission's check): it is then
 paused too, and a paused request runs in its place (`_blocked_by_paused`). When no paused request can run beside
@@ -232,16 +233,24 @@ class Scheduler:
         return ok
 
     def _plan_with(self, cand: Request) -> bool | None:
-        """Find a feasible plan for the running batch plus `cand`, pausing the policy's victims; False when
-        `cand` must keep waiting (it would be the victim, or it is a paused request and someone would be); None
-        when it cannot run even alone while other paused requests hold the host KV it needs (`_blocked_by_paused`:
-        the next candidate may run instead)."""
+        """Find a feasible plan for the running batch plus `cand`, setting the policy's victims aside; they are paused
+        only once a plan holds `cand`. False when `cand` must keep waiting, and nobody is paused (it would be the
+        victim, or overtake a request resumed in this pass, or it is a paused request and someone would be, or it
+        cannot run even alone beside the running requests' KV); None when it cannot run even alone while other paused
+        requests hold the host KV it needs (`_blocked_by_paused`: the next candidate may run instead)."""
         resuming = cand.status is Status.PAUSED
+        aside: list[Request] = []
         while True:
-            trial = self.running + [cand]
+            trial = [r for r in self.running if r not in aside] + [cand]
             plan = self.controller.solve(self._plan_requests(trial), self.step, "batch")
             if plan.feasible:
+                for victim in aside:  # the plan just installed is the one for the batch without them
+                    self._pause_request(victim, keep_plan=True)
                 return True
+            if len(trial) == 1 and aside:
+                self.controller.forget()  # not even alone beside the running requests' KV: it waits for them
+                self._admission_blocked_at = self._batch_version
+                return False
             if len(trial) == 1:
                 if self._blocked_by_paused(cand):
                     self.controller.forget()
@@ -257,7 +266,7 @@ class Scheduler:
                 self.controller.forget()
                 self._admission_blocked_at = self._batch_version
                 return False  # it would be paused at once, or overtake: keep it waiting until load allows
-            self._pause_request(victim)
+            aside.append(victim)
 
     @property
     def prefetch_slots(self) -> int:
@@ -341,9 +350,9 @@ class Scheduler:
                     return by_id[rid]
         return batch[-1]
 
-    def _pause_request(self, req: Request) -> None:
+    def _pause_request(self, req: Request, keep_plan: bool = False) -> None:
         """The one place a request is paused: its status, counters, the KV manager (its device layers become
-        evictable) and the plan (dropped: the batch changed)."""
+        evictable) and the plan (dropped: the batch changed; kept when it was solved for the batch without `req`)."""
         self.running.remove(req)
         req.status = Status.PAUSED
         req.num_pauses += 1
@@ -354,7 +363,8 @@ class Scheduler:
         self._batch_version += 1
         if req.request_id in self.kv.tables:
             self.kv.pause(req.request_id)
-        self.controller.forget()
+        if not keep_plan:
+            self.controller.forget()
 
     def _recompute(self, req: Request) -> None:
         """The one place a paused request gives up its KV (vLLM's recompute preemption): it waits again, in its
