@@ -141,10 +141,10 @@ def test_a_lone_request_paused_in_its_chunked_prefill_steps_aside_instead_of_fai
     assert sched.kv.usage() == (0, 0)
 
 
-def test_a_newcomer_does_not_pause_a_request_resumed_in_the_same_pass():
-    """Resumed, a paused request is back in line ahead of the newcomers: a new request that would pause it again in
-    the same schedule() waits instead (it was paused again there each time, ran nothing, and each newcomer overtook
-    it)."""
+def test_a_request_back_from_a_pause_may_be_the_victim_again_of_a_newcomer():
+    """Paper 4.4: when the server is overloaded again, the victim may be "a new or previously paused request", even
+    one resumed in the same pass (keeping it and making the newcomer wait cost TPOT attainment on the simulator:
+    0.909 -> 0.872 at SLO scale 1, rate scale 3, 5 seeds). It is paused again, keeps its KV, and the newcomer runs."""
     sched = make_scheduler(CapPolicy(cap=2, victim="a"))
     a = add(sched, "a", max_tokens=100)
     add(sched, "b", max_tokens=100)
@@ -153,15 +153,12 @@ def test_a_newcomer_does_not_pause_a_request_resumed_in_the_same_pass():
     out = sched.schedule()
     run(sched, out)
     assert out.paused_ids == ["a"]
-    outputs = len(a.output_ids)
     add(sched, "d", max_tokens=100, arrival=2.0)
     sched.finish_requests(["b"], "length")
     sched.take_finished()
-    out = sched.schedule()  # b's end opens the gate: a is back, and d waits behind it
-    assert out.resumed_ids == ["a"] and not out.paused_ids and a.status is Status.RUNNING
-    assert ids(sched.running) == ["c", "a"] and ids(sched.waiting) == ["d"]
-    run(sched, out)
-    assert len(a.output_ids) == outputs + 1
+    out = sched.schedule()
+    assert out.resumed_ids == ["a"] and out.paused_ids == ["a"] and a.status is Status.PAUSED and a.num_pauses == 2
+    assert ids(sched.running) == ["c", "d"] and "a" in sched.kv.tables and sched.controller.plan_ids == ["c", "d"]
 
 
 class ListPolicy(CapPolicy):
@@ -184,8 +181,8 @@ class ListPolicy(CapPolicy):
 
 
 def test_a_newcomer_refused_after_all_pauses_nobody():
-    """Admitting d takes two victims in turn: b, then a, resumed in this pass, which d may not pause. d waits, and b,
-    set aside on the way, is not paused for nothing (it was, and then waited for a completion)."""
+    """Admitting d takes two victims in turn: b, then d itself. d waits, and b, set aside on the way, is not paused
+    for nothing (it was, and then waited for a completion)."""
     policy = ListPolicy(cap=3, victims=["a"])
     sched = make_scheduler(policy)
     a = add(sched, "a", max_tokens=100)
@@ -197,11 +194,11 @@ def test_a_newcomer_refused_after_all_pauses_nobody():
     out = sched.schedule()
     run(sched, out)
     assert out.paused_ids == ["a"]
-    policy.victims = ["b", "a"]
+    policy.victims = ["b", "d"]
     add(sched, "d", max_tokens=100, arrival=1.0)
     sched.finish_requests(["c"], "length")
     sched.take_finished()
-    out = sched.schedule()  # a is back beside b; d would need b and then a set aside
+    out = sched.schedule()  # a is back beside b; d would need b set aside, and then itself
     assert out.resumed_ids == ["a"] and not out.paused_ids and a.status is Status.RUNNING
     assert ids(sched.running) == ["b", "a"] and ids(sched.waiting) == ["d"]
     assert sched.controller.plan is not None and sched.controller.plan_ids == ["b", "a"]
@@ -387,18 +384,20 @@ def serve_all(sched: Scheduler, arrivals: list[tuple[str, int, int, int]], slo_s
     raise AssertionError(f"still live after {steps} steps: {[r.request_id for r in reqs if not r.finished]}")
 
 
-def test_a_request_resumed_when_the_batch_shrinks_runs_instead_of_thrashing():
-    """Found by a random search of small pools (it was the scenario of the step-aside rule). a is paused for b (a rule
-    that takes the oldest of equals: the three have 4 blocks per layer then); when c ends, a resumed and was paused
-    again in the same step, and later b outgrew the room a's KV left and had to step aside. Now a runs to its end once
-    back, and b never pauses."""
+def test_a_lone_request_that_outgrows_the_room_paused_requests_leave_steps_aside_for_them():
+    """Found by a random search of small pools. a is paused (4 blocks x 4 layers, all on the 27-block host) and b
+    runs alone; grown to 6 blocks per layer, b fits the 23-block device with 2 layers and its prefetch buffer, so 2
+    must go to the host, where 11 blocks are left beside a. It used to end with NO_FIT though the pools hold both
+    (admission's check) and b alone; now it is paused, a resumes and ends, then b resumes and ends. The three have 4
+    blocks per layer when b arrives: a victim rule that takes the oldest of equals pauses a for b (the default rule
+    makes b wait)."""
     sched = orbitflow_scheduler(device_blocks=23, host_blocks=27, victim=oldest_of_the_largest)
     reqs, outs, ended = serve_all(sched, [("a", 45, 13, 0), ("c", 52, 29, 0), ("b", 58, 27, 5)], slo_s=1e-4)
     assert [(r.request_id, r.error, len(r.output_ids)) for r in reqs] == [("a", None, 13), ("c", None, 29),
                                                                           ("b", None, 27)]
-    assert [(i, o.paused_ids, o.resumed_ids) for i, o in enumerate(outs) if o.paused_ids or o.resumed_ids] == [
-        (5, ["a"], []), (ended["c"] + 1, [], ["a"])]
-    assert ended["a"] < ended["b"]
+    steps_b_paused = [i for i, o in enumerate(outs) if "b" in o.paused_ids]
+    assert len(steps_b_paused) == 1 and "a" in outs[steps_b_paused[0] + 1].resumed_ids
+    assert [i for i, o in enumerate(outs) if "b" in o.resumed_ids][0] > ended["a"]  # b waits for a to end
     assert sched.kv.usage() == (0, 0) and not sched.has_work()
 
 

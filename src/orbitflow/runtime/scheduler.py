@@ -16,9 +16,10 @@ Pause-Resume. A paused request keeps its KV (its device layers are evicted lazil
 needed), so it sits in its own `paused` queue rather than back in `waiting` as a preempted request would in
 vLLM, and it comes back under its own gate: only after some in-flight request has completed (the paper's
 rule: without it, measurement noise flips feasibility and requests thrash), and only when a plan holds it
-without pausing anyone. Paused requests come before new ones, most-paused first, so none starves, and a new
-request does not pause one resumed in the same pass. The victims a new request needs are set aside and paused only
-once a plan holds it: if it must wait after all, nobody was paused for it.
+without pausing anyone. Paused requests come before new ones, most-paused first; once back, a request may be chosen as
+a victim again if a newcomer overloads the batch (the paper's "a new or previously paused request"). The victims a
+new request needs are set aside and paused only once a plan holds it: if it must wait after all, nobody was paused for
+it.
 A layer's blocks live in one pool, so a lone request can outgrow every split of its layers between the device
 budget and the host KV the paused requests leave, though the pools hold everyone (admission's check): it is then
 paused too, and a paused request runs in its place (`_blocked_by_paused`). When no paused request can run beside
@@ -235,8 +236,8 @@ class Scheduler:
     def _plan_with(self, cand: Request) -> bool | None:
         """Find a feasible plan for the running batch plus `cand`, setting the policy's victims aside; they are paused
         only once a plan holds `cand`. False when `cand` must keep waiting, and nobody is paused (it would be the
-        victim, or overtake a request resumed in this pass, or it is a paused request and someone would be, or it
-        cannot run even alone beside the running requests' KV); None when it cannot run even alone while other paused
+        victim, or it is a paused request and someone would be, or it cannot run even alone beside the running
+        requests' KV); None when it cannot run even alone while other paused
         requests hold the host KV it needs (`_blocked_by_paused`: the next candidate may run instead)."""
         resuming = cand.status is Status.PAUSED
         aside: list[Request] = []
@@ -259,13 +260,13 @@ class Scheduler:
                 return True
             victim = self._victim(plan, trial)
             # A paused request comes back only when a plan holds it without pausing anyone (the overload
-            # has cleared); until then nobody overtakes it, so it cannot starve. That holds after it is back too:
-            # a newcomer does not pause a request resumed in this very pass (it would be back where it was, having
-            # run nothing, with the newcomer ahead of it).
-            if resuming or victim is cand or victim.request_id in self._out.resumed_ids:
+            # has cleared); until then no new request overtakes it. Once back it is a running request like any other:
+            # if a newcomer overloads the batch again, the policy may choose it as the victim again (paper 4.4: "a
+            # new or previously paused request"), even in the same pass.
+            if resuming or victim is cand:
                 self.controller.forget()
                 self._admission_blocked_at = self._batch_version
-                return False  # it would be paused at once, or overtake: keep it waiting until load allows
+                return False  # it would be paused at once: keep it waiting until load allows
             aside.append(victim)
 
     @property
