@@ -31,7 +31,7 @@ from orbitflow.plan.hardware import resolve_profile
 from orbitflow.runtime.routing import ROUTERS
 from orbitflow.sim.cluster import simulate_cluster
 from orbitflow.sim.runner import sim_config
-from orbitflow.sim.sweep import DEFAULT_NOISE_CV, largest_batch_blocks, mean_ci95, paper_trace
+from orbitflow.sim.sweep import DEFAULT_NOISE_CV, HIGHER_IS_BETTER, largest_batch_blocks, mean_ci95, paper_trace
 
 METRICS = ("tbt_attainment", "tpot_attainment", "p95_ttft_s", "e2e_mean_s", "throughput_rpm", "tokens_per_s")
 HEADERS = {"tbt_attainment": "TBT attainment", "tpot_attainment": "TPOT attainment", "p95_ttft_s": "p95 TTFT (s)",
@@ -118,7 +118,7 @@ def reading(rows: list[dict]) -> list[str]:
             continue
         verdicts = []
         for metric in METRICS:
-            higher = metric not in ("p95_ttft_s", "e2e_mean_s")
+            higher = HIGHER_IS_BETTER[metric]
             for other in (r for r in rows if r["replicas"] == n and r["router"] != "slo-aware"):
                 d = paired_difference(slo[metric], other[metric])
                 if d["mean"] is None or d["n"] < 2 or abs(d["mean"]) <= d["ci95"]:

@@ -338,21 +338,15 @@ def victims_md(res: Results) -> list[str]:
                              ("e2e_mean_s", "mean E2E"), ("num_pauses", "pauses")):
             ours, theirs = (res.cell(metric, p, SENS_SLO, [SENS_RATE]) for p in ("orbitflow", rule))
             key = "e2e_mean_s" if metric == "num_pauses" else metric  # fewer pauses is better, as a shorter E2E
-            ahead, behind = better(ours, theirs, key), better(theirs, ours, key)
-            if ahead or behind:
-                if metric == "num_pauses":
-                    verdict = "fewer" if ahead else "more"
-                else:
-                    verdict = "better" if ahead else "worse"
-                calls.append(f"{name}: OrbitFlow's rule {verdict} than the rule that would "
+            call = verdict(ours, theirs, key)
+            if call != "tie":
+                words = ("fewer", "more") if metric == "num_pauses" else ("better", "worse")
+                calls.append(f"{name}: OrbitFlow's rule {words[call != 'win']} than the rule that would "
                              f"{LABEL[rule].split(', ', 1)[1]}")
     md += [("Where the intervals do not overlap: " + "; ".join(calls) + ".") if calls else
            "The intervals overlap on TBT and TPOT attainment, mean E2E and pauses for every rule: no rule is called "
            "better here.", ""]
     return md
-
-
-FACTS: dict[str, str] = {}  # sentences of explain() that depend on the results, set by reproduction()
 
 
 def _order_of_baselines(res: Results, rates) -> str:
@@ -374,13 +368,11 @@ def _request_wise_vs_uniform(res: Results) -> str:
     if better(a, b, "tbt_attainment"):
         return ("request-wise placement beats Batch-Uniform with intervals clear of each other, but by less than "
                 "Pause-Resume")
-    return "request-wise placement adds nothing over Batch-Uniform that the intervals can tell (they overlap)"
+    return "request-wise placement adds nothing over Batch-Uniform that the intervals can tell: they overlap"
 
 
 def reproduction(res: Results, rates) -> dict:
     """Every number the paper's evaluation states that this simulator can produce: (paper, ours, note)."""
-    FACTS["order"] = _order_of_baselines(res, rates)
-    FACTS["request_wise"] = _request_wise_vs_uniform(res)
     rows = []
 
     def add(what, paper, ours: dict, unit=""):
@@ -439,7 +431,9 @@ def reproduction(res: Results, rates) -> dict:
                                                    / r["makespan_s"])
     add("Planner share of serving time, SLO 1.5 (paper: 0.02%)", 0.0002, mean_ci95(np.mean(v) for v in share.values()),
         "%")
-    return {"rows": rows}
+    # the sentences of explain() that depend on the results
+    facts = {"order": _order_of_baselines(res, rates), "request_wise": _request_wise_vs_uniform(res)}
+    return {"rows": rows, "facts": facts}
 
 
 NOTES = {
@@ -477,21 +471,21 @@ def reproduction_md(claims: dict) -> list[str]:
         md += ["Differences above 25%, grouped by reason:", ""]
         reasons: dict[str, list[str]] = {}
         for what in off:
-            reasons.setdefault(explain(what), []).append(what)
+            reasons.setdefault(explain(what, claims["facts"]), []).append(what)
         for why, whats in reasons.items():
             md.append(f"- {'; '.join(whats)}: {why}")
         md += [""]
     return md
 
 
-def explain(what: str) -> str:
-    """The reason behind a difference, by claim family."""
+def explain(what: str, facts: dict[str, str]) -> str:
+    """The reason behind a difference, by claim family; ``facts``: the sentences that depend on the results."""
     w = what.lower()
     if "gain over the best baseline" in w:
         return ("at SLO scale 1 the SLO is the step of a batch whose KV just fills the device budget, so any batch "
                 "that must offload misses it on compute alone, whatever the link or the placement: attainment there "
                 "comes from keeping the batch within the budget, which only Pause-Resume does, and the baselines "
-                f"lose more than the paper's; {FACTS.get('order', 'see the headline table for the baselines')}.")
+                f"lose more than the paper's; {facts['order']}.")
     if "over 75%" in w:
         return "the paper states a lower bound ('over 75%'), which ours meets."
     if "p95" in w or "p99" in w:
@@ -509,7 +503,7 @@ def explain(what: str) -> str:
         return ("throughput over the makespan follows from how much slower the baselines' steps are here "
                 "(see the P95 rows); the direction matches the paper's.")
     if "ablation" in w:
-        return (f"in this simulator Pause-Resume carries most of the gain ({FACTS.get('request_wise', '')}): at SLO "
+        return (f"in this simulator Pause-Resume carries most of the gain ({facts['request_wise']}): at SLO "
                 "scale 1 a batch that must offload misses the SLO on compute alone, so no placement rescues it, and "
                 "only setting a request aside does.")
     if "token-deposit" in w:
