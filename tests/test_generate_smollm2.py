@@ -61,6 +61,26 @@ def test_every_placement_matches_transformers(loaded, reference, spec):
     assert outputs == reference
 
 
+@pytest.mark.parametrize("spec", ["none", "distance:3"])
+def test_split_k_decode_matches_transformers(loaded, reference, spec, monkeypatch):
+    """Decode attention cut into stretches merged by logsumexp (split-K: what rows of 2048 tokens or more get on a
+    CPU with 2 threads) gives transformers' tokens; forced here on short prompts, device rows and staged ones."""
+    from orbitflow.model import attention
+
+    real_flash, real_splits, batches = attention._CPU_FLASH, attention.decode_splits, []
+
+    def flash(query, *args, **kwargs):
+        batches.append(query.shape[0])
+        return real_flash(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "SPLIT_MIN_TOKENS", 2)
+    monkeypatch.setattr(attention, "decode_splits", lambda heads, context, threads: real_splits(heads, context, 2))
+    monkeypatch.setattr(attention, "_CPU_FLASH", flash)
+    outputs, _ = generate(loaded, spec)
+    assert batches and max(batches) == 2, "no decode step was split: the test would prove nothing"
+    assert outputs == reference
+
+
 def test_batched_equals_alone(loaded, reference):
     alone = [generate(loaded, "distance:2", [p])[0][0] for p in PROMPTS[:2]]
     assert alone == reference[:2]

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from orbitflow.kv.pool import BlockPool
-from orbitflow.model.attention import DenseKVAttention, causal_attention, decode_attention
+from orbitflow.model import attention
+from orbitflow.model.attention import (
+    DenseKVAttention,
+    _grouped_decode,
+    causal_attention,
+    decode_attention,
+    decode_splits,
+)
 
 
 def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -97,3 +104,37 @@ def test_decode_attention_rows_of_mixed_lengths_over_pool_views(num_heads: int, 
     for b, (k4, v4) in enumerate(views):  # and bit-identical to the prefill/chunk path on the same KV
         alone = causal_attention(q[b:b + 1], k4[0].transpose(0, 1), v4[0].transpose(0, 1), head_dim**-0.5)
         assert torch.equal(got[b:b + 1], alone)
+
+
+@pytest.mark.parametrize("num_kv_heads,context,threads,splits", [
+    (3, 8192, 2, 2),  # SmolLM2-135M on 2 threads: 3 items a call would keep one thread idle a third of the time
+    (3, 8192, 4, 4), (3, 8192, 16, 8),  # as many as threads need, down to stretches of SPLIT_MIN_TOKENS
+    (3, 2047, 2, 1),  # a stretch would be shorter than SPLIT_MIN_TOKENS
+    (3, 8192, 1, 1), (4, 8192, 2, 1), (2, 8192, 4, 2),  # one thread, or heads that already divide evenly
+])
+def test_decode_splits_give_every_thread_an_equal_share(num_kv_heads, context, threads, splits) -> None:
+    assert attention.SPLIT_MIN_TOKENS == 1024
+    assert decode_splits(num_kv_heads, context, threads) == splits
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5, 200])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
+def test_split_decode_matches_naive_over_pool_views(splits: int, num_heads: int, num_kv_heads: int) -> None:
+    """Split-K (stretches of a row's keys as one batched call, merged by logsumexp) equals the naive attention
+    over the whole row: lengths that leave a tail, a row shorter than the splits, views of a run and gathered
+    copies alike."""
+    gen = torch.Generator().manual_seed(splits)
+    head_dim, block = 16, 8
+    lengths = [70, 33, 3, 16, 1]
+    pool = BlockPool("device", 64, block, num_kv_heads, head_dim, address_blocks=128)
+    for b, length in enumerate(lengths):
+        ids = pool.allocate(-(-length // block))
+        if b % 2:
+            ids = [int(x) for x in ids[::-1]]
+        k = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        pool.write(ids, 0, k, v)
+        q = torch.randn(1, num_heads, head_dim, generator=gen)
+        k4, v4 = pool.heads_view(ids, length)
+        got = _grouped_decode(q, k4, v4, head_dim**-0.5, splits)
+        torch.testing.assert_close(got, naive_causal_attention(q, k, v, head_dim**-0.5), atol=1e-5, rtol=1e-5)

@@ -4,6 +4,7 @@ The model owns no KV cache: each decoder layer hands its RoPE'd q/k/v for the pa
 `AttentionBackend`, which stores k/v wherever it likes and returns the attention output.
 """
 
+import math
 from collections.abc import Hashable
 from typing import Protocol
 
@@ -29,12 +30,12 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     context = k.shape[0]
     gqa = num_heads != k.shape[1]
     # SDPA layout [batch=1, heads, tokens, head_dim], as transformers calls it.
-    q4 = q.transpose(0, 1).unsqueeze(0)
     k4 = k.transpose(0, 1).unsqueeze(0)
     v4 = v.transpose(0, 1).unsqueeze(0)
-    if n == 1:
-        out = F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=gqa)
-    elif n == context:
+    if n == 1:  # one token: the decode kernel, so a chunk of one equals a decode step bit for bit
+        return _grouped_decode(q, k4, v4, scale, decode_splits(k4.shape[1], context, torch.get_num_threads()))
+    q4 = q.transpose(0, 1).unsqueeze(0)
+    if n == context:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         query_positions = torch.arange(context - n, context, device=q.device)
@@ -44,21 +45,70 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out.transpose(1, 2).reshape(n, num_heads * head_dim)
 
 
+# Split-K on the CPU: SDPA's CPU kernel shares a call's (batch x head) items among the intra-op threads, each item
+# reading all of its keys, so one row of SmolLM2's 3 KV heads keeps 2 threads busy for 2 items' time of 3 (a
+# batched call over rows, as transformers makes over its static cache, keeps them all busy). A long row is cut into
+# `splits` equal stretches, one call over them as a batch (views, no copy), then merged by their logsumexp.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Stretches of 1024 tokens gained (2048 x 4 rows: 1.08 vs 1.28 ms a layer), of 256 lost (512 x 4: 0.47 vs 0.35 ms), in
+# a microbenchmark over 8 layers' KV (out of cache, as in a step), SmolLM2-135M's heads, 2 threads.
+SPLIT_MIN_TOKENS = 1024
+
+
+def decode_splits(num_kv_heads: int, context: int, threads: int) -> int:
+    """Stretches to cut one row's `context` keys into on the CPU: enough for every one of `threads` threads to
+    get an equal share of the (stretch x KV head) items, each at least `SPLIT_MIN_TOKENS` long; 1 when no cut
+    helps (one thread, or the heads already divide evenly among the threads)."""
+    if threads <= 1 or num_kv_heads % threads == 0:
+        return 1
+    splits = threads // math.gcd(num_kv_heads, threads)
+    while splits > 1 and context // splits < SPLIT_MIN_TOKENS:
+        splits -= 1
+    return splits
+
+
+def _grouped_decode(q: Tensor, k: Tensor, v: Tensor, scale: float, splits: int = 1) -> Tensor:
+    """One token's attention over one sequence's K, V [1, Hkv, C, D] (any strides): q [1, Hq, D] -> [1, Hq * D].
+
+    Each KV head's group of query heads goes in as that many queries of it (q as [1, Hkv, Hq / Hkv, D]), as
+    transformers does under a mask: SDPA then reads every K and V row once for the group instead of once per
+    query head, with no mask (the token sees every key) and no copy (`enable_gqa` on the CPU costs about 1.8x
+    as much at 8192 tokens, SmolLM2-135M's heads). With `splits` > 1 (CPU tensors only), split-K as above.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    grouped = q.reshape(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if splits <= 1 or _CPU_FLASH is None or k.is_cuda:
+        out = F.scaled_dot_product_attention(grouped, k, v, scale=scale)
+        return out.reshape(1, num_heads * head_dim)
+    context = k.shape[2]
+    splits = min(splits, context)  # no empty stretch
+    stretch = context // splits
+    parts = []
+    for t in (k, v):
+        size, stride = (splits, num_kv_heads, stretch, head_dim), t.stride()
+        parts.append(t.as_strided(size, (stretch * stride[2], *stride[1:]), t.storage_offset()))
+    out, lse = _CPU_FLASH(grouped.expand(splits, -1, -1, -1), parts[0], parts[1], scale=scale)
+    if splits * stretch < context:  # the last (fewer than `splits`) keys
+        tail, tail_lse = _CPU_FLASH(grouped, k[:, :, splits * stretch:], v[:, :, splits * stretch:], scale=scale)
+        out, lse = torch.cat((out, tail)), torch.cat((lse, tail_lse))
+    weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # each stretch's share of the row's softmax mass
+    return (out * weights).sum(0).reshape(1, num_heads * head_dim)
+
+
 def decode_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]], scale: float) -> Tensor:
     """Attention of one new token per sequence over its whole KV (a decode step), one SDPA call per sequence.
 
     q: [B, Hq, D]; kv[b]: K, V of sequence b as [1, Hkv, C_b, D] (any strides, e.g. views of a paged pool;
-    lengths may differ). Returns [B, Hq * D], equal to `causal_attention` row by row. Separate calls over the
-    views beat one call over a padded copy on the CPU: at 2048 tokens x 4 rows (SmolLM2-135M's heads), 0.9 ms
-    vs 2.8 ms a layer (one-layer microbenchmark, 2 threads), the copy costing more than the batching saves.
+    lengths may differ). Returns [B, Hq * D], equal to `causal_attention` row by row (bit for bit: both use
+    `_grouped_decode`). Separate calls over the views beat one call over a padded copy on the CPU, the copy
+    costing more than the batching saves: 1.2 vs 1.8 ms a layer at 2048 tokens x 4 rows, 4.3 vs 8.9 ms at 8192
+    (SmolLM2-135M's heads, 2 threads, a microbenchmark over 8 layers' KV).
     """
-    batch, num_heads, head_dim = q.shape
-    gqa = num_heads != kv[0][0].shape[1]
-    q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
-    outputs = [F.scaled_dot_product_attention(q4[b:b + 1], k, v, scale=scale, enable_gqa=gqa)
+    threads = torch.get_num_threads()
+    outputs = [_grouped_decode(q[b:b + 1], k, v, scale, decode_splits(k.shape[1], k.shape[2], threads))
                for b, (k, v) in enumerate(kv)]
-    out = torch.cat(outputs) if batch > 1 else outputs[0]
-    return out.view(batch, num_heads * head_dim)
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 class _GrowingKV:
