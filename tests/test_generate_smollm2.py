@@ -64,21 +64,46 @@ def test_every_placement_matches_transformers(loaded, reference, spec):
 @pytest.mark.parametrize("spec", ["none", "distance:3"])
 def test_split_k_decode_matches_transformers(loaded, reference, spec, monkeypatch):
     """Decode attention cut into stretches merged by logsumexp (split-K: what rows of 2048 tokens or more get on a
-    CPU with 2 threads) gives transformers' tokens; forced here on short prompts, device rows and staged ones."""
+    CPU with 2 threads) gives transformers' tokens; forced here on short prompts. A decode step with copies
+    beside it (host layers) is not split (`ModelExecutor._decode_layer`)."""
     from orbitflow.model import attention
+    from orbitflow.runtime.executor import ModelExecutor
 
-    real_flash, real_splits, batches = attention._CPU_FLASH, attention.decode_splits, []
+    real_flash, real_splits, real_decode, real_layer = (attention._CPU_FLASH, attention.decode_splits,
+                                                        attention.decode_attention, ModelExecutor._decode_layer)
+    calls = []  # per decode layer: [the step has copies, split_k, the largest batch of stretches]
+
+    def decode_layer(self, st, *args):
+        calls.append([any(st.fetches.values()), None, 1])
+        return real_layer(self, st, *args)
+
+    def decode(q, kv, scale, split_k=True):
+        calls[-1][1] = split_k
+        return real_decode(q, kv, scale, split_k)
 
     def flash(query, *args, **kwargs):
-        batches.append(query.shape[0])
+        if calls:
+            calls[-1][2] = max(calls[-1][2], query.shape[0])
         return real_flash(query, *args, **kwargs)
 
     monkeypatch.setattr(attention, "SPLIT_MIN_TOKENS", 2)
-    monkeypatch.setattr(attention, "decode_splits", lambda heads, context, threads: real_splits(heads, context, 2))
+    monkeypatch.setattr(attention, "decode_splits", lambda heads, context, threads: real_splits(heads, context,
+                                                                                                 min(threads, 2)))
     monkeypatch.setattr(attention, "_CPU_FLASH", flash)
-    outputs, _ = generate(loaded, spec)
-    assert batches and max(batches) == 2, "no decode step was split: the test would prove nothing"
+    monkeypatch.setattr(attention, "decode_attention", decode)
+    monkeypatch.setattr(ModelExecutor, "_decode_layer", decode_layer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))  # split-K needs threads to share among
+    try:
+        outputs, _ = generate(loaded, spec)
+    finally:
+        torch.set_num_threads(threads)
     assert outputs == reference
+    assert all(split_k is (not copies) and (stretches == 2) is split_k for copies, split_k, stretches in calls)
+    if spec == "none":
+        assert any(split_k for _, split_k, _ in calls), "no decode step was split: the test would prove nothing"
+    else:
+        assert any(copies for copies, _, _ in calls), "no decode step had copies: the test would prove nothing"
 
 
 def test_batched_equals_alone(loaded, reference):

@@ -121,8 +121,8 @@ def test_decode_splits_give_every_thread_an_equal_share(num_kv_heads, context, t
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
 def test_split_decode_matches_naive_over_pool_views(splits: int, num_heads: int, num_kv_heads: int) -> None:
     """Split-K (stretches of a row's keys as one batched call, merged by logsumexp) equals the naive attention
-    over the whole row: lengths that leave a tail, a row shorter than the splits, views of a run and gathered
-    copies alike."""
+    over the whole row: lengths that leave a tail, a row shorter than the splits, views of a run, gathered copies
+    and staged copies alike."""
     gen = torch.Generator().manual_seed(splits)
     head_dim, block = 16, 8
     lengths = [70, 33, 3, 16, 1]
@@ -135,6 +135,8 @@ def test_split_decode_matches_naive_over_pool_views(splits: int, num_heads: int,
         v = torch.randn(length, num_kv_heads, head_dim, generator=gen)
         pool.write(ids, 0, k, v)
         q = torch.randn(1, num_heads, head_dim, generator=gen)
-        k4, v4 = pool.heads_view(ids, length)
-        got = _grouped_decode(q, k4, v4, head_dim**-0.5, splits)
-        torch.testing.assert_close(got, naive_causal_attention(q, k, v, head_dim**-0.5), atol=1e-5, rtol=1e-5)
+        expected = naive_causal_attention(q, k, v, head_dim**-0.5)
+        # the pool's view (or a gathered copy), and a staged copy's layout ([C, Hkv, D] read as [1, Hkv, C, D])
+        for k4, v4 in (pool.heads_view(ids, length), (k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))):
+            got = _grouped_decode(q, k4, v4, head_dim**-0.5, splits)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -96,16 +96,17 @@ def _grouped_decode(q: Tensor, k: Tensor, v: Tensor, scale: float, splits: int =
     return (out * weights).sum(0).reshape(1, num_heads * head_dim)
 
 
-def decode_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]], scale: float) -> Tensor:
+def decode_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]], scale: float, split_k: bool = True) -> Tensor:
     """Attention of one new token per sequence over its whole KV (a decode step), one SDPA call per sequence.
 
     q: [B, Hq, D]; kv[b]: K, V of sequence b as [1, Hkv, C_b, D] (any strides, e.g. views of a paged pool;
     lengths may differ). Returns [B, Hq * D], equal to `causal_attention` row by row (bit for bit: both use
-    `_grouped_decode`). Separate calls over the views beat one call over a padded copy on the CPU, the copy
-    costing more than the batching saves: 1.2 vs 1.8 ms a layer at 2048 tokens x 4 rows, 4.3 vs 8.9 ms at 8192
+    `_grouped_decode`; with `split_k` off no row is cut, where `decode_splits` might, and the last bits may
+    differ). Separate calls over the views beat one call over a padded copy on the CPU, the copy costing more
+    than the batching saves: 1.2 vs 1.8 ms a layer at 2048 tokens x 4 rows, 4.3 vs 8.9 ms at 8192
     (SmolLM2-135M's heads, 2 threads, a microbenchmark over 8 layers' KV).
     """
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if split_k else 1
     outputs = [_grouped_decode(q[b:b + 1], k, v, scale, decode_splits(k.shape[1], k.shape[2], threads))
                for b, (k, v) in enumerate(kv)]
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
