@@ -71,7 +71,7 @@ def test_split_k_decode_matches_transformers(loaded, reference, spec, monkeypatc
 
     real_flash, real_splits, real_decode, real_layer = (attention._CPU_FLASH, attention.decode_splits,
                                                         attention.decode_attention, ModelExecutor._decode_layer)
-    calls = []  # per decode layer: [the step has copies, split_k, the largest batch of stretches]
+    calls, inside = [], []  # per decode layer: [the step has copies, split_k, the largest batch of stretches]
 
     def decode_layer(self, st, *args):
         calls.append([any(st.fetches.values()), None, 1])
@@ -79,11 +79,15 @@ def test_split_k_decode_matches_transformers(loaded, reference, spec, monkeypatc
 
     def decode(q, kv, scale, split_k=True):
         calls[-1][1] = split_k
-        return real_decode(q, kv, scale, split_k)
+        inside.append(calls[-1])
+        try:
+            return real_decode(q, kv, scale, split_k)
+        finally:
+            inside.pop()
 
     def flash(query, *args, **kwargs):
-        if calls:
-            calls[-1][2] = max(calls[-1][2], query.shape[0])
+        if inside:
+            inside[-1][2] = max(inside[-1][2], query.shape[0])
         return real_flash(query, *args, **kwargs)
 
     monkeypatch.setattr(attention, "SPLIT_MIN_TOKENS", 2)

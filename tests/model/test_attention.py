@@ -108,35 +108,41 @@ def test_decode_attention_rows_of_mixed_lengths_over_pool_views(num_heads: int, 
 
 @pytest.mark.parametrize("num_kv_heads,context,threads,splits", [
     (3, 8192, 2, 2),  # SmolLM2-135M on 2 threads: 3 items a call would keep one thread idle a third of the time
-    (3, 8192, 4, 4), (3, 8192, 16, 8),  # as many as threads need, down to stretches of SPLIT_MIN_TOKENS
+    (3, 8192, 4, 4),  # 12 items on 4 threads (2 or 3 stretches would take as long as none)
+    (3, 3000, 4, 1),  # 2 stretches of 1500: 6 items on 4 threads, no sooner than 3
+    (3, 8192, 16, 5),  # 15 items: a fifth of a row each; 8 stretches (24 items, 2 rounds) would take a quarter
+    (1, 8192, 2, 2),  # one KV head per tensor-parallel rank
     (3, 2047, 2, 1),  # a stretch would be shorter than SPLIT_MIN_TOKENS
     (3, 8192, 1, 1), (4, 8192, 2, 1), (2, 8192, 4, 2),  # one thread, or heads that already divide evenly
 ])
-def test_decode_splits_give_every_thread_an_equal_share(num_kv_heads, context, threads, splits) -> None:
+def test_decode_splits_finish_soonest(num_kv_heads, context, threads, splits) -> None:
     assert attention.SPLIT_MIN_TOKENS == 1024
     assert decode_splits(num_kv_heads, context, threads) == splits
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [2, 3, 5, 200])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
-def test_split_decode_matches_naive_over_pool_views(splits: int, num_heads: int, num_kv_heads: int) -> None:
+def test_split_decode_matches_naive_over_pool_views(splits: int, num_heads: int, num_kv_heads: int, dtype) -> None:
     """Split-K (stretches of a row's keys as one batched call, merged by logsumexp) equals the naive attention
-    over the whole row: lengths that leave a tail, a row shorter than the splits, views of a run, gathered copies
-    and staged copies alike."""
+    over the whole row, in the KV's dtype: lengths that leave a tail, a row shorter than the splits, views of a
+    run, gathered copies and staged copies alike."""
     gen = torch.Generator().manual_seed(splits)
     head_dim, block = 16, 8
     lengths = [70, 33, 3, 16, 1]
-    pool = BlockPool("device", 64, block, num_kv_heads, head_dim, address_blocks=128)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    pool = BlockPool("device", 64, block, num_kv_heads, head_dim, dtype=dtype, address_blocks=128)
     for b, length in enumerate(lengths):
         ids = pool.allocate(-(-length // block))
         if b % 2:
             ids = [int(x) for x in ids[::-1]]
-        k = torch.randn(length, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        k = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
         pool.write(ids, 0, k, v)
-        q = torch.randn(1, num_heads, head_dim, generator=gen)
+        q = torch.randn(1, num_heads, head_dim, generator=gen).to(dtype)
         expected = naive_causal_attention(q, k, v, head_dim**-0.5)
         # the pool's view (or a gathered copy), and a staged copy's layout ([C, Hkv, D] read as [1, Hkv, C, D])
         for k4, v4 in (pool.heads_view(ids, length), (k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))):
             got = _grouped_decode(q, k4, v4, head_dim**-0.5, splits)
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)

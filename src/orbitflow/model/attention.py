@@ -20,11 +20,11 @@ class AttentionBackend(Protocol):
         ...
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, split_k: bool = True) -> Tensor:
     """Attention of the last n positions of one sequence over its full keys/values.
 
     q: [n, Hq, D]; k, v: [C, Hkv, D] with C >= n. Query i sits at absolute position C - n + i and sees keys
-    0..C-n+i. Returns [n, Hq * D].
+    0..C-n+i. Returns [n, Hq * D]. `split_k`: as `decode_attention`'s, for n = 1.
     """
     n, num_heads, head_dim = q.shape
     context = k.shape[0]
@@ -32,8 +32,9 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     # SDPA layout [batch=1, heads, tokens, head_dim], as transformers calls it.
     k4 = k.transpose(0, 1).unsqueeze(0)
     v4 = v.transpose(0, 1).unsqueeze(0)
-    if n == 1:  # one token: the decode kernel, so a chunk of one equals a decode step bit for bit
-        return _grouped_decode(q, k4, v4, scale, decode_splits(k4.shape[1], context, torch.get_num_threads()))
+    if n == 1:  # one token: the decode kernel, so a chunk of one equals a decode step (same `split_k`) bit for bit
+        threads = torch.get_num_threads() if split_k else 1
+        return _grouped_decode(q, k4, v4, scale, decode_splits(k4.shape[1], context, threads))
     q4 = q.transpose(0, 1).unsqueeze(0)
     if n == context:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -56,15 +57,16 @@ SPLIT_MIN_TOKENS = 1024
 
 
 def decode_splits(num_kv_heads: int, context: int, threads: int) -> int:
-    """Stretches to cut one row's `context` keys into on the CPU: enough for every one of `threads` threads to
-    get an equal share of the (stretch x KV head) items, each at least `SPLIT_MIN_TOKENS` long; 1 when no cut
-    helps (one thread, or the heads already divide evenly among the threads)."""
-    if threads <= 1 or num_kv_heads % threads == 0:
-        return 1
-    splits = threads // math.gcd(num_kv_heads, threads)
-    while splits > 1 and context // splits < SPLIT_MIN_TOKENS:
-        splits -= 1
-    return splits
+    """Stretches to cut one row's `context` keys into on the CPU: the count, of at most `threads` stretches of at
+    least `SPLIT_MIN_TOKENS` keys, whose (stretch x KV head) items `threads` threads finish soonest (the least
+    rounds of items per stretch, `ceil(splits * heads / threads) / splits`; the fewest stretches on a tie); 1 unless
+    that beats the uncut row (one thread, heads that already divide evenly, or a row too short)."""
+    best, best_rounds = 1, math.ceil(num_kv_heads / max(threads, 1))
+    for splits in range(2, min(threads, context // SPLIT_MIN_TOKENS) + 1):
+        rounds = math.ceil(splits * num_kv_heads / threads) / splits
+        if rounds < best_rounds:
+            best, best_rounds = splits, rounds
+    return best
 
 
 def _grouped_decode(q: Tensor, k: Tensor, v: Tensor, scale: float, splits: int = 1) -> Tensor:
@@ -78,7 +80,7 @@ def _grouped_decode(q: Tensor, k: Tensor, v: Tensor, scale: float, splits: int =
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     grouped = q.reshape(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if splits <= 1 or _CPU_FLASH is None or k.is_cuda:
+    if splits <= 1 or _CPU_FLASH is None or k.device.type != "cpu":
         out = F.scaled_dot_product_attention(grouped, k, v, scale=scale)
         return out.reshape(1, num_heads * head_dim)
     context = k.shape[2]
@@ -92,8 +94,8 @@ def _grouped_decode(q: Tensor, k: Tensor, v: Tensor, scale: float, splits: int =
     if splits * stretch < context:  # the last (fewer than `splits`) keys
         tail, tail_lse = _CPU_FLASH(grouped, k[:, :, splits * stretch:], v[:, :, splits * stretch:], scale=scale)
         out, lse = torch.cat((out, tail)), torch.cat((lse, tail_lse))
-    weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # each stretch's share of the row's softmax mass
-    return (out * weights).sum(0).reshape(1, num_heads * head_dim)
+    weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # each stretch's share of the row's softmax mass (float32)
+    return (out * weights).sum(0).to(q.dtype).reshape(1, num_heads * head_dim)
 
 
 def decode_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]], scale: float, split_k: bool = True) -> Tensor:

@@ -1,9 +1,10 @@
 """Llama-family causal LM (Llama 3, Qwen2, Mistral, SmolLM2) over a packed batch of tokens.
 
 All sequences' tokens are concatenated into one [T, hidden] batch for the matmuls; only attention is
-per-sequence, delegated to an `AttentionBackend`. Operation order mirrors transformers so that float32
-results are bit-identical to it. q/k/v and gate/up projections are fused into single matmuls (each output
-column is the same dot product, so the numerics do not change).
+per-sequence, delegated to an `AttentionBackend`. Operation order mirrors transformers, so float32 results
+match it to rounding (decode attention takes its own kernel path, `attention.decode_attention`, and may differ
+in the last bits); greedy tokens are the same. q/k/v and gate/up projections are fused into single matmuls
+(each output column is the same dot product, so the numerics do not change).
 """
 
 import torch

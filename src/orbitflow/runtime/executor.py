@@ -199,6 +199,7 @@ class ModelExecutor(Executor):
         from orbitflow.model.attention import causal_attention
 
         kv, pool, transfer, bounds = self.kv, self.kv.device_pool, self.kv.transfer, st.bounds
+        copies = any(st.fetches.values())  # a decode row splits as in `_decode_layer`
         outputs: list[torch.Tensor] = []
         for b, (s, t) in enumerate(zip(st.seqs, st.tables)):
             lo, hi = bounds[b], bounds[b + 1]
@@ -211,7 +212,7 @@ class ModelExecutor(Executor):
             else:  # READ the staged copy (the cached tokens) and append the new ones to it
                 keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k_new, v_new)
                 consumed.append((b, layer))
-            outputs.append(causal_attention(q[lo:hi], keys, values, self.scale))
+            outputs.append(causal_attention(q[lo:hi], keys, values, self.scale, split_k=not copies))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _sample(self, st: _StepState, hidden: torch.Tensor) -> list[Sample | None]:
