@@ -47,9 +47,9 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, split_k: boo
 
 
 # Split-K on the CPU: SDPA's CPU kernel shares a call's (batch x head) items among the intra-op threads, each item
-# reading all of its keys, so one row of SmolLM2's 3 KV heads keeps 2 threads busy for 2 items' time of 3 (a
-# batched call over rows, as transformers makes over its static cache, keeps them all busy). A long row is cut into
-# `splits` equal stretches, one call over them as a batch (views, no copy), then merged by their logsumexp.
+# reading all of its keys, so a call over one row of SmolLM2's 3 KV heads on 2 threads leaves one thread idle a
+# third of the time (transformers' one call over its static cache, 4 rows x 3 heads, does not). A long row is cut
+# into `splits` equal stretches, one call over them as a batch (views, no copy), then merged by their logsumexp.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Stretches of 1024 tokens gained (2048 x 4 rows: 1.08 vs 1.28 ms a layer), of 256 lost (512 x 4: 0.47 vs 0.35 ms), in
 # a microbenchmark over 8 layers' KV (out of cache, as in a step), SmolLM2-135M's heads, 2 threads.
