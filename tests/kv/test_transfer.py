@@ -1,5 +1,5 @@
-from orbitflow.kv.pool import BlockPool
-from orbitflow.kv.transfer import TransferEngine
+from orbitflow.kv.pool import BlockPool, block_tensor, head_planes
+from orbitflow.kv.transfer import TransferEngine, host_copy
 
 BS, H, D = 16, 2, 8
 
@@ -479,3 +479,17 @@ def test_a_failure_between_two_fetches_fails_the_step_not_the_copy_worker(monkey
     engine.end_step()
     assert device.num_used == 0
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_copy_copies_strided_runs_bit_for_bit(dtype):
+    """The CPU link's copy (NumPy's, so the copy thread starts no OpenMP team): a run of head-major planes into
+    another pool's, any dtype (bfloat16 has no NumPy dtype), nothing outside the destination run touched."""
+    gen = torch.Generator().manual_seed(0)
+    src = head_planes(block_tensor(12, 4, 3, 8, dtype, "cpu"))
+    src.copy_(torch.randn(src.shape, generator=gen).to(dtype))
+    dst = head_planes(block_tensor(12, 4, 3, 8, dtype, "cpu"))
+    dst.zero_()
+    host_copy(dst[:, :, 5:9], src[:, :, 2:6])
+    assert torch.equal(dst[:, :, 5:9].view(torch.uint8), src[:, :, 2:6].view(torch.uint8))
+    assert not dst[:, :, :5].any() and not dst[:, :, 9:].any()
