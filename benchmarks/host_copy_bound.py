@@ -8,8 +8,8 @@ requests of `--context` tokens, link unthrottled):
 - none: decode steps with every layer on the device;
 - half: every other layer on the host (`distance:2`), prefetched by the copy thread while the layers compute
   (the engine's path);
-- copy alone: the same bytes copied host -> device pool with the step loop's own thread and both intra-op
-  threads, nothing else running (`TransferEngine._issue`, the copy the worker issues), per step.
+- copy alone: the same bytes copied host -> device pool by the step loop's own thread, the way the copy worker
+  copies them (`TransferEngine._issue`: NumPy's single-threaded copy), nothing else running, per step.
 
 `none / (none + copy alone)` is what half on host reaches if the copy costs the step exactly its own time:
 no overlap, and no slowdown of the compute it runs beside. Overlap could only beat it where the compute
@@ -131,7 +131,7 @@ def main() -> None:
             "On the CPU the emulated link is a memcpy by the same cores and memory bus the step computes with. "
             "Interleaved on one executor: decode steps with every layer on the device (none), with every other "
             "layer on the host prefetched by the copy thread (half, the engine's path), and the same bytes "
-            "copied alone by one thread with both intra-op threads (copy alone). `none / (none + copy alone)` "
+            "copied alone by one thread as the copy worker copies them (copy alone). `none / (none + copy alone)` "
             "is what half on host reaches if the copy costs the step exactly its own time.",
             "",
             "```", *lines, "```", "",
