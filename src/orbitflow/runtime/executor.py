@@ -130,8 +130,11 @@ class ModelExecutor(Executor):
             bounds.append(bounds[-1] + len(s.token_ids))
         # A pure decode step writes the device-resident rows of a layer in one op.
         decode_writes = self._decode_writes(seqs, tables) if all(s.is_decode for s in seqs) else None
+        # Split-K (`decode_splits`) only with no copy beside the step: on the CPU the copy thread takes a core, and
+        # the extra calls cost more than the even share gains (2048 x 4, distance:2: 26 vs 30 tok/s without it).
+        split_k = not any(fetches.values())
         return _StepState(seqs, tables, fetches, host_users, bounds, [s.start_pos + len(s.token_ids) for s in seqs],
-                          decode_writes)
+                          decode_writes, split_k)
 
     def _start_prefetches(self, st: _StepState) -> None:
         """Hand the step's prefetch list to the transfer engine (fetches run while the layers compute)."""
@@ -189,9 +192,7 @@ class ModelExecutor(Executor):
             keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k[b:b + 1], v[b:b + 1])
             consumed.append((b, layer))
             views.append((keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)))
-        # Split-K (`decode_splits`) only with no copy beside the step: on the CPU the copy thread takes a core, and
-        # the extra calls cost more than the even share gains (2048 x 4, distance:2: 26 vs 30 tok/s without it).
-        return decode_attention(q, views, self.scale, split_k=not any(st.fetches.values()))
+        return decode_attention(q, views, self.scale, split_k=st.split_k)
 
     def _mixed_layer(self, st: _StepState, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      consumed: list[tuple[int, int]]) -> torch.Tensor:
@@ -199,7 +200,6 @@ class ModelExecutor(Executor):
         from orbitflow.model.attention import causal_attention
 
         kv, pool, transfer, bounds = self.kv, self.kv.device_pool, self.kv.transfer, st.bounds
-        copies = any(st.fetches.values())  # a decode row splits as in `_decode_layer`
         outputs: list[torch.Tensor] = []
         for b, (s, t) in enumerate(zip(st.seqs, st.tables)):
             lo, hi = bounds[b], bounds[b + 1]
@@ -212,7 +212,7 @@ class ModelExecutor(Executor):
             else:  # READ the staged copy (the cached tokens) and append the new ones to it
                 keys, values = kv.append_staged(transfer.staged(b, layer), s.start_pos, k_new, v_new)
                 consumed.append((b, layer))
-            outputs.append(causal_attention(q[lo:hi], keys, values, self.scale, split_k=not copies))
+            outputs.append(causal_attention(q[lo:hi], keys, values, self.scale, split_k=st.split_k))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _sample(self, st: _StepState, hidden: torch.Tensor) -> list[Sample | None]:
@@ -266,3 +266,4 @@ class _StepState:
     bounds: list[int]  # row b's new tokens are hidden[bounds[b]:bounds[b + 1]]
     totals: list[int]  # per row: tokens in its KV after this step
     decode_writes: list | None  # per layer, for a pure decode step (see `_decode_writes`)
+    split_k: bool  # one-token rows may split their keys (`decode_splits`): no copy runs beside this step
