@@ -29,18 +29,30 @@ def loaded():
 
 
 @pytest.fixture(scope="module")
-def reference(loaded):
+def transformers_greedy(loaded):
+    """prompts -> transformers' greedy tokens for each, one prompt at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(loaded.path)
-    outs = []
-    for prompt in PROMPTS:
-        ids = tok(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
-        outs.append(out[0, ids.shape[1]:].tolist())
-    return outs
+
+    def greedy(prompts):
+        outs = []
+        for prompt in prompts:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                  do_sample=False)
+            outs.append(out[0, ids.shape[1]:].tolist())
+        return outs
+
+    greedy.tokenizer = tok
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def reference(transformers_greedy):
+    return transformers_greedy(PROMPTS)
 
 
 def generate(loaded, spec, prompts=PROMPTS, **config):
@@ -86,7 +98,7 @@ def test_split_k_decode_matches_transformers(loaded, reference, spec, monkeypatc
             inside.pop()
 
     def flash(query, *args, **kwargs):
-        if inside:
+        if inside and query.stride(0) == 0:  # stretches of one row (its query expanded), not a group of rows
             inside[-1][2] = max(inside[-1][2], query.shape[0])
         return real_flash(query, *args, **kwargs)
 
@@ -108,6 +120,30 @@ def test_split_k_decode_matches_transformers(loaded, reference, spec, monkeypatc
         assert any(split_k for _, split_k, _ in calls), "no decode step was split: the test would prove nothing"
     else:
         assert any(copies for copies, _, _ in calls), "no decode step had copies: the test would prove nothing"
+
+
+@pytest.mark.parametrize("spec", ["none", "distance:3"])
+def test_grouped_decode_rows_match_transformers(loaded, transformers_greedy, spec, monkeypatch):
+    """Rows of one length whose KV runs one SDPA call takes together (`row_groups`) give transformers' tokens, with
+    every layer on the device and with host layers (read from staged copies) between: different prompts of the
+    same length (a call that read one row's KV for another would change their tokens)."""
+    from orbitflow.model import attention
+
+    real_group, grouped = attention._group_decode, []
+
+    def group_decode(q, kv, rows, scale):
+        grouped.append(len(rows))
+        return real_group(q, kv, rows, scale)
+
+    monkeypatch.setattr(attention, "_group_decode", group_decode)
+    prompts = ["The capital of France is", "The capital of Japan is", "Write a short poem:", "Once upon a time there"]
+    lengths = {len(transformers_greedy.tokenizer(p).input_ids) for p in prompts}
+    assert len(lengths) == 1, f"the prompts must share a length: {lengths}"
+    expected = transformers_greedy(prompts)
+    assert len({tuple(e) for e in expected}) == len(prompts), "rows that generate alike would hide a mix-up"
+    outputs, _ = generate(loaded, spec, prompts)
+    assert outputs == expected
+    assert grouped, "no rows were grouped: the test would prove nothing"
 
 
 def test_batched_equals_alone(loaded, reference):

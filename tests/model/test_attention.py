@@ -11,6 +11,7 @@ from orbitflow.model.attention import (
     causal_attention,
     decode_attention,
     decode_splits,
+    row_groups,
 )
 
 
@@ -146,3 +147,97 @@ def test_split_decode_matches_naive_over_pool_views(splits: int, num_heads: int,
             got = _grouped_decode(q, k4, v4, head_dim**-0.5, splits)
             assert got.dtype == dtype
             torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def _pool_rows(pool: BlockPool, lengths: list[int], num_kv_heads: int, head_dim: int, gen, spacing: int | None = None,
+               reverse: tuple[int, ...] = ()) -> tuple[list, list]:
+    """Rows written into `pool`: each a run (at multiples of `spacing` blocks when given, else where the pool puts
+    it), or reversed ids (read by a gather) for the rows in `reverse`. Returns (views, (k, v) per row)."""
+    views, data = [], []
+    block = pool.block_size
+    for b, length in enumerate(lengths):
+        n = -(-length // block)
+        ids = list(range(b * spacing, b * spacing + n)) if spacing else pool.allocate(n)
+        if b in reverse:
+            ids = ids[::-1]
+        k = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        pool.write(ids, 0, k, v)
+        views.append(pool.heads_view(ids, length))
+        data.append((k, v))
+    return views, data
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_row_groups_take_a_whole_run_of_short_rows(threads) -> None:
+    gen = torch.Generator().manual_seed(3)
+    pool = BlockPool("device", 64, 8, 3, 16, address_blocks=64)
+    views, _ = _pool_rows(pool, [40] * 3, 3, 16, gen, spacing=8)
+    # one row alone: ceil(3 / threads) rounds of items; the run of 3, ceil(9 / threads) / 3 rounds a row, no more
+    assert row_groups(views, threads) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("rows,expected", [(3, [[0, 1]]), (4, [[0, 1, 2, 3]]), (2, [[0, 1]])])
+def test_row_groups_keep_an_even_share_where_split_k_would(monkeypatch, rows, expected) -> None:
+    """Rows long enough to split: on 2 threads one row's 3 KV heads in 2 stretches share the threads evenly, so a
+    run is cut to the rows whose items divide evenly (3 rows: 2 together, the third alone and split); without
+    split-K (a step with copies) the whole run goes in one call."""
+    monkeypatch.setattr(attention, "SPLIT_MIN_TOKENS", 8)
+    gen = torch.Generator().manual_seed(5)
+    pool = BlockPool("device", 64, 8, 3, 16, address_blocks=64)
+    views, _ = _pool_rows(pool, [40] * rows, 3, 16, gen, spacing=8)
+    assert decode_splits(3, 40, 2) == 2
+    assert row_groups(views, 2) == expected
+    assert row_groups(views, 2, split_k=False) == [list(range(rows))]
+
+
+def test_row_groups_leave_out_what_one_call_cannot_take() -> None:
+    gen = torch.Generator().manual_seed(4)
+    pool = BlockPool("device", 64, 8, 3, 16, address_blocks=64)
+    # rows 0, 1, 3 share a length; row 2 differs; row 4 is a gathered copy (reversed ids)
+    views, _ = _pool_rows(pool, [40, 40, 33, 40, 40], 3, 16, gen, spacing=8, reverse=(4,))
+    # 0 -> 1 -> 3 is not evenly spaced (8 then 16 blocks): the run is 0, 1, and 3 stays alone
+    assert row_groups(views, 1) == [[0, 1]]
+    assert row_groups([views[b] for b in (3, 0, 1)], 1) == [[1, 2]]  # offset order, not batch order
+    staged = [(k.clone(), v.clone()) for k, v in views]  # separate tensors: nothing to group
+    assert row_groups(staged, 1) == []
+    assert row_groups(views[:1], 1) == []
+    # K evenly spaced in one tensor, V in another at other spacings: no stride of one batch dimension fits both
+    keys, values = torch.randn(1, 3, 300, 16, generator=gen), torch.randn(1, 3, 300, 16, generator=gen)
+    rows = [(keys[:, :, 0:40], values[:, :, 0:40]), (keys[:, :, 100:140], values[:, :, 200:240])]
+    assert row_groups(rows, 1) == []
+    rows[1] = (keys[:, :, 100:140], values[:, :, 100:140])
+    assert row_groups(rows, 1) == [[0, 1]]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 2)])
+def test_grouped_rows_equal_their_own_calls_bit_for_bit(threads, num_heads, num_kv_heads) -> None:
+    """decode_attention over rows that row_groups batches (equal lengths at even spacing, beside rows of other
+    lengths, a gathered row and an uneven spacing): every row equals the naive attention over its own tokens, and
+    `causal_attention` of the row alone bit for bit (the rows are short, so neither splits)."""
+    gen = torch.Generator().manual_seed(threads * 10 + num_kv_heads)
+    head_dim = 16
+    lengths = [40, 40, 33, 40, 40, 40, 7]
+    pool = BlockPool("device", 128, 8, num_kv_heads, head_dim, address_blocks=128)
+    views, data = _pool_rows(pool, lengths, num_kv_heads, head_dim, gen, spacing=8, reverse=(3,))
+    # make the spacing uneven for row 5: move it two blocks on
+    k5, v5 = data[5]
+    ids = list(range(5 * 8 + 2, 5 * 8 + 2 + 5))
+    pool.write(ids, 0, k5, v5)
+    views[5] = pool.heads_view(ids, 40)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        groups = row_groups(views, threads)
+        assert groups and all(len(g) >= 2 for g in groups), "nothing grouped: the test would prove nothing"
+        got = decode_attention(q, views, head_dim**-0.5)
+        alone = [causal_attention(q[b:b + 1], k4[0].transpose(0, 1), v4[0].transpose(0, 1), head_dim**-0.5)
+                 for b, (k4, v4) in enumerate(views)]
+    finally:
+        torch.set_num_threads(previous)
+    expected = torch.cat([naive_causal_attention(q[b:b + 1], k, v, head_dim**-0.5) for b, (k, v) in enumerate(data)])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for b in range(len(lengths)):
+        assert torch.equal(got[b:b + 1], alone[b]), b

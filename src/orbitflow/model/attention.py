@@ -99,19 +99,94 @@ def _grouped_decode(q: Tensor, k: Tensor, v: Tensor, scale: float, splits: int =
 
 
 def decode_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]], scale: float, split_k: bool = True) -> Tensor:
-    """Attention of one new token per sequence over its whole KV (a decode step), one SDPA call per sequence.
+    """Attention of one new token per sequence over its whole KV (a decode step).
 
     q: [B, Hq, D]; kv[b]: K, V of sequence b as [1, Hkv, C_b, D] (any strides, e.g. views of a paged pool;
-    lengths may differ). Returns [B, Hq * D], equal to `causal_attention` row by row (bit for bit: both use
-    `_grouped_decode`; with `split_k` off no row is cut, where `decode_splits` might, and the last bits may
-    differ). Separate calls over the views beat one call over a padded copy on the CPU, the copy costing more
-    than the batching saves: 1.2 vs 1.8 ms a layer at 2048 tokens x 4 rows, 4.3 vs 8.9 ms at 8192
-    (SmolLM2-135M's heads, 2 threads, a microbenchmark over 8 layers' KV).
+    lengths may differ). Returns [B, Hq * D], each row equal to `causal_attention` over its own KV.
+
+    On the CPU, rows of one length whose K (and V) are views of one tensor at evenly spaced offsets (`row_groups`:
+    any two such rows, more where the spacing repeats) go through one SDPA call, a batch of strided views, no
+    copy; every other row gets a call of its own (`_grouped_decode`, cut into stretches where `decode_splits` says
+    and `split_k` allows). A grouped row equals its own call bit for bit when that call is not cut. One call over a
+    padded copy of every row costs more than it saves on the CPU: 1.2 vs 1.8 ms a layer at 2048 tokens x 4 rows,
+    4.3 vs 8.9 ms at 8192 (SmolLM2-135M's heads, 2 threads, a microbenchmark over 8 layers' KV).
     """
-    threads = torch.get_num_threads() if split_k else 1
-    outputs = [_grouped_decode(q[b:b + 1], k, v, scale, decode_splits(k.shape[1], k.shape[2], threads))
-               for b, (k, v) in enumerate(kv)]
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    threads = torch.get_num_threads()
+    groups = row_groups(kv, threads, split_k) if len(kv) > 1 and _CPU_FLASH is not None and q.device.type == "cpu" \
+        else []
+    order: list[int] = []
+    outputs: list[Tensor] = []
+    for rows in groups:
+        outputs.append(_group_decode(q, kv, rows, scale))
+        order.extend(rows)
+    alone = sorted(set(range(len(kv))).difference(order))
+    split_threads = threads if split_k else 1
+    for b in alone:
+        k, v = kv[b]
+        outputs.append(_grouped_decode(q[b:b + 1], k, v, scale, decode_splits(k.shape[1], k.shape[2], split_threads)))
+    out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    order.extend(alone)
+    if order != list(range(len(kv))):  # back to the batch's order
+        out = out[torch.tensor(order).argsort()]
+    return out
+
+
+def row_groups(kv: list[tuple[Tensor, Tensor]], threads: int, split_k: bool = True) -> list[list[int]]:
+    """Rows of a decode batch that one SDPA call can take together: K and V [1, Hkv, C, D] of the same length,
+    views of one tensor with the same strides, whose K offsets step by a constant (a batch dimension of stride
+    that step). Any two such rows qualify; a longer run only where the spacing repeats. Returns groups of 2 or more
+    rows, each in offset order (the rest of the rows are left out).
+
+    A run of n rows is taken whole when its (row x KV head) items share the `threads` no worse than one row
+    alone does (`ceil(n * Hkv / threads) / n` rounds of items a row, against `decode_splits`' for the row);
+    else its largest part whose items divide evenly among the threads (the rest alone, where split-K may take
+    them). SmolLM2-135M's 3 KV heads on 2 threads: pairs, 6 items, where one row alone leaves a thread idle a
+    third of the time."""
+    classes: dict[tuple, list[tuple[int, int]]] = {}
+    for b, (k, v) in enumerate(kv):
+        if k.dim() != 4 or k.shape[0] != 1 or v.shape != k.shape or v.stride() != k.stride():
+            continue
+        key = (tuple(k.shape), k.stride()[1:], k.dtype, k.untyped_storage().data_ptr(),
+               v.untyped_storage().data_ptr(), v.storage_offset() - k.storage_offset())
+        classes.setdefault(key, []).append((k.storage_offset(), b))
+    groups: list[list[int]] = []
+    for key, members in classes.items():
+        if len(members) < 2:
+            continue
+        heads, context = key[0][1], key[0][2]
+        splits = decode_splits(heads, context, threads if split_k else 1)
+        alone_rounds = math.ceil(splits * heads / max(threads, 1)) / splits
+        members.sort()
+        runs: list[list[tuple[int, int]]] = []
+        for offset, b in members:
+            run = runs[-1] if runs else None
+            if run and offset > run[-1][0] and (len(run) == 1 or offset - run[-1][0] == run[1][0] - run[0][0]):
+                run.append((offset, b))
+            else:
+                runs.append([(offset, b)])
+        for run in runs:
+            n = len(run)
+            if math.ceil(n * heads / max(threads, 1)) / n > alone_rounds:
+                even = max(threads, 1) // math.gcd(heads, max(threads, 1))  # rows whose items divide evenly
+                n = n // even * even
+            if n >= 2:
+                groups.append([b for _, b in run[:n]])
+    return groups
+
+
+def _group_decode(q: Tensor, kv: list[tuple[Tensor, Tensor]], rows: list[int], scale: float) -> Tensor:
+    """One token's attention for each of `rows` (a `row_groups` group) in one call: q [B, Hq, D] -> [n, Hq * D]."""
+    k0, v0 = kv[rows[0]]
+    num_kv_heads, context, head_dim = k0.shape[1], k0.shape[2], k0.shape[3]
+    num_heads = q.shape[1]
+    step = kv[rows[1]][0].storage_offset() - k0.storage_offset()
+    size, stride = (len(rows), num_kv_heads, context, head_dim), (step, *k0.stride()[1:])
+    keys = k0.as_strided(size, stride, k0.storage_offset())
+    values = v0.as_strided(size, stride, v0.storage_offset())
+    grouped = q.reshape(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
+    grouped = grouped.index_select(0, torch.tensor(rows, device=q.device))
+    out = _CPU_FLASH(grouped, keys, values, scale=scale)[0]
+    return out.reshape(len(rows), num_heads * head_dim)
 
 
 class _GrowingKV:

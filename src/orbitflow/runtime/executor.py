@@ -173,7 +173,8 @@ class ModelExecutor(Executor):
     def _decode_layer(self, st: _StepState, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       consumed: list[tuple[int, int]]) -> torch.Tensor:
         """One layer of a pure decode step (one new token a row): the device-resident rows' K/V written in one
-        indexed op, every row's KV read as a view in SDPA's layout, one attention call a row."""
+        indexed op, every row's KV read as a view in SDPA's layout (`decode_attention`: one call a row, or one
+        for rows of one length at evenly spaced runs)."""
         from orbitflow.model.attention import decode_attention
 
         kv, pool, transfer, tables, totals = self.kv, self.kv.device_pool, self.kv.transfer, st.tables, st.totals
