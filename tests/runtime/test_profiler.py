@@ -208,3 +208,26 @@ def test_on_cuda_the_link_rate_is_the_pinned_copy_rate():
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     assert 0.5 < rate / (LINK_PROBE_BYTES / best) < 1.5
+
+
+def test_the_per_request_batch_is_not_grouped(tiny_llama, monkeypatch):
+    """The per-request phase's rows differ in length, as a serving batch's do: rows of one length could share an
+    attention call (`row_groups`) and make the measured per-request cost one that unequal rows never get."""
+    from orbitflow.model import attention
+
+    real, seen = attention.row_groups, []
+
+    def row_groups(kv, threads, split_k=True):
+        seen.append(len(kv))
+        groups = real(kv, threads, split_k)
+        assert not groups, f"rows grouped while profiling: {groups}"
+        return groups
+
+    monkeypatch.setattr(attention, "row_groups", row_groups)
+    llm = make_llm(tiny_llama, device_kv_blocks=8, host_kv_blocks=256, link_gbps=0.05)
+    try:
+        profile_executor(llm.executor, "tiny@here", contexts=(16, 48, 96), steps=2, batch=3, chunk=16,
+                         prefill_sizes=(16, 32))
+    finally:
+        llm.close()
+    assert 3 in seen, "the batch of 3 never decoded: the test would prove nothing"

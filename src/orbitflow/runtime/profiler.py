@@ -6,8 +6,8 @@ are calibrated at once:
 
 - decode compute: ``decode_a * tokens + decode_b``, fitted from single-request decode steps at a few
   context lengths (median of several steps each);
-- ``decode_per_request_s``: a batch of R requests against one request holding the same number of tokens
-  (steps interleaved, so a busy machine slows both alike), divided by R - 1;
+- ``decode_per_request_s``: a batch of R requests (of different lengths) against one request holding the same
+  number of tokens (steps interleaved, so a busy machine slows both alike), divided by R - 1;
 - ``transfer_latency_s``: decode steps of one request with every layer on the host; the latency per
   transfer that makes the cost model's `edf` stalls, over the step's own measured per-layer compute,
   equal the measured stalls (the copy thread's wake-up and dispatch, beyond bytes / link rate);
@@ -208,11 +208,13 @@ def _fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:
 
 
 def _measure_per_request(bench: _Bench, batch: int, per_req: int, single: int, steps: int, extra: dict) -> float:
-    """Phase 2: per-request overhead: `batch` requests of per_req tokens against one request ("s", left
-    allocated for the next phases) of batch * per_req."""
+    """Phase 2: per-request overhead: `batch` requests of about per_req tokens against one request ("s", left
+    allocated for the next phases) of batch * per_req. The batch's lengths differ by 2 tokens a row around
+    per_req (the same total), as a serving batch's do: rows of one length may share an attention call
+    (`attention.row_groups`), which rows of different lengths never get."""
     ids = [f"b{i}" for i in range(batch)]
-    for rid in ids:
-        bench.prefill(rid, per_req)
+    for i, rid in enumerate(ids):
+        bench.prefill(rid, per_req + 2 * i - (batch - 1))
     bench.prefill("s", single)
     one, many = [], []
     for _ in range(steps + 1):
