@@ -63,8 +63,8 @@ def main() -> None:
     settings = {  # name: (torch threads, hold GC in steps and freeze)
         "before (torch threads, GC on)": (default_threads, False),
         "1 compute thread": (1, False),
-        "GC held + frozen (engine now)": (default_threads, True),
-        "1 thread + GC held (engine before 2026-11-27)": (1, True),
+        "GC held + frozen": (default_threads, True),
+        "1 thread + GC held (engine now)": (1, True),
     }
     times = {name: [] for name in settings}
     rng = random.Random(args.seed)

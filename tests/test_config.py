@@ -93,10 +93,3 @@ def test_a_subcommand_picks_fields_and_overrides_defaults():
     assert args.max_queue_len == 256 and args.alpha == PlannerConfig().alpha and not hasattr(args, "policy")
     assert config_from_args(ServerConfig, args) == ServerConfig(port=9000)
     assert engine_config(args).scheduler.max_queue_len == 256
-
-
-def test_compute_threads_default_to_torch_s_even_behind_a_throttled_link() -> None:
-    """No core is left idle for the KV copy thread (it copies with NumPy alone): one thread fewer made OrbitFlow's
-    CPU decode step ~1.7x slower on 2 cores. An explicit --compute-threads is kept."""
-    assert EngineConfig.build(link_gbps=0.3).resolved_compute_threads(cuda=False) is None
-    assert EngineConfig.build(link_gbps=0.3, compute_threads=1).resolved_compute_threads(cuda=False) == 1

@@ -128,10 +128,11 @@ class ModelRunConfig(_Validated):
     name: str = option(DEFAULT_MODEL, "built-in name, HF model directory or GGUF file", flag="--model")
     device: str = option("auto", "where the weights, the device KV pool and the kernels live (auto: cuda when "
                                  "available, else cpu)", choices=DEVICE_CHOICES)
-    # torch intra-op threads for the model's compute. None: torch's default (every core; see
-    # `EngineConfig.resolved_compute_threads` for why no core is left to the KV copy thread).
+    # torch intra-op threads for the model's compute. None: torch's default, except on a CPU-only machine with
+    # a throttled link, where one core is left to the KV copy thread (see `EngineConfig.resolved_compute_threads`).
     compute_threads: int | None = option(
-        None, "torch intra-op threads (default: torch's, every core)", type=int, check="positive?", metavar="N")
+        None, "torch intra-op threads (default: torch's, or all cores but one for the KV copy thread when "
+              "--link-gbps throttles a CPU-only run)", type=int, check="positive?", metavar="N")
     seed: int = option(0, "seed of sampling, the random victim rule and the simulator's noise", type=int)
 
 
@@ -341,13 +342,20 @@ class EngineConfig:
         return dc_replace(self, **{name: dc_replace(getattr(self, name), **c) for name, c in changes.items() if c})
 
     def resolved_compute_threads(self, cuda: bool) -> int | None:
-        """Threads to give torch (None: leave torch's setting alone, every core). A throttled CPU run used to
-        leave one core to the KV copy thread, when its torch copies ran an OpenMP team of their own; since the
-        copy thread copies with NumPy alone (`kv/transfer.py:host_copy`), every core computing is faster and
-        about as steady (2 cores, SmolLM2-135M, link 0.3 GB/s: OrbitFlow's decode step median 30-31 ms against
-        51-52 ms on one thread; every other layer on the host, 189 against 204 ms a step, within-round CV 1.2%
-        against 1.0%, `benchmarks/engine_variance.py`)."""
-        return self.model.compute_threads
+        """Threads to give torch (None: leave torch's setting alone). On the CPU the copy thread's transfers
+        run on the same cores as the compute: with torch on every core, the copy thread waits for a core on
+        each wake-up and the step time varies with who wins (benchmarks/engine_variance.py). Measured again
+        after the copy thread stopped using torch (2026-11-27, 2 cores, link 0.3 GB/s): every core is faster
+        (OrbitFlow's decode step median 30-31 ms against 51-52 ms) but no longer what the cost model predicts
+        (`benchmarks/sim_vs_engine.py --quick`: per-step error p95 27.7% against 9.5-13.3%, stall error 22-26%
+        against 5-13%, the transfer model stalling 49-56% less than measured for FlexGen+ and DeepSpeed), and
+        the planner plans with that model."""
+        if self.model.compute_threads is not None:
+            return self.model.compute_threads
+        if cuda or self.cache.link_gbps is None:
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores - 1)
 
 
 # flat name (the flag's dest) -> (EngineConfig field, the concern's field)
