@@ -91,7 +91,6 @@ OTHER_STAGES = {
     "planner_lp": ["benchmarks/planner_lp.py", "--md", "docs/results/planner_lp.md"],
     "kv_link": ["benchmarks/kv_link.py", "--rounds", "4", "--repeat", "3", "--sim-seeds", "5", "--md",
                 "docs/results/kv_link.md"],
-    # batch 8 is left out: 8192 x 8 alone takes about 35 minutes with three sides on a 2-core machine
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--contexts", "512,2048,8192", "--batches", "1,4", "--tokens", "16",
                      "--repeats", "3", "--offload", "2048:4", "--md", "docs/results/engine_vs_hf.md",
                      "--note", "Batch 8 is not in this run: 8192 x 8 alone takes about 35 minutes with three sides "

@@ -56,14 +56,20 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 SPLIT_MIN_TOKENS = 1024
 
 
+def _rounds(units: int, num_kv_heads: int, threads: int) -> float:
+    """Rounds of (unit x KV head) items that `threads` threads take for one call over `units` stretches or rows,
+    per unit: `ceil(units * heads / threads) / units` (each item one key stretch of one head)."""
+    return math.ceil(units * num_kv_heads / max(threads, 1)) / units
+
+
 def decode_splits(num_kv_heads: int, context: int, threads: int) -> int:
     """Stretches to cut one row's `context` keys into on the CPU: the count, of at most `threads` stretches of at
     least `SPLIT_MIN_TOKENS` keys, whose (stretch x KV head) items `threads` threads finish soonest (the least
-    rounds of items per stretch, `ceil(splits * heads / threads) / splits`; the fewest stretches on a tie); 1 unless
-    that beats the uncut row (one thread, heads that already divide evenly, or a row too short)."""
-    best, best_rounds = 1, math.ceil(num_kv_heads / max(threads, 1))
+    `_rounds` per stretch; the fewest stretches on a tie); 1 unless that beats the uncut row (one thread, heads
+    that already divide evenly, or a row too short)."""
+    best, best_rounds = 1, _rounds(1, num_kv_heads, threads)
     for splits in range(2, min(threads, context // SPLIT_MIN_TOKENS) + 1):
-        rounds = math.ceil(splits * num_kv_heads / threads) / splits
+        rounds = _rounds(splits, num_kv_heads, threads)
         if rounds < best_rounds:
             best, best_rounds = splits, rounds
     return best
@@ -138,7 +144,7 @@ def row_groups(kv: list[tuple[Tensor, Tensor]], threads: int, split_k: bool = Tr
     rows, each in offset order (the rest of the rows are left out).
 
     A run of n rows is taken whole when its (row x KV head) items share the `threads` no worse than one row
-    alone does (`ceil(n * Hkv / threads) / n` rounds of items a row, against `decode_splits`' for the row);
+    alone does (`_rounds` a row, against those of the row cut as `decode_splits` says);
     else its largest part whose items divide evenly among the threads (the rest alone, where split-K may take
     them). SmolLM2-135M's 3 KV heads on 2 threads: pairs, 6 items, where one row alone leaves a thread idle a
     third of the time."""
@@ -155,7 +161,7 @@ def row_groups(kv: list[tuple[Tensor, Tensor]], threads: int, split_k: bool = Tr
             continue
         heads, context = key[0][1], key[0][2]
         splits = decode_splits(heads, context, threads if split_k else 1)
-        alone_rounds = math.ceil(splits * heads / max(threads, 1)) / splits
+        alone_rounds = _rounds(splits, heads, threads)
         members.sort()
         runs: list[list[tuple[int, int]]] = []
         for offset, b in members:
@@ -166,7 +172,7 @@ def row_groups(kv: list[tuple[Tensor, Tensor]], threads: int, split_k: bool = Tr
                 runs.append([(offset, b)])
         for run in runs:
             n = len(run)
-            if math.ceil(n * heads / max(threads, 1)) / n > alone_rounds:
+            if _rounds(n, heads, threads) > alone_rounds:
                 even = max(threads, 1) // math.gcd(heads, max(threads, 1))  # rows whose items divide evenly
                 n = n // even * even
             if n >= 2:
