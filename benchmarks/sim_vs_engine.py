@@ -339,7 +339,7 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
     slo_s = probe.engine.default_slo_s
     probe.close()
     print(f"[{label}] profile: decode {1000 * profile.decode_b:.1f} ms + {1e6 * profile.decode_a:.2f} us/token, "
-          f"+{1000 * profile.decode_per_request_s:.2f} ms per extra request, transfer latency "
+          f"{_batch_text(profile.to_dict())}, transfer latency "
           f"{1e3 * profile.transfer_latency_s:.2f} ms, "
           f"host-layer compute {_host_layer_text(profile.host_layer_compute_s)}, "
           f"move latency {1e3 * profile.move_latency_s:.2f} ms/layer, "
@@ -424,6 +424,15 @@ def verdict_lines(runs: list[dict]) -> list[str]:
         values = ", ".join(fmt(r) for r in runs)
         lines.append(f"{'PASS' if ok else 'FAIL'}  {title:24s} {target:7s} every run: {values}")
     return lines
+
+
+def _batch_text(prof: dict) -> str:
+    """What more requests add to a decode step: the measured table by batch size, or the per-request line."""
+    table = prof.get("decode_batch_table")
+    if not table:
+        return f"+{1000 * prof['decode_per_request_s']:.2f} ms per extra request"
+    sizes = " / ".join(str(int(r)) for r, _ in table)
+    return f"a batch of {sizes} requests +{' / '.join(f'{1000 * v:.1f}' for _, v in table)} ms over one request"
 
 
 def _host_layer_text(table: list[float] | None) -> str:
@@ -515,7 +524,7 @@ def write_md(path: str, payload: dict) -> None:
                      f"| {v['errors']['measured_median_s'] / last['slo_s']:.2f} |")
     prof = last["profile"]
     lines += ["", f"Measured profile of {last['label']}: decode {1000 * prof['decode_b']:.1f} ms + "
-              f"{1e6 * prof['decode_a']:.2f} us/token, {1000 * prof['decode_per_request_s']:.2f} ms per extra request, "
+              f"{1e6 * prof['decode_a']:.2f} us/token, {_batch_text(prof)}, "
               f"copy-thread latency {1000 * prof['transfer_latency_s']:.2f} ms per transfer, a layer that reads "
               f"prefetched KV computing {_host_layer_text(prof.get('host_layer_compute_s'))} longer, "
               f"{1000 * prof['move_latency_s']:.2f} ms per layer moved by a placement change, mixed-step overhead "

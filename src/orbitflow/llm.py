@@ -97,7 +97,7 @@ class LLM:
     def _profile(self, profile: HardwareProfile | str, mc) -> HardwareProfile:
         """The hardware profile the engine plans with: the one given, this machine's measured ("measure"), or a
         rough one that is enough to evaluate a fixed placement ("rough")."""
-        from orbitflow.runtime.profiler import profile_executor
+        from orbitflow.runtime.profiler import PROFILE_MAX_BATCH, profile_executor
 
         cfg, cache = self.config, self.config.cache
         if isinstance(profile, HardwareProfile):
@@ -106,7 +106,9 @@ class LLM:
             started = time.perf_counter()
             name = f"{cfg.model.name}@this-machine"
             tp = cfg.parallel.tensor_parallel_size
-            measured = self.executor.measure_profile(name=name) if tp > 1 else profile_executor(self.executor, name)
+            batch = min(max(cfg.scheduler.max_num_seqs, 2), PROFILE_MAX_BATCH)  # the batch sizes it will run
+            measured = (self.executor.measure_profile(name=name, batch=batch) if tp > 1
+                        else profile_executor(self.executor, name, batch=batch))
             log.info("measured in %.1f s: decode step %.1f ms + %.3f ms per 1K tokens, link %.2f GB/s",
                      time.perf_counter() - started, 1e3 * measured.decode_b, 1e6 * measured.decode_a,
                      measured.link_bytes_per_s / 1e9)

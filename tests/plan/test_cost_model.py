@@ -397,6 +397,22 @@ def test_prefetch_slots_validated_and_carried_by_updates():
         edf_stalls([1.0, 1.0], [[0, 1]], [1.0], slots=0)
 
 
+def test_batch_overhead_prices_each_batch_size_and_is_carried_by_updates():
+    """Measured extra compute of batches of 2, 3, 4 requests (not a line: the 4th costs far more), then
+    request_overhead_s a request past the table; spread evenly over the layers like the per-request line."""
+    cm = CostModel([0.01, 0.01], 1.0, request_overhead_s=0.005, batch_overhead_s=[0.004, 0.008, 0.04])
+    assert [cm.batch_extra_s(r) for r in (1, 2, 3, 4, 5, 7)] == pytest.approx([0, 0.004, 0.008, 0.04, 0.045, 0.055])
+    assert cm.compute(num_requests=4).tolist() == pytest.approx([0.03, 0.03])
+    assert cm.compute(num_requests=1).tolist() == [0.01, 0.01]
+    line = CostModel([0.01, 0.01], 1.0, request_overhead_s=0.005)
+    assert line.compute(num_requests=4).tolist() == pytest.approx([0.0175, 0.0175])
+    assert cm.with_updates(link_blocks_per_s=2.0).batch_overhead_s == (0.004, 0.008, 0.04)
+    assert CostModel([0.01], 1.0, batch_overhead_s=[0.002]).compute(num_requests=3).tolist() == pytest.approx([0.012])
+    for bad in ([-0.001], [math.nan]):
+        with pytest.raises(ValueError, match="batch_overhead_s"):
+            CostModel([1.0], 1.0, batch_overhead_s=bad)
+
+
 def test_edf_is_not_monotone_in_added_copies():
     """Adding a request's copies can shorten the executor's step (a scheduling anomaly), which is why every bound of
     the branch and bound holds for any order of the link, not EDF's alone. Request 0's 5 s copy for layer 2 would

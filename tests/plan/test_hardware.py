@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -191,6 +192,32 @@ def test_bad_engine_overhead_names_the_field(field):
         small(**{field: -1.0})
     with pytest.raises(ProfileError, match=field):
         small(**{field: math.nan})
+
+
+def test_the_measured_batch_table_prices_each_batch_size_and_extends_past_its_end():
+    """A 4th request that costs far more than a 2nd or 3rd (the CPU's matmul kernel change at 4 rows): the table
+    prices every measured size, interpolates a gap, and past its last row adds decode_per_request_s a request."""
+    p = small(decode_per_request_s=0.013, decode_batch_table=[[2, 0.004], [3, 0.008], [4, 0.039], [8, 0.051]])
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p
+    assert [q.decode_batch_extra_s(r) for r in (1, 2, 3, 4)] == [0.0, 0.004, 0.008, 0.039]
+    assert q.decode_batch_extra_s(6) == pytest.approx(0.045)  # halfway from 4 to 8
+    assert q.decode_batch_extra_s(10) == pytest.approx(0.051 + 2 * 0.013)
+    cm = q.cost_model()
+    assert len(cm.batch_overhead_s) == 7  # batches of 2..8
+    for r in (1, 2, 3, 4, 6, 8, 10):
+        assert cm.compute(100, r).sum() == pytest.approx(q.decode_step_no_offload_s(100) + q.decode_batch_extra_s(r))
+    # without a table (older profiles, presets): the line it always was
+    assert small(decode_per_request_s=0.013).decode_batch_extra_s(4) == pytest.approx(3 * 0.013)
+
+
+@pytest.mark.parametrize("table, why", [([], "non-empty"), ([[1, 0.01]], "requests"),
+                                        ([[3, 0.01], [2, 0.02]], "increasing"), ([[2.5, 0.01]], "whole"),
+                                        ([[2, -0.01]], "seconds"), ([[2]], "requests, seconds"),
+                                        ([[2, math.inf]], "requests, seconds")])
+def test_a_bad_batch_table_names_the_field_and_row(table, why):
+    with pytest.raises(ProfileError, match=r"decode_batch_table.*" + re.escape(why)):
+        small(decode_batch_table=table)
 
 
 def test_host_layer_compute_per_prefetch_depth_reaches_the_cost_model():

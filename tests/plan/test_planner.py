@@ -83,8 +83,8 @@ def _case_key(pl, reqs, *extra):
     cm = pl.cost_model
     comp = tuple(cm.compute(0).tolist()) if cm.depends_on_tokens else tuple(cm.compute().tolist())
     return (comp, cm.depends_on_tokens, cm.link_blocks_per_s, cm.transfer, cm.prefetch_slots, cm.request_overhead_s,
-            cm.transfer_latency_s, cm.host_layer_s, pl.capacity_blocks, pl.alpha, pl.min_steps, pl.max_steps,
-            tuple(reqs), *extra)
+            cm.batch_overhead_s, cm.transfer_latency_s, cm.host_layer_s, pl.capacity_blocks, pl.alpha, pl.min_steps,
+            pl.max_steps, tuple(reqs), *extra)
 
 
 def brute_force(pl, reqs, n_layers):

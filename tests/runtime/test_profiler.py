@@ -29,6 +29,8 @@ def test_profile_measures_every_overhead_and_round_trips(tiny_llama):
     assert {"decode_batch_s", "mixed_step_s", "offloaded_stall_s"} <= set(p.extra)
     assert len(p.host_layer_compute_s) == 2  # depths 1 and 2
     assert all(math.isfinite(v) and v >= 0 for v in p.host_layer_compute_s)
+    assert [r for r, _ in p.decode_batch_table] == [2, 3]  # every batch size up to the batch measured
+    assert p.decode_batch_table[-1][1] == pytest.approx(2 * p.decode_per_request_s)
     assert HardwareProfile.from_json(p.to_json()) == p
     assert llm.kv.usage() == (0, 0)  # measured on a scratch cache
 
@@ -119,6 +121,42 @@ def test_host_layer_compute_is_the_all_host_step_over_its_device_twin_per_depth(
     assert len(deviations) == 25 and max(abs(d) for d in deviations) < 0.2
     assert transfer.prefetch_slots == 1 and freed == ["t"]  # the engine's depth back, the twin gone
     assert latency >= 0
+
+
+def test_per_request_phase_measures_every_batch_size_whatever_the_drift():
+    """Phase 2 prices each batch size on its own: a 4th request that costs ~8x a 2nd (the CPU's matmul kernel
+    change at 4 rows) is in the table, where a line through the batch of 4 would overcharge batches of 2 and 3;
+    the rows' extra tokens are priced at decode_a, and the rows keep their lengths (all different)."""
+    from types import SimpleNamespace
+
+    from orbitflow.runtime.profiler import _measure_per_request, batch_sizes
+
+    true_extra, decode_a = {1: 0.0, 2: 0.004, 3: 0.008, 4: 0.040}, 2e-5
+    calls, pos, freed = [0], {}, []
+
+    def prefill(rid, ctx):
+        pos[rid] = ctx
+
+    def decode(ids, advance=True):
+        calls[0] += 1
+        assert len({pos[r] for r in ids}) == len(ids), "two rows of one length"
+        step = 0.05 + 2e-4 * calls[0] + decode_a * sum(pos[r] + 1 for r in ids) + true_extra[len(ids)]
+        if advance:
+            for r in ids:
+                pos[r] += 1
+        return SimpleNamespace(step_s=step)
+
+    bench = SimpleNamespace(prefill=prefill, decode=decode, free=freed.append, pos=pos)
+    extra: dict = {}
+    per_request, table = _measure_per_request(bench, 4, 64, 256, 7, decode_a, extra)
+    assert [r for r, _ in table] == [2, 3, 4]
+    for r, seconds in table:  # the drift (0.2 ms a step, ~1 ms between a size's step and "s"'s) cancels
+        assert seconds == pytest.approx(true_extra[r], abs=1.5e-3), r
+    assert per_request == pytest.approx(0.040 / 3, abs=1e-3)
+    assert extra["batch"] == 4 and extra["decode_batch_s"] > extra["decode_one_of_batch_tokens_s"]
+    assert sorted(freed) == ["b0", "b1", "b2", "b3"] and "s" in pos  # "s" is left for the next phases
+    assert batch_sizes(4) == [2, 3, 4] and batch_sizes(16) == [2, 3, 4, 5, 6, 7, 8, 16]
+    assert batch_sizes(40) == [2, 3, 4, 5, 6, 7, 8, 16, 32, 40] and batch_sizes(1) == []
 
 
 def test_step_jitter_is_the_spread_of_repeated_steps_and_ignores_one_pause():

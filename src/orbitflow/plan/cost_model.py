@@ -28,7 +28,9 @@ A transfer of request ``r`` takes ``b_r / link_blocks_per_s + transfer_latency_s
 engine's fixed cost per transfer: waking the copy thread and dispatching the copy; 0 for an ideal link).
 Every layer's compute also carries ``request_overhead_s / L`` per request beyond the first (the engine's
 per-request work in each layer: attention calls, KV writes), so a batch of R requests over T tokens costs
-``compute(T) + (R - 1) * request_overhead_s`` before stalls. Both default to 0; measured values come from the
+``compute(T) + (R - 1) * request_overhead_s`` before stalls; or, where ``batch_overhead_s`` gives the measured
+extra of batches of 2, 3, ... requests (entry ``R - 2``), that entry instead (past its end, the last entry plus
+``request_overhead_s`` per further request). Both default to 0; measured values come from the
 hardware profile (``HardwareProfile.cost_model()``, the one cost model that planner and simulator share).
 A layer that reads prefetched KV (some request has it on the host) also computes ``host_layer_s`` longer: on
 the CPU the copy thread's work beside the compute (its wake-ups, GIL handoffs) slows exactly those layers. It is
@@ -363,6 +365,7 @@ class CostModel:
         layer_compute_scale: float | Sequence[float] | np.ndarray = 1.0,
         num_layers: int | None = None,
         request_overhead_s: float = 0.0,
+        batch_overhead_s: Sequence[float] = (),
         transfer_latency_s: float = 0.0,
         prefetch_slots: int = 1,
         host_layer_s: float = 0.0,
@@ -384,6 +387,10 @@ class CostModel:
         self._transfer = transfer
         self._link = float(link_blocks_per_s)
         self._req_overhead = float(request_overhead_s)
+        batch = tuple(float(v) for v in batch_overhead_s)
+        if not all(math.isfinite(v) and v >= 0 for v in batch):
+            raise ValueError(f"batch_overhead_s must be finite seconds >= 0, got {list(batch)}")
+        self._batch_overhead = batch
         self._latency = float(transfer_latency_s)
         self._host_layer = float(host_layer_s)
         self._fn: Callable[[int], Sequence[float] | np.ndarray] | None
@@ -420,6 +427,8 @@ class CostModel:
                                        "preemptive: --kv-link preemptive) or 'fair' (Algorithm 1).")
     prefetch_slots = _read_only("_slots", "Prefetch depth: buffer slots per request (layers of it in flight at once).")
     request_overhead_s = _read_only("_req_overhead", "Compute seconds per request beyond the first, per step.")
+    batch_overhead_s = _read_only("_batch_overhead", "Measured extra compute seconds of a step of 2, 3, ... requests "
+                                                     "(entry R - 2); past its end request_overhead_s a request.")
     transfer_latency_s = _read_only("_latency", "Fixed seconds per transfer on top of blocks / link rate.")
     host_layer_s = _read_only("_host_layer", "Extra compute seconds of a layer that reads prefetched KV.")
 
@@ -454,6 +463,7 @@ class CostModel:
             layer_compute_scale=scale,
             num_layers=self._num_layers if layer_compute_s is None else None,
             request_overhead_s=self._req_overhead,
+            batch_overhead_s=self._batch_overhead,
             transfer_latency_s=self._latency,
             prefetch_slots=self._slots if prefetch_slots is None else prefetch_slots,
             host_layer_s=self._host_layer,
@@ -467,7 +477,7 @@ class CostModel:
             if total_tokens is None:
                 raise ValueError("this CostModel's compute depends on total_tokens; pass total_tokens=")
             tokens = int(total_tokens)
-        extra = max(int(num_requests) - 1, 0) if self._req_overhead else 0
+        extra = max(int(num_requests) - 1, 0) if (self._req_overhead or self._batch_overhead) else 0
         key = (tokens, extra)
         hit = self._cache.get(key)
         if hit is not None:
@@ -478,13 +488,21 @@ class CostModel:
         if self._fn is not None:
             _check_seconds(base, f"layer_compute_s({tokens})")
         if extra:
-            base = base + extra * self._req_overhead / self._num_layers
+            base = base + self.batch_extra_s(extra + 1) / self._num_layers
         out = base * self._scale
         out.setflags(write=False)
         if len(self._cache) > 4096:
             self._cache.clear()
         self._cache[key] = out
         return out
+
+    def batch_extra_s(self, num_requests: int) -> float:
+        """Extra compute seconds of a step of ``num_requests`` requests over one request of as many tokens."""
+        extra = max(int(num_requests) - 1, 0)
+        table = self._batch_overhead
+        if extra <= len(table):
+            return table[extra - 1] if extra else 0.0
+        return table[-1] + (extra - len(table)) * self._req_overhead if table else extra * self._req_overhead
 
     def transfer_s(self, blocks: float | np.ndarray) -> float | np.ndarray:
         """Seconds of one transfer of ``blocks`` KV blocks over the link (with its fixed latency; 0 for none)."""

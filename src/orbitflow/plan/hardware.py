@@ -64,6 +64,11 @@ class HardwareProfile:
     # Engine overheads (measured by `orbitflow profile`; 0 in presets and older profiles, i.e. an ideal engine):
     # seconds per decode step for every request in the batch beyond the first (per-request work in each layer),
     decode_per_request_s: float = 0.0
+    # ... or, where measured, rows [requests, seconds]: a decode step of that many requests over one request holding
+    # as many tokens, interpolated linearly between rows (from [1, 0]) and past the last row growing by
+    # decode_per_request_s a request. On the CPU it is not linear: torch's float32 matmul takes a slower kernel path
+    # from 4 rows up, so a 4th request can cost several times what a 2nd or 3rd does (`decode_batch_extra_s`).
+    decode_batch_table: list[list[float]] | None = None
     # fixed seconds per prefetch transfer on top of bytes / link rate (the copy thread's wake-up and dispatch),
     transfer_latency_s: float = 0.0
     # host-side seconds per layer moved by a placement change (eviction or move) on top of bytes / link rate,
@@ -134,6 +139,8 @@ class HardwareProfile:
                           for v in host))
             need(ok, "host_layer_compute_s", f"must be a non-empty list of numbers >= 0 (one per prefetch depth), "
                                              f"got {host!r}")
+        if self.decode_batch_table is not None:
+            self._validate_batch_table(need)
         cv = self.step_noise_cv
         if cv is not None:
             need(isinstance(cv, int | float) and not isinstance(cv, bool) and math.isfinite(cv) and 0 <= cv < 1,
@@ -157,7 +164,33 @@ class HardwareProfile:
             need(row[0] > prev, f"layer_compute_table[{i}]", "tokens must be strictly increasing")
             prev = row[0]
 
+    def _validate_batch_table(self, need: Any) -> None:
+        table = self.decode_batch_table
+        need(isinstance(table, list) and len(table) >= 1, "decode_batch_table", "must be a non-empty list or null")
+        prev = 1
+        for i, row in enumerate(table):
+            ok = (isinstance(row, list | tuple) and len(row) == 2
+                  and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in row))
+            need(ok, f"decode_batch_table[{i}]", f"must be [requests, seconds], got {row!r}")
+            need(float(row[0]).is_integer() and row[0] > prev, f"decode_batch_table[{i}]",
+                 f"requests must be whole numbers >= 2, strictly increasing, got {row[0]!r}")
+            need(row[1] >= 0, f"decode_batch_table[{i}]", f"seconds must be >= 0, got {row[1]!r}")
+            prev = row[0]
+
     # ----------------------------------------------------------------- derived quantities
+    def decode_batch_extra_s(self, num_requests: int) -> float:
+        """Extra seconds of a decode step of ``num_requests`` requests over one request holding as many tokens
+        (``decode_batch_table``, else ``decode_per_request_s`` per request beyond the first)."""
+        extra = max(int(num_requests) - 1, 0)
+        table = self.decode_batch_table
+        if not table or extra == 0:
+            return extra * self.decode_per_request_s
+        last_r, last_s = table[-1]
+        if num_requests >= last_r:
+            return float(last_s + (num_requests - last_r) * self.decode_per_request_s)
+        rows = [(1.0, 0.0), *((float(r), float(s)) for r, s in table)]
+        return float(np.interp(float(num_requests), [r for r, _ in rows], [s for _, s in rows]))
+
     @property
     def effective_link_contention(self) -> float:
         if self.link_contention is not None:
@@ -209,9 +242,12 @@ class HardwareProfile:
         """THE step-latency model of this hardware: the engine's planner (`PlanContext.from_profile`), the
         controller's mismatch check and the simulator (`SimExecutor`) all predict with this one, so a
         calibrated profile calibrates all of them at once."""
+        table = self.decode_batch_table
+        batch = tuple(self.decode_batch_extra_s(r) for r in range(2, int(table[-1][0]) + 1)) if table else ()
         return CostModel(self.layer_compute_s, self.link_blocks_per_s, transfer, num_layers=self.num_layers,
-                         request_overhead_s=self.decode_per_request_s, transfer_latency_s=self.transfer_latency_s,
-                         prefetch_slots=prefetch_slots, host_layer_s=self.host_layer_s(prefetch_slots))
+                         request_overhead_s=self.decode_per_request_s, batch_overhead_s=batch,
+                         transfer_latency_s=self.transfer_latency_s, prefetch_slots=prefetch_slots,
+                         host_layer_s=self.host_layer_s(prefetch_slots))
 
     def host_layer_s(self, prefetch_slots: int = 1) -> float:
         """Extra compute seconds of a layer that reads prefetched KV at this prefetch depth."""

@@ -6,8 +6,11 @@ are calibrated at once:
 
 - decode compute: ``decode_a * tokens + decode_b``, fitted from single-request decode steps at a few
   context lengths (median of several steps each);
-- ``decode_per_request_s``: a batch of R requests (of different lengths) against one request holding the same
-  number of tokens (steps interleaved, so a busy machine slows both alike), divided by R - 1;
+- ``decode_batch_table`` / ``decode_per_request_s``: batches of 2, 3, ... up to ``batch`` requests (of different
+  lengths) against one request, over what their extra tokens cost (``decode_a``), steps interleaved so a busy machine
+  slows all alike; the per-request figure is the largest batch's over its R - 1. Every batch size is measured (up to
+  8, then powers of two): the cost is not linear in R (on the CPU, torch's float32 matmul takes a slower kernel
+  path from 4 rows up), and a line through the largest batch over-predicted the steps of 2 and 3 requests by 13-28%;
 - ``transfer_latency_s``: decode steps of one request with every layer on the host; the latency per
   transfer that makes the cost model's `edf` stalls, over the step's own measured per-layer compute,
   equal the measured stalls (the copy thread's wake-up and dispatch, beyond bytes / link rate);
@@ -43,6 +46,7 @@ from orbitflow.plan.hardware import HardwareProfile
 
 CONTEXTS = (16, 256, 768)  # context lengths decode compute is fitted at (phase 1); the second sizes phase 2
 LINK_PROBE_BYTES = 32 << 20  # the link rate's probe copy (less if the pools hold less), its fixed costs amortised
+PROFILE_MAX_BATCH = 16  # the largest batch phase 2 measures for an engine (beyond: decode_per_request_s a request)
 
 
 def measure_link_bytes_per_s(kv, nbytes: int = LINK_PROBE_BYTES, repeats: int = 3) -> float:
@@ -114,12 +118,15 @@ class _Bench:
         self.pos[rid] = ctx
         return result
 
-    def decode(self, rids: list[str]):
+    def decode(self, rids: list[str], advance: bool = True):
+        """One decode step of ``rids``; ``advance=False`` writes the same position again (the same work, the
+        lengths kept)."""
         from orbitflow.runtime.executor import SeqInput
 
         result = self.run([SeqInput(r, [1], self.pos[r]) for r in rids])
-        for r in rids:
-            self.pos[r] += 1
+        if advance:
+            for r in rids:
+                self.pos[r] += 1
         return result
 
     def run(self, seqs):
@@ -207,24 +214,47 @@ def _fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:
     return float(coef[0]), float(coef[1]), float(coef[2])
 
 
-def _measure_per_request(bench: _Bench, batch: int, per_req: int, single: int, steps: int, extra: dict) -> float:
-    """Phase 2: per-request overhead: `batch` requests of about per_req tokens against one request ("s", left
-    allocated for the next phases) of batch * per_req. The batch's lengths differ by 2 tokens a row around
-    per_req (the same total), as a serving batch's do: rows of one length may share an attention call
-    (`attention.row_groups`), which rows of different lengths never get."""
+def batch_sizes(batch: int) -> list[int]:
+    """The batch sizes phase 2 measures: every one from 2 to 8, then powers of two, and ``batch`` itself."""
+    sizes = {r for r in range(2, min(batch, 8) + 1)} | {1 << k for k in range(4, batch.bit_length())} | {batch}
+    return sorted(r for r in sizes if 2 <= r <= batch)
+
+
+def _measure_per_request(bench: _Bench, batch: int, per_req: int, single: int, steps: int, decode_a: float,
+                         extra: dict) -> tuple[float, list[list[float]] | None]:
+    """Phase 2: per-request overhead: the first R of `batch` requests of about per_req tokens, for each R of
+    `batch_sizes`, against one request ("s", left allocated for the next phases) of batch * per_req, less what
+    their extra tokens cost (``decode_a`` a token). The batch's lengths differ by 2 tokens a row, as a serving
+    batch's do: rows of one length may share an attention call (`attention.row_groups`), which rows of different
+    lengths never get; its steps rewrite the same position (`decode(advance=False)`), so they stay different.
+    Returns the per-request cost of the whole batch and the table of every size (None for a batch of 1)."""
+    if batch < 2:
+        bench.prefill("s", single)
+        return 0.0, None
     ids = [f"b{i}" for i in range(batch)]
+    low = max(per_req - (batch - 1), 4)
     for i, rid in enumerate(ids):
-        bench.prefill(rid, per_req + 2 * i - (batch - 1))
+        bench.prefill(rid, low + 2 * i)
     bench.prefill("s", single)
-    one, many = [], []
-    for _ in range(steps + 1):
-        one.append(bench.decode(["s"]).step_s)
-        many.append(bench.decode(ids).step_s)
-    t_one, t_many = float(np.median(one[1:])), float(np.median(many[1:]))
+    sizes = batch_sizes(batch)
+    one: list[float] = []
+    many: dict[int, list[float]] = {r: [] for r in sizes}
+    for round_ in range(steps + 1):
+        one.append(bench.decode(["s"], advance=False).step_s)
+        for r in sizes if round_ % 2 == 0 else sizes[::-1]:
+            many[r].append(bench.decode(ids[:r], advance=False).step_s)
+    t_one = float(np.median(one[1:]))
+    tokens_one = bench.pos["s"] + 1
+    table, floor = [], 0.0
+    for r in sizes:
+        tokens = sum(bench.pos[rid] + 1 for rid in ids[:r])
+        cost = float(np.median(many[r][1:])) - t_one - decode_a * (tokens - tokens_one)
+        floor = max(floor, cost)  # a bigger batch does all a smaller one does: noise never makes it cheaper
+        table.append([r, floor])
     for rid in ids:
         bench.free(rid)
-    extra.update(decode_one_of_batch_tokens_s=t_one, decode_batch_s=t_many, batch=batch)
-    return max(0.0, (t_many - t_one) / (batch - 1)) if batch > 1 else 0.0
+    extra.update(decode_one_of_batch_tokens_s=t_one, decode_batch_s=float(np.median(many[batch][1:])), batch=batch)
+    return table[-1][1] / (batch - 1), table
 
 
 def _measure_mixed_step(bench: _Bench, chunk: int, steps: int, extra: dict) -> float:
@@ -306,9 +336,10 @@ def profile_executor(executor, name: str, contexts=CONTEXTS, steps: int = 7, bat
                      chunk: int = 64, prefill_sizes=(16, 64, 128, 256, 512)) -> HardwareProfile:
     """Fit every cost of a ModelExecutor that the cost model charges (see the module docstring)."""
     kv = executor.kv
-    # decode steps a request may take beyond its prompt: "s" takes steps + 1 (phase 2), 2 * (steps + 1) (phase 3)
-    # and 2 * (steps + 1) + 3 * steps (phase 5, all on the host), 8 * steps + 5 in all
+    # decode steps a request may take beyond its prompt: "s" takes 1 (phase 2 rewrites one position), 2 * (steps + 1)
+    # (phase 3) and 2 * (steps + 1) + 3 * steps (phase 5, all on the host), 7 * steps + 5 in all
     spare = 8 * steps + 8
+    batch = max(int(batch), 1)
     per_req = max(contexts[1] // batch, 16)
     single = per_req * batch  # the single request holding as many tokens as the batch
     # phase 1 holds one request per context at once; later phases hold the rest
@@ -328,7 +359,7 @@ def profile_executor(executor, name: str, contexts=CONTEXTS, steps: int = 7, bat
         _measure_prefill(bench, prefill_sizes, 2, prefill)
         pa, pb, pc = _fit_prefill(prefill)
         extra["prefill_points"] = [[int(t), round(s, 6)] for t, s in sorted(prefill)]
-        per_request = _measure_per_request(bench, batch, per_req, single, steps, extra)
+        per_request, batch_table = _measure_per_request(bench, batch, per_req, single, steps, a, extra)
         mixed_overhead = _measure_mixed_step(bench, chunk, steps, extra)
         move_latency = _measure_moves(bench, link)
         host_deviations: list[float] = []
@@ -351,6 +382,7 @@ def profile_executor(executor, name: str, contexts=CONTEXTS, steps: int = 7, bat
         prefill_b=max(pb, 1e-5),
         prefill_c=pc,
         decode_per_request_s=per_request,
+        decode_batch_table=batch_table,
         transfer_latency_s=transfer_latency,
         host_layer_compute_s=host_layer,
         move_latency_s=move_latency,

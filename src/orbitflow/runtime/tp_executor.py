@@ -243,7 +243,7 @@ def _serve_rank(rank: int, spec: _WorkerSpec, conn, executor, local) -> None:
                 kv.transfer.link, kv.transfer.chunk_s = message[3]
                 from orbitflow.runtime.profiler import profile_executor
 
-                profile = profile_executor(executor, name=message[2])
+                profile = profile_executor(executor, name=message[2], batch=message[4])
                 allreduce = _measure_allreduce(local.hidden_size, spec.dtype, executor.device)
                 conn.send(("ok", profile, allreduce))
             else:
@@ -478,12 +478,12 @@ class TensorParallelExecutor(Executor):
             except TensorParallelFailure:
                 pass
 
-    def measure_profile(self, name: str):
+    def measure_profile(self, name: str, batch: int = 4):
         """`profile_executor` on every rank at once (they run the same steps, in lock-step through the
         all-reduces), plus an all-reduce micro-benchmark. Returns rank 0's profile, in one rank's units (its
         shard's block bytes, its own link), with every rank's figures in ``extra["tensor_parallel"]``."""
         transfer = self.kv.transfer
-        self._send([("profile", self.kv.take_ops(), name, (transfer.link, transfer.chunk_s))] * self.size)
+        self._send([("profile", self.kv.take_ops(), name, (transfer.link, transfer.chunk_s), batch)] * self.size)
         replies = self._gather()
         profile, _ = replies[0][1], replies[0][2]
         per_rank = []
