@@ -106,7 +106,8 @@ OTHER_STAGES = {
                            "--title", "How far to trust the simulator at a tighter SLO (scale 1.5)"],
     "tensor_parallel": ["benchmarks/tensor_parallel.py", "--tp", "3", "--shared",
                         "--md", "docs/results/tensor_parallel.md"],
-    "cluster": ["benchmarks/cluster_sim.py", "--md", "docs/results/cluster.md", "--plot", "docs/results/cluster.png"],
+    "cluster": ["benchmarks/cluster_sim.py", "--md", "docs/results/cluster.md", "--plot", "docs/results/cluster.png",
+                "--json", "docs/results/cluster_runs.json"],
 }
 LABEL = {"orbitflow": "OrbitFlow", "deepspeed": "DeepSpeed", "flexgen": "FlexGen", "flexgen+": "FlexGen+",
          "slo-aware": "SLO-aware", "dynamic": "Dynamic", "batch-uniform": "Batch-Uniform",
