@@ -343,6 +343,14 @@ def fair_stalls(
     return stall
 
 
+def _batch_seconds(values: Sequence[float]) -> tuple[float, ...]:
+    """``batch_overhead_s`` as a tuple of finite seconds >= 0 (else a ValueError naming it)."""
+    batch = tuple(float(v) for v in values)
+    if not all(math.isfinite(v) and v >= 0 for v in batch):
+        raise ValueError(f"batch_overhead_s must be finite seconds >= 0, got {list(batch)}")
+    return batch
+
+
 def _read_only(attr: str, doc: str) -> property:
     """A read-only attribute backed by ``attr`` (the cost model's parameters never change after __init__)."""
     return property(attrgetter(attr), doc=doc)
@@ -387,10 +395,7 @@ class CostModel:
         self._transfer = transfer
         self._link = float(link_blocks_per_s)
         self._req_overhead = float(request_overhead_s)
-        batch = tuple(float(v) for v in batch_overhead_s)
-        if not all(math.isfinite(v) and v >= 0 for v in batch):
-            raise ValueError(f"batch_overhead_s must be finite seconds >= 0, got {list(batch)}")
-        self._batch_overhead = batch
+        self._batch_overhead = _batch_seconds(batch_overhead_s)
         self._latency = float(transfer_latency_s)
         self._host_layer = float(host_layer_s)
         self._fn: Callable[[int], Sequence[float] | np.ndarray] | None
