@@ -11,7 +11,8 @@ configuration transformers offers, per point. Prompts are seeded random token id
 every side gets the same ones.
 
 Per (context, batch), runs alternate ours, theirs (each cache), ours, ... `--repeats` times; each figure is the
-median, the ratio range is over the paired repeats:
+median; each ratio also gets a 95% confidence interval (Student t over the paired repeats' log ratios: the
+geometric mean's interval, `ratio_ci`) and the range of the paired ratios:
 - decode tok/s = batch * (N - 1) / (time of the last new token - time of the first): the first token comes
   out of the prefill, so the span is the decode of the other N - 1 tokens, for both sides alike. Ours stamps
   each token in the engine loop (`Request.generated_s`); theirs through a `streamer` that `generate` calls
@@ -33,6 +34,7 @@ import argparse
 import ctypes
 import datetime
 import gc
+import math
 import os
 import platform
 import shlex
@@ -182,6 +184,22 @@ def interleave(runs: dict[str, Run], repeats: int, bar: tqdm) -> dict[str, list[
     return samples
 
 
+def ratio_ci(ratios: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Confidence interval of the geometric mean of paired ratios (Student t over their logs); None under 2."""
+    from scipy import stats
+
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    half = stats.t.ppf(0.5 + level / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    center = statistics.fmean(logs)
+    return math.exp(center - half), math.exp(center + half)
+
+
+def _ci_text(ci: tuple[float, float] | None) -> str:
+    return "-" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
 def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str | list[str],
               pool_mib: float = 0.0) -> dict:
     """Side ``a`` against side ``b``; with several ``b`` sides (transformers' caches), against the best of them for
@@ -195,12 +213,15 @@ def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str
     bm = min(sides, key=lambda k: rss[k])
     ratios = [x / y for x, y in zip(decode[a], decode[bd])]
     pratios = [x / y for x, y in zip(prefill[a], prefill[bp])]
+    ci, pci = ratio_ci(ratios), ratio_ci(pratios)
     return {
         "context": context, "batch": batch,
         "decode_a": statistics.median(decode[a]), "decode_b": statistics.median(decode[bd]), "decode_by": bd,
         "ratio": statistics.median(ratios), "range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+        "ci": ci, "ci_text": _ci_text(ci),
         "prefill_a": statistics.median(prefill[a]), "prefill_b": statistics.median(prefill[bp]), "prefill_by": bp,
         "pratio": statistics.median(pratios), "prange": f"{min(pratios):.2f}-{max(pratios):.2f}",
+        "pci": pci, "pci_text": _ci_text(pci),
         "rss_a": rss[a], "rss_b": rss[bm], "rss_by": bm,
         "headroom": rss[bm] + pool_mib - rss[a], "pool": pool_mib,
         **{f"decode_{k}": statistics.median(decode[k]) for k in sides},
@@ -209,13 +230,15 @@ def summarize(samples, batch: int, context: int, new_tokens: int, a: str, b: str
 
 COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "orbitflow decode tok/s"),
            ("decode_b", "HF decode tok/s"), ("decode_by", "HF cache"), ("ratio", "Decode ratio"),
-           ("range", "Decode ratio range"), ("prefill_a", "orbitflow prefill tok/s"), ("prefill_b", "HF prefill tok/s"),
-           ("prefill_by", "HF cache"), ("pratio", "Prefill ratio"), ("prange", "Prefill ratio range"),
+           ("ci_text", "Decode ratio 95% CI"), ("range", "Decode ratio range"),
+           ("prefill_a", "orbitflow prefill tok/s"), ("prefill_b", "HF prefill tok/s"), ("prefill_by", "HF cache"),
+           ("pratio", "Prefill ratio"),
+           ("pci_text", "Prefill ratio 95% CI"), ("prange", "Prefill ratio range"),
            ("rss_a", "orbitflow peak RSS MiB"), ("rss_b", "HF peak RSS MiB"), ("rss_by", "HF cache"),
            ("pool", "orbitflow device pool MiB"), ("headroom", "HF + pool - orbitflow MiB")]
 OFFLOAD_COLUMNS = [("context", "Context"), ("batch", "Batch"), ("decode_a", "half on host decode tok/s"),
                    ("decode_b", "none decode tok/s"), ("ratio", "Ratio (host/none)"),
-                   ("range", "Ratio range")]
+                   ("ci_text", "Ratio 95% CI"), ("range", "Ratio range")]
 
 
 def second_load_s() -> tuple[float, float]:
@@ -241,20 +264,24 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def where_we_lose(rows: list[dict]) -> str:
-    """Every point where ours is behind transformers' best: a median ratio under 1, a ratio range that dips under 1,
-    memory over the bound."""
+    """Every point where ours is behind transformers' best: a median ratio under 1 (and whether its 95% CI is all
+    under 1), a median of at least 1 whose CI or range dips under 1, memory over the bound."""
     def at(r):
         return f"{r['context']} x {r['batch']}"
 
     parts = []
+    def ci_note(ci) -> str:
+        return "" if ci is None else f", CI {_ci_text(ci)}" + (" all under 1" if ci[1] < 1 else "")
+
     for key, what in (("ratio", "decode"), ("pratio", "prefill")):
-        rng = "range" if key == "ratio" else "prange"
-        behind = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']})" for r in rows if r[key] < 1]
-        dips = [f"{at(r)} ({r[rng]})" for r in rows if r[key] >= 1 and float(r[rng].split("-")[0]) < 1]
+        rng, ci = ("range", "ci") if key == "ratio" else ("prange", "pci")
+        behind = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']}{ci_note(r.get(ci))})" for r in rows if r[key] < 1]
+        dips = [f"{at(r)} (range {r[rng]}{ci_note(r.get(ci))})" for r in rows
+                if r[key] >= 1 and (float(r[rng].split("-")[0]) < 1 or (r.get(ci) is not None and r[ci][0] < 1))]
         if behind:
             parts.append(f"{what} at {', '.join(behind)}")
         if dips:
-            parts.append(f"{what} in some repeats at {', '.join(dips)} (median at least 1)")
+            parts.append(f"{what} not shown ahead at {', '.join(dips)} (median at least 1)")
     over = [f"{at(r)} ({r['headroom']:.0f} MiB)" for r in rows if r["headroom"] < 0]
     if over:
         parts.append(f"memory over the bound at {', '.join(over)}")
@@ -269,8 +296,9 @@ def write_markdown(path: str, rows: list[dict], offload: list[dict], args, threa
         "",
         f"SmolLM2-135M, float32, greedy, {args.tokens} new tokens per prompt, seeded random prompts (seed "
         f"{args.seed}) of exactly `context` tokens, placement none, median of {args.repeats} interleaved "
-        f"repeats (ours, then transformers with each cache, then ours again, ...); ranges are over the paired "
-        f"repeats. Transformers is "
+        f"repeats (ours, then transformers with each cache, then ours again, ...); a ratio's 95% CI is Student t "
+        f"over the paired repeats' log ratios (the geometric mean's interval), its range the least and largest "
+        f"paired ratio. Transformers is "
         f"`LlamaForCausalLM.generate` with SDPA attention in the same process, with each KV cache of "
         f"{', '.join(args.hf_cache)}; each figure is compared with the better of them (the 'HF cache' beside it). "
         f"Peak RSS is the growth of the "
@@ -384,7 +412,7 @@ def main() -> None:
             rows.append(row)
             theirs = ", ".join(f"{c} {row[f'decode_{c}']:.1f}" for c in args.hf_cache)
             bar.write(f"context {context} batch {batch}: decode {row['decode_a']:.1f} vs {theirs} tok/s "
-                      f"(ratio to {row['decode_by']} {row['ratio']:.2f}, {row['range']}), prefill ratio "
+                      f"(ratio to {row['decode_by']} {row['ratio']:.2f}, 95% CI {row['ci_text']}), prefill ratio "
                       f"{row['pratio']:.2f} (to {row['prefill_by']})")
         if args.offload is not None:
             context, batch = args.offload

@@ -80,7 +80,23 @@ def test_where_we_lose_names_every_point_behind():
              "decode_by": "static", "prefill_by": "static", "headroom": -3.0}]
     text = bench.where_we_lose(rows)
     assert "decode at 2048 x 4 (0.91 against static)" in text and "prefill at 512 x 1 (0.94 against dynamic)" in text
-    assert "decode in some repeats at 512 x 1 (0.93-1.43)" in text and "memory over the bound at 2048 x 4" in text
+    assert "decode not shown ahead at 512 x 1 (range 0.93-1.43)" in text and "memory over the bound at 2048 x 4" in text
     rows[1].update(ratio=1.1, range="1.0-1.2", headroom=5.0)
     rows[0].update(pratio=1.0, prange="1.0-1.1", range="1.0-1.4")
     assert bench.where_we_lose(rows) == "Where we lose: nowhere in this grid."
+    # a median ahead whose 95% CI still reaches under 1 is not shown ahead; a CI all under 1 is said so
+    rows[0]["ci"] = (0.98, 1.3)
+    rows[1].update(ratio=0.9, ci=(0.85, 0.95))
+    text = bench.where_we_lose(rows)
+    assert "decode not shown ahead at 512 x 1 (range 1.0-1.4, CI [0.98, 1.30])" in text
+    assert "decode at 2048 x 4 (0.90 against static, CI [0.85, 0.95] all under 1)" in text
+
+
+def test_the_ratio_interval_is_the_geometric_means_t_interval():
+    low, high = bench.ratio_ci([0.9, 1.0, 1.1])
+    center = (0.9 * 1.0 * 1.1) ** (1 / 3)
+    assert low < center < high and low * high == pytest.approx(center ** 2)
+    assert high / center == pytest.approx(1.283, abs=0.01)  # t(0.975, 2) = 4.303 x sd of the logs / sqrt(3)
+    assert bench.ratio_ci([1.0]) is None and bench.ratio_ci([1.2, 1.2]) == pytest.approx((1.2, 1.2))
+    row = bench.summarize({"ours": [(1.0, 3.0, 0)] * 3, "hf": [(1.0, 2.0, 0)] * 3}, 1, 10, 4, "ours", "hf")
+    assert row["ci_text"] == "[0.67, 0.67]" and row["pci_text"] == "[1.00, 1.00]"
