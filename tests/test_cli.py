@@ -293,7 +293,7 @@ def test_bench_refuses_generate_flags_with_a_trace(flag, tmp_path, capsys):
     (["plan", "--request", "tokens=10", "--preset", "a5000-llama3-8b", "--profile", "p.json"], "not allowed with"),
     (["simulate", "--preset", "a5000-llama3-8b", "--profile", "p.json"], "not allowed with"),
     (["profile", "--policy", "deepspeed"], "unrecognized arguments: --policy"),  # it changes nothing measured
-    (["profile", "--max-num-seqs", "2"], "unrecognized arguments: --max-num-seqs"),
+    (["profile", "--max-num-batched-tokens", "2048"], "unrecognized arguments: --max-num-batched-tokens"),
     (["profile", "--seed", "3"], "unrecognized arguments: --seed"),
 ])
 def test_flags_that_would_be_ignored_are_usage_errors(argv, says, capsys):

@@ -504,12 +504,15 @@ def _add_profile_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     p.add_argument("--out", "--output", "-o", dest="output", default=None,
                    help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
-    # what the measurement depends on: the model, its device and threads, the KV pools and link, tensor parallelism;
-    # the scheduler's and the planner's flags, and the seed (of sampling, the random victim rule and the simulator's
-    # noise), change nothing it measures
-    unused = [dest_of(f) for cls in (SchedulerConfig, PlannerConfig) for f in fields(cls)] + ["seed"]
+    # what the measurement depends on: the model, its device and threads, the KV pools and link, tensor parallelism,
+    # and --max-num-seqs (the largest batch whose decode cost it measures); the other scheduler and planner flags, and
+    # the seed (of sampling, the random victim rule and the simulator's noise), change nothing it measures
+    unused = [dest_of(f) for cls in (SchedulerConfig, PlannerConfig) for f in fields(cls)
+              if f.name != "max_num_seqs"] + ["seed"]
     helps = {"prefetch_slots": "prefetch depth: KV layers of one request in flight at once (default: 1, OrbitFlow's: "
-                               "profile builds OrbitFlow's engine)"}
+                               "profile builds OrbitFlow's engine)",
+             "max_num_seqs": "the largest batch the engine will run: each batch size up to it (at most 16) gets its "
+                             "measured decode cost (default: 4)"}
     add_engine_args(p, skip=(*SERVING_ONLY, *unused), helps=helps)
     p.set_defaults(func=cmd_profile)
 

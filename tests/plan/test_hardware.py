@@ -207,6 +207,9 @@ def test_the_measured_batch_table_prices_each_batch_size_and_extends_past_its_en
     assert len(cm.batch_overhead_s) == 7  # batches of 2..8
     for r in (1, 2, 3, 4, 6, 8, 10):
         assert cm.compute(100, r).sum() == pytest.approx(q.decode_step_no_offload_s(100) + q.decode_batch_extra_s(r))
+    # a table that starts past 2 rises from nothing at one request
+    assert small(decode_per_request_s=0.01, decode_batch_table=[[4, 0.04]]).decode_batch_extra_s(2) == \
+        pytest.approx(0.04 / 3)
     # without a table (older profiles, presets): the line it always was
     assert small(decode_per_request_s=0.013).decode_batch_extra_s(4) == pytest.approx(3 * 0.013)
 
@@ -214,7 +217,7 @@ def test_the_measured_batch_table_prices_each_batch_size_and_extends_past_its_en
 @pytest.mark.parametrize("table, why", [([], "non-empty"), ([[1, 0.01]], "requests"),
                                         ([[3, 0.01], [2, 0.02]], "increasing"), ([[2.5, 0.01]], "whole"),
                                         ([[2, -0.01]], "seconds"), ([[2]], "requests, seconds"),
-                                        ([[2, math.inf]], "requests, seconds")])
+                                        ([[2, math.inf]], "requests, seconds"), ([[2, 0.1], [10**7, 0.2]], "1024")])
 def test_a_bad_batch_table_names_the_field_and_row(table, why):
     with pytest.raises(ProfileError, match=r"decode_batch_table.*" + re.escape(why)):
         small(decode_batch_table=table)

@@ -113,7 +113,8 @@ def test_shadow_kv_replay_reaches_the_same_state():
 def test_profile_measures_every_rank(tp2, tiny_llama):
     """`orbitflow profile --tensor-parallel-size 2`: rank 0's profile in one rank's units (its shard of the KV
     heads, its own link), every rank's compute, link and all-reduce figures beside it."""
-    profile = tp2.executor.measure_profile("tiny@tp2")
+    profile = tp2.executor.measure_profile("tiny@tp2", batch=3)
+    assert [r for r, _ in profile.decode_batch_table] == [2, 3]  # every rank measured the engine's batch sizes
     config = tiny_llama.config
     assert profile.kv_bytes_per_token_per_layer == 2 * (config.num_kv_heads // 2) * config.head_dim * 4
     assert profile.link_bytes_per_s == pytest.approx(0.5e9)  # --link-gbps 0.5, per rank

@@ -30,7 +30,7 @@ Every layer's compute also carries ``request_overhead_s / L`` per request beyond
 per-request work in each layer: attention calls, KV writes), so a batch of R requests over T tokens costs
 ``compute(T) + (R - 1) * request_overhead_s`` before stalls; or, where ``batch_overhead_s`` gives the measured
 extra of batches of 2, 3, ... requests (entry ``R - 2``), that entry instead (past its end, the last entry plus
-``request_overhead_s`` per further request). Both default to 0; measured values come from the
+``request_overhead_s`` per further request). All default to 0 (none); measured values come from the
 hardware profile (``HardwareProfile.cost_model()``, the one cost model that planner and simulator share).
 A layer that reads prefetched KV (some request has it on the host) also computes ``host_layer_s`` longer: on
 the CPU the copy thread's work beside the compute (its wake-ups, GIL handoffs) slows exactly those layers. It is

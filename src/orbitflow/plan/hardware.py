@@ -38,6 +38,8 @@ def attention_pairs(cached: int, new: int) -> int:
     return new * cached + new * (new + 1) // 2
 
 
+MAX_TABLE_REQUESTS = 1024  # the largest batch a decode_batch_table row may name (the cost model densifies it)
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -68,7 +70,7 @@ class HardwareProfile:
     # as many tokens, interpolated linearly between rows (from [1, 0]) and past the last row growing by
     # decode_per_request_s a request. On the CPU it is not linear: torch's float32 matmul takes a slower kernel path
     # from 4 rows up, so a 4th request can cost several times what a 2nd or 3rd does (`decode_batch_extra_s`).
-    decode_batch_table: list[list[float]] | None = None
+    decode_batch_table: list[list[float]] | None = None  # requests up to MAX_TABLE_REQUESTS
     # fixed seconds per prefetch transfer on top of bytes / link rate (the copy thread's wake-up and dispatch),
     transfer_latency_s: float = 0.0
     # host-side seconds per layer moved by a placement change (eviction or move) on top of bytes / link rate,
@@ -172,8 +174,8 @@ class HardwareProfile:
             ok = (isinstance(row, list | tuple) and len(row) == 2
                   and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in row))
             need(ok, f"decode_batch_table[{i}]", f"must be [requests, seconds], got {row!r}")
-            need(float(row[0]).is_integer() and row[0] > prev, f"decode_batch_table[{i}]",
-                 f"requests must be whole numbers >= 2, strictly increasing, got {row[0]!r}")
+            need(float(row[0]).is_integer() and prev < row[0] <= MAX_TABLE_REQUESTS, f"decode_batch_table[{i}]",
+                 f"requests must be whole numbers from 2 to {MAX_TABLE_REQUESTS}, strictly increasing, got {row[0]!r}")
             need(row[1] >= 0, f"decode_batch_table[{i}]", f"seconds must be >= 0, got {row[1]!r}")
             prev = row[0]
 

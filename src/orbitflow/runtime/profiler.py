@@ -6,9 +6,10 @@ are calibrated at once:
 
 - decode compute: ``decode_a * tokens + decode_b``, fitted from single-request decode steps at a few
   context lengths (median of several steps each);
-- ``decode_batch_table`` / ``decode_per_request_s``: batches of 2, 3, ... up to ``batch`` requests (of different
-  lengths) against one request, over what their extra tokens cost (``decode_a``), steps interleaved so a busy machine
-  slows all alike; the per-request figure is the largest batch's over its R - 1. Every batch size is measured (up to
+- ``decode_batch_table`` / ``decode_per_request_s``: batches of 2, 3, ... up to ``batch`` requests (the engine's
+  ``--max-num-seqs``, at most ``PROFILE_MAX_BATCH``; of different lengths) against one request, over what their extra
+  tokens cost (``decode_a``), each read against the single request's steps around it so a drifting machine shifts
+  both alike; the per-request figure is the largest batch's over its R - 1. Every batch size is measured (up to
   8, then powers of two): the cost is not linear in R (on the CPU, torch's float32 matmul takes a slower kernel
   path from 4 rows up), and a line through the largest batch over-predicted the steps of 2 and 3 requests by 13-28%;
 - ``transfer_latency_s``: decode steps of one request with every layer on the host; the latency per
@@ -224,10 +225,13 @@ def _measure_per_request(bench: _Bench, batch: int, per_req: int, single: int, s
                          extra: dict) -> tuple[float, list[list[float]] | None]:
     """Phase 2: per-request overhead: the first R of `batch` requests of about per_req tokens, for each R of
     `batch_sizes`, against one request ("s", left allocated for the next phases) of batch * per_req, less what
-    their extra tokens cost (``decode_a`` a token). The batch's lengths differ by 2 tokens a row, as a serving
-    batch's do: rows of one length may share an attention call (`attention.row_groups`), which rows of different
-    lengths never get; its steps rewrite the same position (`decode(advance=False)`), so they stay different.
-    Returns the per-request cost of the whole batch and the table of every size (None for a batch of 1)."""
+    their extra tokens cost (``decode_a`` a token). Each round runs every size between two steps of "s" (the order
+    reversed every other round); a size's step is read against "s" interpolated to its place in the round, so a
+    machine drifting through the phase shifts both alike. The batch's lengths differ by 2 tokens a row, as a
+    serving batch's do: rows of one length may share an attention call (`attention.row_groups`), which rows of
+    different lengths never get; its steps rewrite the same position (`decode(advance=False)`), so they stay
+    different. Returns the per-request cost of the whole batch and the table of every size (None for a batch of 1);
+    a size never costs less than a smaller one (the running max: that bias up is the smaller size's noise)."""
     if batch < 2:
         bench.prefill("s", single)
         return 0.0, None
@@ -237,23 +241,29 @@ def _measure_per_request(bench: _Bench, batch: int, per_req: int, single: int, s
         bench.prefill(rid, low + 2 * i)
     bench.prefill("s", single)
     sizes = batch_sizes(batch)
-    one: list[float] = []
+    refs = [bench.decode(["s"], advance=False).step_s]
+    diffs: dict[int, list[float]] = {r: [] for r in sizes}
     many: dict[int, list[float]] = {r: [] for r in sizes}
     for round_ in range(steps + 1):
-        one.append(bench.decode(["s"], advance=False).step_s)
-        for r in sizes if round_ % 2 == 0 else sizes[::-1]:
-            many[r].append(bench.decode(ids[:r], advance=False).step_s)
-    t_one = float(np.median(one[1:]))
+        order = sizes if round_ % 2 == 0 else sizes[::-1]
+        times = [bench.decode(ids[:r], advance=False).step_s for r in order]
+        refs.append(bench.decode(["s"], advance=False).step_s)
+        if round_ == 0:  # the first round warms every size up
+            continue
+        before, after = refs[-2], refs[-1]
+        for j, (r, t) in enumerate(zip(order, times)):
+            diffs[r].append(t - (before + (after - before) * (j + 1) / (len(order) + 1)))
+            many[r].append(t)
     tokens_one = bench.pos["s"] + 1
     table, floor = [], 0.0
     for r in sizes:
         tokens = sum(bench.pos[rid] + 1 for rid in ids[:r])
-        cost = float(np.median(many[r][1:])) - t_one - decode_a * (tokens - tokens_one)
-        floor = max(floor, cost)  # a bigger batch does all a smaller one does: noise never makes it cheaper
+        floor = max(floor, float(np.median(diffs[r])) - decode_a * (tokens - tokens_one))
         table.append([r, floor])
     for rid in ids:
         bench.free(rid)
-    extra.update(decode_one_of_batch_tokens_s=t_one, decode_batch_s=float(np.median(many[batch][1:])), batch=batch)
+    extra.update(decode_one_of_batch_tokens_s=float(np.median(refs[1:])), decode_batch_s=float(np.median(many[batch])),
+                 batch=batch)
     return table[-1][1] / (batch - 1), table
 
 
