@@ -40,6 +40,7 @@ def attention_pairs(cached: int, new: int) -> int:
 
 MAX_TABLE_REQUESTS = 1024  # the largest batch a decode_batch_table row may name (the cost model densifies it)
 
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
