@@ -302,6 +302,19 @@ def test_flags_that_would_be_ignored_are_usage_errors(argv, says, capsys):
     assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_profile_takes_the_batch_it_measures_up_to(monkeypatch):
+    """profile --max-num-seqs N: the engine it measures runs batches up to N, so the profile's batch table does."""
+    from orbitflow import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_profile", lambda args: seen.setdefault("config", cli.engine_config(args)) and 0)
+    parser = cli.build_parser()
+    args = parser.parse_args(["profile", "--max-num-seqs", "8"])
+    args.func(args)
+    assert seen["config"].scheduler.max_num_seqs == 8
+    assert "--max-num-seqs" in parser._subparsers._group_actions[0].choices["profile"].format_help()
+
+
 def test_bench_names_a_server_that_is_not_openai_compatible(tmp_path, capsys):
     """A web server answering /v1/models with HTML (a wrong port): one line, not an AttributeError traceback."""
     import functools
