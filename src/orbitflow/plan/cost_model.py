@@ -55,7 +55,8 @@ import numpy as np
 
 from orbitflow.plan.placement import Placement
 
-__all__ = ["CostModel", "StepEstimate", "edf_stalls", "fair_stalls", "host_layers_s", "preemptive_stalls"]
+__all__ = ["CostModel", "StepEstimate", "batch_extra_s", "edf_stalls", "fair_stalls", "host_layers_s",
+           "preemptive_stalls"]
 
 ComputeSpec = Sequence[float] | np.ndarray | Callable[[int], Sequence[float] | np.ndarray]
 _TRANSFERS = ("edf", "preemptive", "fair")
@@ -343,6 +344,18 @@ def fair_stalls(
     return stall
 
 
+def batch_extra_s(batch_overhead_s: Sequence[float], request_overhead_s: float, num_requests: int) -> float:
+    """Extra compute seconds of a step of ``num_requests`` requests: entry ``R - 2`` of ``batch_overhead_s`` (batches
+    of 2, 3, ...), past its end its last entry plus ``request_overhead_s`` per further request (with no entries,
+    ``request_overhead_s`` per request beyond the first)."""
+    extra = max(int(num_requests) - 1, 0)
+    if extra <= len(batch_overhead_s):
+        return batch_overhead_s[extra - 1] if extra else 0.0
+    if not batch_overhead_s:
+        return extra * request_overhead_s
+    return batch_overhead_s[-1] + (extra - len(batch_overhead_s)) * request_overhead_s
+
+
 def _batch_seconds(values: Sequence[float]) -> tuple[float, ...]:
     """``batch_overhead_s`` as a tuple of finite seconds >= 0 (else a ValueError naming it)."""
     batch = tuple(float(v) for v in values)
@@ -503,11 +516,7 @@ class CostModel:
 
     def batch_extra_s(self, num_requests: int) -> float:
         """Extra compute seconds of a step of ``num_requests`` requests over one request of as many tokens."""
-        extra = max(int(num_requests) - 1, 0)
-        table = self._batch_overhead
-        if extra <= len(table):
-            return table[extra - 1] if extra else 0.0
-        return table[-1] + (extra - len(table)) * self._req_overhead if table else extra * self._req_overhead
+        return batch_extra_s(self._batch_overhead, self._req_overhead, num_requests)
 
     def transfer_s(self, blocks: float | np.ndarray) -> float | np.ndarray:
         """Seconds of one transfer of ``blocks`` KV blocks over the link (with its fixed latency; 0 for none)."""

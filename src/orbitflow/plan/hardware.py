@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from orbitflow.plan.cost_model import CostModel
+from orbitflow.plan.cost_model import CostModel, batch_extra_s
 
 # Default prefill model: prefill_b = decode_b (one pass over the weights) and prefill_a = decode_b / RIDGE.
 # A batch of prompt tokens turns the weight GEMMs compute-bound around the GPU's roofline ridge
@@ -183,16 +183,18 @@ class HardwareProfile:
     # ----------------------------------------------------------------- derived quantities
     def decode_batch_extra_s(self, num_requests: int) -> float:
         """Extra seconds of a decode step of ``num_requests`` requests over one request holding as many tokens
-        (``decode_batch_table``, else ``decode_per_request_s`` per request beyond the first)."""
-        extra = max(int(num_requests) - 1, 0)
+        (``decode_batch_table``, else ``decode_per_request_s`` per request beyond the first): what the cost model
+        charges."""
+        return batch_extra_s(self._batch_overhead_s(), self.decode_per_request_s, num_requests)
+
+    def _batch_overhead_s(self) -> tuple[float, ...]:
+        """``decode_batch_table`` at every batch size from 2 to its last row (linear from [1, 0] between rows)."""
         table = self.decode_batch_table
-        if not table or extra == 0:
-            return extra * self.decode_per_request_s
-        last_r, last_s = table[-1]
-        if num_requests >= last_r:
-            return float(last_s + (num_requests - last_r) * self.decode_per_request_s)
+        if not table:
+            return ()
         rows = [(1.0, 0.0), *((float(r), float(s)) for r, s in table)]
-        return float(np.interp(float(num_requests), [r for r, _ in rows], [s for _, s in rows]))
+        sizes, seconds = [r for r, _ in rows], [s for _, s in rows]
+        return tuple(float(np.interp(float(r), sizes, seconds)) for r in range(2, int(table[-1][0]) + 1))
 
     @property
     def effective_link_contention(self) -> float:
@@ -245,10 +247,8 @@ class HardwareProfile:
         """THE step-latency model of this hardware: the engine's planner (`PlanContext.from_profile`), the
         controller's mismatch check and the simulator (`SimExecutor`) all predict with this one, so a
         calibrated profile calibrates all of them at once."""
-        table = self.decode_batch_table
-        batch = tuple(self.decode_batch_extra_s(r) for r in range(2, int(table[-1][0]) + 1)) if table else ()
         return CostModel(self.layer_compute_s, self.link_blocks_per_s, transfer, num_layers=self.num_layers,
-                         request_overhead_s=self.decode_per_request_s, batch_overhead_s=batch,
+                         request_overhead_s=self.decode_per_request_s, batch_overhead_s=self._batch_overhead_s(),
                          transfer_latency_s=self.transfer_latency_s, prefetch_slots=prefetch_slots,
                          host_layer_s=self.host_layer_s(prefetch_slots))
 
