@@ -10,12 +10,17 @@ prefetch buffer; an integral choice meets them all exactly when it fits) bounds 
 are generated as needed: solve the LP over the paths known so far, take the recursion's critical path at the LP's
 fractional choice, add it while it is violated (scipy's HiGHS).
 
+Reduced-cost fixing (`reduced_costs`, `plans_within`): the root LP's marginals price what each request's candidate adds
+to the bound at least, so a plan whose additions keep the bound under the best plan found is all such a search could
+not rule out without pricing it; the script counts those plans.
+
 This script measures that bound at the root of the (16, 80) batches of the speed table, against the plans the exact
 search finds in ``--exact-cap-s`` and the bound it certifies by then, and runs a best-first branch and bound on it
 (branching on a request's candidate range, preemptive link, the best plan found as its incumbent from the start) to
 see how many LP nodes a proof within a relative gap takes.
 
-Run:  python benchmarks/planner_lp.py [--calls 30] [--gap 1e-4] [--lp-cap-s 5] [--md docs/results/planner_lp.md]
+Run:  python benchmarks/planner_lp.py [--calls 30] [--gap 1e-4] [--lp-cap-s 5] [--fix-cap 100000]
+      [--md docs/results/planner_lp.md]
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class PathLP:
         self.rows: list[np.ndarray] = []
         self.rhs: list[float] = []
         self.solves = 0
+        self.last = None  # the last HiGHS result (its marginals price each candidate: `reduced_costs`)
         self._ms = np.empty(self.n_layers + 1, np.int64)
         self._ls = np.empty(self.n_layers + 1, np.int64)
 
@@ -112,6 +118,7 @@ class PathLP:
                           b_ub=np.concatenate([np.full(self.n_layers, self.cap), self.rhs]), A_eq=self.eq,
                           b_eq=np.ones(self.n_req), bounds=[*ranges, (0.0, None)], method="highs")
             self.solves += 1
+            self.last = res
             if res.status == 2:
                 return math.inf, None
             if res.status != 0:
@@ -120,6 +127,50 @@ class PathLP:
             if bound >= cutoff or _within_tol(self.path(y), bound):
                 return bound, y
         return bound, y
+
+
+def reduced_costs(lp: PathLP) -> np.ndarray:
+    """What each choice adds to the bound of the last :meth:`PathLP.solve` (at its optimum): ``pen[r, k]`` such that
+    every plan in that solve's candidate ranges that takes candidate ``k_r`` for each request ``r`` steps at least
+    ``bound + sum_r pen[r, k_r]`` on any link. LP duality with HiGHS's marginals of the variable bounds: the
+    objective at any feasible ``y`` is at least the bound plus ``lower_j * y_j + upper_j * (y_j - 1)`` summed (lower
+    marginals >= 0, upper ones <= 0, both terms >= 0 on [0, 1]), which at an integral choice is the table's sum."""
+    res = lp.last
+    if res is None or res.status != 0:
+        raise ValueError("reduced_costs needs a solved PathLP")
+    shape = (lp.n_req, lp.n_cand)
+    lower = np.maximum(res.lower.marginals[:-1].reshape(shape), 0.0)  # HiGHS's signs, clipped of its float noise
+    upper = np.maximum(-res.upper.marginals[:-1].reshape(shape), 0.0)
+    return lower + upper.sum(axis=1, keepdims=True) - upper
+
+
+def plans_within(lp: PathLP, pen: np.ndarray, budget: float, cap: int) -> int:
+    """Plans that fit capacity (the relaxation's per-layer rows, met exactly by an integral choice) with
+    ``sum_r pen[r, k_r] < budget``: those that reduced-cost fixing leaves to be priced one by one (counted up to
+    ``cap``). Depth first over the requests, cheapest candidate first, cut by the least penalty and the least blocks
+    per layer the requests after each level can still add."""
+    n_req, n_cand = lp.n_req, lp.n_cand
+    use = lp.cap_rows[:, :-1].reshape(lp.n_layers, n_req, n_cand).transpose(1, 2, 0)  # [R, K, L]
+    least_pen = np.concatenate([np.cumsum(pen.min(axis=1)[::-1])[::-1], [0.0]])
+    least_use = np.concatenate([np.cumsum(use.min(axis=1)[::-1], axis=0)[::-1], np.zeros((1, lp.n_layers))])
+    order = np.argsort(pen, axis=1, kind="stable")
+    room = lp.cap * (1 + 1e-12)
+    count = 0
+
+    def visit(r: int, spent: float, used: np.ndarray) -> None:
+        nonlocal count
+        if r == n_req:
+            count += 1
+            return
+        for k in order[r]:
+            if count >= cap or spent + pen[r, k] + least_pen[r + 1] >= budget:
+                return
+            now = used + use[r, k]
+            if np.all(now + least_use[r + 1] <= room):
+                visit(r + 1, spent + pen[r, k], now)
+
+    visit(0, 0.0, np.zeros(lp.n_layers))
+    return count
 
 
 def lp_branch_and_bound(lp: PathLP, plan_of, best: float, gap: float, cap_s: float) -> dict:
@@ -187,7 +238,7 @@ def _solve(cm, cap, reqs, transfer: str, cap_s: float):
 
 
 def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: float, out: list[str],
-             n_req: int = 16, n_layers: int = 80) -> None:
+             n_req: int = 16, n_layers: int = 80, fix_cap: int = 100_000) -> None:
     """The section's tables (module docstring)."""
     out.append(f"\n### The path relaxation at ({n_req}, {n_layers})\n")
     out.append(f"The {calls} batches of the speed table, those where the preemptive link's search found a plan within "
@@ -200,12 +251,17 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
                f"best-first branch and bound on it (preemptive link, the best plan found as its incumbent from the "
                f"start), cut at a relative gap of {gap:g} (Gurobi's default MIPGap is 1e-4), capped at {lp_cap_s:g} s: "
                "LP nodes and LP solves (path rounds, the root's included), and whether it proved the plan within the "
-               "gap.\n")
+               "gap. Fixing: reduced-cost fixing at the root (`reduced_costs`: HiGHS's marginals give each request's "
+               "candidates what they add to the root bound at least); 'candidates left' of the "
+               f"{n_req} x K, those whose addition keeps the bound under the best plan (pre / EDF), 'plans left' the "
+               "plans that fit capacity with their additions' sum keeping it under (`plans_within`, counted up to "
+               f"{fix_cap}: '>=' where it reached that): the plans such a search would still have to price one by one."
+               "\n")
     out.append("| batch | best EDF | proven | search lb under it | best pre | proven | search lb under it | LP root "
                "under best pre | under best EDF | paths | LP root s | split requests | LP B&B nodes | LP solves | "
-               "proven within gap |")
-    out.append("|---" * 15 + "|")
-    summary = {"root": [], "search": [], "nodes": [], "done": 0, "rows": 0}
+               "proven within gap | fixing: candidates left pre / EDF | plans left pre / EDF |")
+    out.append("|---" * 17 + "|")
+    summary = {"root": [], "search": [], "nodes": [], "done": 0, "rows": 0, "left": [], "exact": ([], [])}
     for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls), desc="lp", leave=False)):
         _, edf = _solve(cm, cap, reqs, "edf", exact_cap_s)
         pl, pre = _solve(cm, cap, reqs, "preemptive", exact_cap_s)
@@ -216,16 +272,24 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
         t0 = time.perf_counter()
         root, y = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
         root_s, paths = time.perf_counter() - t0, len(lp.rows)
+        pen = reduced_costs(lp)
+        edf_best = edf.predicted_step_s if edf.feasible else math.inf
+        left = [(int((pen < best - root).sum()), plans_within(lp, pen, best - root, fix_cap)) if math.isfinite(best)
+                else None for best in (pre.predicted_step_s, edf_best)]
+        shown = [("-", "-") if x is None else (str(x[0]), (">=" if x[1] >= fix_cap else "") + str(x[1])) for x in left]
         bb = lp_branch_and_bound(lp, plan_pricer(pl, reqs, tree.tables.distances, n_layers), pre.predicted_step_s, gap,
                                  lp_cap_s)
         under = lambda lb, best: f"{100 * (1 - lb / best):.3f}%" if lb is not None and math.isfinite(best) else "-"  # noqa: E731
-        edf_best = edf.predicted_step_s if edf.feasible else math.inf
         out.append(f"| {i} | {edf_best:.5f} | {edf.stats.exact} | {under(edf.stats.lower_bound_s, edf_best)} | "
                    f"{pre.predicted_step_s:.5f} | {pre.stats.exact} | "
                    f"{under(pre.stats.lower_bound_s, pre.predicted_step_s)} | {under(root, pre.predicted_step_s)} | "
                    f"{under(root, edf_best)} | {paths} | {root_s:.2f} | {int((1 - y.max(axis=1) > 1e-6).sum())} | "
-                   f"{bb['nodes']} | {bb['solves']} | {bb['done']} |")
+                   f"{bb['nodes']} | {bb['solves']} | {bb['done']} | {shown[0][0]} / {shown[1][0]} | "
+                   f"{shown[0][1]} / {shown[1][1]} |")
         summary["rows"] += 1
+        summary["left"].append(left)
+        summary["exact"][0].append(pre.stats.exact)
+        summary["exact"][1].append(edf.stats.exact)
         summary["root"].append(100 * (1 - root / pre.predicted_step_s))
         if not pre.stats.exact and pre.stats.lower_bound_s is not None:
             summary["search"].append(100 * (1 - pre.stats.lower_bound_s / pre.predicted_step_s))
@@ -237,6 +301,14 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
                    f"prove: p50 {pct(summary['search'], 50):.3f}%). LP B&B within a gap of {gap:g}: "
                    f"{summary['done']} of {summary['rows']} proven within {lp_cap_s:g} s, LP nodes p50 "
                    f"{pct(summary['nodes'], 50):.0f}.")
+        for j, link in enumerate(("preemptive", "EDF")):
+            counts = [x[j][1] for x in summary["left"] if x[j] is not None]
+            proven = [x[j][1] for x, e in zip(summary["left"], summary["exact"][j]) if x[j] is not None and e]
+            where = (f"; where that plan is proven optimal ({len(proven)} batches), at least {min(proven)} plans left"
+                     if proven else "")
+            capped = sum(c >= fix_cap for c in counts)
+            out.append(f"Reduced-cost fixing against the best {link} plan: plans left p50 {pct(counts, 50):.0f} "
+                       f"({capped} of {len(counts)} at the count's cap of {fix_cap}){where}.")
 
 
 def main() -> None:
@@ -248,9 +320,11 @@ def main() -> None:
                     help="relative gap of the LP branch and bound (default %(default)s)")
     ap.add_argument("--lp-cap-s", type=float, default=5.0,
                     help="cap of each LP branch and bound, s (default %(default)s)")
+    ap.add_argument("--fix-cap", type=int, default=100_000,
+                    help="most plans reduced-cost fixing counts per batch and link (default %(default)s)")
     ap.add_argument("--md", metavar="PATH", help="write the table as a Markdown fragment (docs/results/planner_lp.md)")
     args = ap.parse_args()
-    for name in ("calls", "exact_cap_s", "lp_cap_s"):
+    for name in ("calls", "exact_cap_s", "lp_cap_s", "fix_cap"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if not 0 <= args.gap < 1:
@@ -258,7 +332,7 @@ def main() -> None:
     warm_up()
     started, machine = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), _machine()
     out: list[str] = []
-    bench_lp(args.calls, args.seed, args.exact_cap_s, args.gap, args.lp_cap_s, out)
+    bench_lp(args.calls, args.seed, args.exact_cap_s, args.gap, args.lp_cap_s, out, fix_cap=args.fix_cap)
     print("\n".join(out))
     if args.md:
         write_fragment(args.md, "Planner: how tight a linear relaxation gets at (16, 80)",

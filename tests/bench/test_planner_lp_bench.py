@@ -61,3 +61,41 @@ def test_lp_branch_and_bound_finds_the_exact_optimum_and_cuts_within_its_gap():
             assert (cut["nodes"] == 1) == (root >= opt.predicted_step_s * 0.95)
             proven += root >= opt.predicted_step_s * 0.95
     assert proven >= 2  # batches whose root bound is within 5% of the optimum (3.3% and 4.1% here)
+
+
+def _fits(lp, ks) -> bool:
+    """Whether one candidate per request meets the relaxation's capacity rows (written out here, not the script's)."""
+    used = sum(lp.cap_rows[:, r * lp.n_cand + k] for r, k in enumerate(ks))
+    return bool(np.all(used <= lp.cap * (1 + 1e-12)))
+
+
+def test_reduced_costs_bound_every_plan_and_plans_within_counts_them():
+    import itertools
+
+    from orbitflow.plan import Placement
+
+    bench = load_benchmark("planner_lp")
+    rng = np.random.default_rng(0)
+    checked = tight = 0
+    for _, _, reqs, pl, tree, lp in _cases(bench):
+        root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
+        if not math.isfinite(root):
+            continue
+        pen = bench.reduced_costs(lp)
+        assert pen.shape == (tree.n_req, len(tree.counts)) and np.all(pen >= 0)
+        fitting = [ks for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req) if _fits(lp, ks)]
+        dists = tree.tables.distances
+        for j in rng.choice(len(fitting), size=min(150, len(fitting)), replace=False):
+            ks = fitting[j]
+            step = pl.evaluate(Placement.from_distances(16, [dists[k] for k in ks]), reqs).predicted_step_s
+            added = float(sum(pen[r, k] for r, k in enumerate(ks)))
+            assert root + added <= step * (1 + 1e-7), (ks, root, added, step)
+            tight += added > 0
+        # the count against the enumeration, for budgets from none to every plan
+        sums = np.array([sum(pen[r, k] for r, k in enumerate(ks)) for ks in fitting])
+        for budget in (0.0, *np.quantile(sums, [0.01, 0.3, 1.0]) * 1.0000001):
+            assert bench.plans_within(lp, pen, float(budget), 10**9) == int((sums < budget).sum())
+        capped = bench.plans_within(lp, pen, math.inf, 7)
+        assert capped == min(7, len(fitting))
+        checked += 1
+    assert checked >= 3 and tight > 0  # some plans' reduced costs raise the bound (the check is not vacuous)
