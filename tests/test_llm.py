@@ -52,3 +52,23 @@ def test_kv_pools_larger_than_memory_are_an_error_naming_the_flags(tiny_llama): 
     with pytest.raises(ConfigError, match="cannot allocate the KV pools of --device-kv-blocks 100000000000000 and "
                                           "--host-kv-blocks"):
         make_llm(tiny_llama, device_kv_blocks=10**14)
+
+
+def test_generate_that_a_later_prompt_fails_leaves_nothing_queued(tiny_llama):  # noqa: F811
+    """A prompt the engine refuses after earlier prompts of the same call were queued: the call raises and aborts
+    those too. Before, they stayed queued, ran to completion inside the next generate() and held KV meanwhile."""
+    from orbitflow.runtime.engine import RequestRejected
+    from orbitflow.runtime.sampling import SamplingParams
+
+    llm = make_llm(tiny_llama, max_model_len=64)
+    try:
+        with pytest.raises(RequestRejected):
+            llm.generate([[5, 6, 7], [5] * 100], SamplingParams(max_tokens=20, ignore_eos=True))
+        assert not llm.engine.has_work()
+        assert llm.kv.usage() == (0, 0)
+        out = llm.generate([[9, 9]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert [len(r.output_ids) for r in out] == [2]
+        assert [r.request_id for r in llm.engine.finished if r.finish_reason != "abort"] == [out[0].request_id]
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()

@@ -167,13 +167,14 @@ class LLM:
     def generate(
         self, prompts: list[str] | list[list[int]], sampling: SamplingParams, chat: bool = False, progress=None
     ) -> list[Request]:
-        """Run prompts to completion; returns the finished requests in prompt order."""
+        """Run prompts to completion; returns the finished requests in prompt order. A prompt the engine refuses
+        (too long, a full queue) or a failure while they run aborts every one of them: none stays queued."""
         engine = self.engine
+        encoded = [self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt) for prompt in prompts]
         reqs = []
-        for prompt in prompts:
-            ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
-            reqs.append(engine.add_request(f"gen-{next(self._ids)}", ids, sampling))
         try:
+            for ids in encoded:
+                reqs.append(engine.add_request(f"gen-{next(self._ids)}", ids, sampling))
             engine.run_until_done(on_step=progress)
         except BaseException:
             for req in reqs:
