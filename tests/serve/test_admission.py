@@ -40,3 +40,24 @@ def test_burst_beyond_the_kv_budget_waits_or_gets_503(tiny_chat_dir, max_queue_l
         assert len({r.json()["choices"][0]["text"] for r in replies if r.status_code == 200}) == 1
         wait_until_idle(llm)
         assert kv_empty(llm)
+
+
+def test_more_choices_than_the_server_ever_holds_is_a_400_naming_n(tiny_chat_dir):
+    """Each choice is a request of its own. With n above --max-num-seqs plus --max-queue-len the last choices met a
+    full queue even on an idle server: a 503 whose Retry-After no retry could ever honour. It is a 400 naming n."""
+    llm = make_server_llm(tiny_chat_dir, max_num_seqs=2, max_queue_len=2, token_deposit=False)
+    body = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with live_server(llm) as live, httpx.Client(timeout=120) as http:
+        too_many = http.post(live.url + "/v1/completions", json={**body, "n": 5})
+        assert too_many.status_code == 400, too_many.text
+        assert too_many.json()["error"]["param"] == "n"
+        assert "--max-queue-len" in too_many.json()["error"]["message"]
+        chat = http.post(live.url + "/v1/chat/completions",
+                         json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                               "n": 5})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "n"
+        held = http.post(live.url + "/v1/completions", json={**body, "n": 4})
+        assert held.status_code == 200, held.text
+        assert len(held.json()["choices"]) == 4
+        wait_until_idle(llm)
+        assert kv_empty(llm)

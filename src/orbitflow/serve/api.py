@@ -62,16 +62,23 @@ class OpenAIServer:
     """
 
     def __init__(self, model_name: str, tokenizer, engine, metrics: ServerMetrics, clock, max_len: int,
-                 vocab_size: int, watchdog_s: float = DEFAULT_WATCHDOG_S, llm=None) -> None:
+                 vocab_size: int, watchdog_s: float = DEFAULT_WATCHDOG_S, llm=None,
+                 max_choices: int | None = None) -> None:
         self.llm, self.engine, self.metrics, self.clock = llm, engine, metrics, clock  # llm: None on a cluster
         self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
         self.max_len, self.watchdog_s = max_len, watchdog_s
+        self.max_choices = max_choices  # the most choices (n) the engine can ever hold at once; None: no cap
         self.created = int(time.time())
 
     @classmethod
     def local(cls, llm, model_name: str, watchdog_s: float = DEFAULT_WATCHDOG_S) -> OpenAIServer:
+        sched = llm.engine.config.scheduler
+        # Each choice is a request of its own: past the batch and the queue, the last ones would meet a full queue
+        # on an idle server, and a 503 that no retry can turn into a 200.
+        max_choices = None if sched.max_queue_len is None else sched.max_num_seqs + sched.max_queue_len
         return cls(model_name, llm.tokenizer, AsyncEngine(llm.engine, llm.tokenizer), ServerMetrics(llm.engine),
-                   llm.clock, max_len_of(llm), llm.loaded.config.vocab_size, watchdog_s, llm=llm)
+                   llm.clock, max_len_of(llm), llm.loaded.config.vocab_size, watchdog_s, llm=llm,
+                   max_choices=max_choices)
 
     # ---- request preparation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -114,6 +121,9 @@ class OpenAIServer:
 
     def sampling(self, req: p.SamplingFields, prompt_ids: list[int], max_tokens: int | None,
                  logprobs: int | None) -> SamplingParams:
+        if self.max_choices is not None and req.n > self.max_choices:
+            raise bad_request(f"n: {req.n} choices exceed the {self.max_choices} requests this server holds at once "
+                              "(--max-num-seqs plus --max-queue-len)", "n")
         room = self.max_len - len(prompt_ids)
         if room < 1:
             what = "messages" if isinstance(req, p.ChatCompletionRequest) else "prompt"
