@@ -100,3 +100,45 @@ def test_token_bytes_of_a_sentencepiece_tokenizer_with_byte_fallback():
     tok = Tokenizer(hf, {}, None)
     assert [tok.token_bytes(i) for i in (1, 2, 3, 4, 5, 6)] == [b" Hi", b"\xf0", b"\x9f", b"\x98", b"\x80", b"!"]
     assert tok.decode([1, 2, 3, 4, 5, 6]) == "Hi😀!"
+
+
+def _byte_token(tokenizer, value: bytes) -> int:
+    return next(i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) == value)
+
+
+@pytest.mark.parametrize("stream", ["continuation bytes", "special tokens", "garbage then text"])
+def test_each_push_decodes_a_short_window_whatever_the_model_generates(tokenizer, stream, monkeypatch):
+    """Tokens that complete no text (lone UTF-8 continuation bytes, special tokens the text skips) used to stay in the
+    window, so every push re-decoded the whole tail: 8,000 of them took 17 s of the server's event loop. Now the
+    tokens a push decodes stay bounded, and the text is still the stream's own."""
+    lone, eos = _byte_token(tokenizer, b"\x80"), tokenizer.eos_token_ids[0]
+    ids = {"continuation bytes": [lone] * 2000, "special tokens": [eos] * 2000,
+           "garbage then text": [lone] * 1000 + tokenizer.encode(" ok 😀 漢字" * 50, add_special_tokens=False)}[stream]
+    decoded: list[int] = []
+    real = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda t, **kw: decoded.append(len(t)) or real(t, **kw))
+    decoder = IncrementalDecoder(tokenizer)
+    out = "".join(decoder.push(i) for i in ids) + decoder.flush()
+    assert max(decoded, default=0) <= 16 and sum(decoded) <= 20 * len(ids)
+    want = real(ids)
+    assert want.startswith(out) and out.rstrip("\ufffd") == want.rstrip("\ufffd")
+
+
+def test_random_streams_come_out_as_their_decode(tokenizer):
+    """Seeded random streams of byte tokens (most of them split or break a character), text tokens and special
+    tokens: what the decoder emits is the stream's decode, less at most the U+FFFDs at its very end (an incomplete
+    character is never emitted), and never a character it later takes back."""
+    import random
+
+    rng = random.Random(0)
+    single = [i for i in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(i)) == 1
+              and tokenizer.token_bytes(i)[0] >= 0x80]
+    text = tokenizer.encode("Hi 😀🚀 é 漢字 ok. 🇫🇷 a 🤖 b 中文测试", add_special_tokens=False)
+    pool = single + text + sorted(tokenizer.special_ids)[:3] + list(range(200, 400))
+    for _ in range(400):
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 60))]
+        decoder = IncrementalDecoder(tokenizer)
+        pieces = [decoder.push(i) for i in ids]
+        out = "".join(pieces) + decoder.flush()
+        want = tokenizer.decode(ids)
+        assert want.startswith(out) and out.rstrip("\ufffd") == want.rstrip("\ufffd"), ids
