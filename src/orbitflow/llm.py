@@ -91,6 +91,7 @@ class LLM:
         self.engine = Engine(
             cfg, self.executor, self.policy, ctx, self.clock,
             default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
+            vocab_size=mc.vocab_size,
         )
         self._ids = itertools.count()
 

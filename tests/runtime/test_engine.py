@@ -158,6 +158,28 @@ def test_rejects_what_can_never_fit(tiny_llama):
         llm.close()
 
 
+def test_a_token_id_outside_the_vocabulary_is_refused_and_fails_nobody_else(tiny_llama):
+    """A prompt id past the vocabulary used to reach the embedding lookup, whose failure ended every request of the
+    step; add_request now refuses it (the HTTP API checked, the Python API did not)."""
+    from orbitflow.runtime.engine import RequestRejected
+
+    vocab = tiny_llama.config.vocab_size
+    llm = make_llm(tiny_llama, profile=tiny_profile())
+    e = llm.engine
+    try:
+        good = e.add_request("good", [5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))
+        for bad in (vocab, -1):
+            with pytest.raises(RequestRejected, match=f"token id {bad} is not in the vocabulary \\(size {vocab}\\)"):
+                e.add_request("bad", [5, bad], SamplingParams(max_tokens=4))
+        e.add_request("edge", [0, vocab - 1], SamplingParams(max_tokens=2, ignore_eos=True))
+        e.run_until_done()
+        assert good.finish_reason == "length" and len(good.output_ids) == 4
+        assert sorted(r.request_id for r in e.finished) == ["edge", "good"]
+        assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
+
+
 def test_queue_limit_counts_requests_that_wait_not_aborts_or_free_places(tiny_llama):
     """--max-queue-len counts the requests that wait beyond the batch's free places, those still in the inbox
     included: a burst the batch can take at once is not turned away, and the inbox's abort messages (clients that

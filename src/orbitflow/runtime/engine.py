@@ -97,9 +97,11 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         max_model_len: int | None = None,
         kv: KVManager | None = None,
+        vocab_size: int | None = None,
     ):
         """`kv` is the KV manager the executor runs over (default: `executor.kv`); the scheduler installs
-        placements and grows blocks in it."""
+        placements and grows blocks in it. `vocab_size`: prompt token ids must lie below it (None: unchecked, as
+        for a simulated model)."""
         self.config = config
         self.executor = executor
         self.kv = kv if kv is not None else executor.kv
@@ -108,6 +110,7 @@ class Engine:
         self.default_slo_s = default_slo_s
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.block_size = config.cache.block_size
         self.num_layers = executor.num_layers
         planner = config.planner
@@ -158,6 +161,10 @@ class Engine:
     ) -> Request:
         if not prompt_ids:
             raise RequestRejected("prompt must contain at least one token")
+        if self.vocab_size is not None:  # else the embedding lookup fails the whole batch's step, not just this one
+            bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestRejected(f"prompt token id {bad} is not in the vocabulary (size {self.vocab_size})")
         slo = slo_s or self.default_slo_s
         req = Request(
             request_id=request_id,
