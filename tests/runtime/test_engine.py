@@ -180,6 +180,30 @@ def test_a_token_id_outside_the_vocabulary_is_refused_and_fails_nobody_else(tiny
         llm.close()
 
 
+def test_keep_finished_keeps_the_newest_and_a_server_keeps_few(tiny_llama):
+    """engine.finished held up to 100,000 requests with their ids and timestamps, read by nobody in a server."""
+    from orbitflow.serve.async_engine import SERVED_FINISHED_KEPT, AsyncEngine
+
+    llm = make_llm(tiny_llama, profile=tiny_profile())
+    e = llm.engine
+    try:
+        for i in range(3):
+            e.add_request(f"a{i}", [5, 6], SamplingParams(max_tokens=1, ignore_eos=True))
+        e.run_until_done()
+        e.keep_finished(2)
+        assert [r.request_id for r in e.finished] == ["a1", "a2"]
+        for i in range(3):
+            e.add_request(f"b{i}", [5, 6], SamplingParams(max_tokens=1, ignore_eos=True))
+        e.run_until_done()
+        assert [r.request_id for r in e.finished] == ["b1", "b2"]
+        with pytest.raises(ValueError, match="count must be >= 0"):
+            e.keep_finished(-1)
+        AsyncEngine(e, llm.tokenizer)
+        assert e.finished.maxlen == SERVED_FINISHED_KEPT < 1000
+    finally:
+        llm.close()
+
+
 def test_queue_limit_counts_requests_that_wait_not_aborts_or_free_places(tiny_llama):
     """--max-queue-len counts the requests that wait beyond the batch's free places, those still in the inbox
     included: a burst the batch can take at once is not turned away, and the inbox's abort messages (clients that

@@ -47,6 +47,9 @@ class ScriptedEngine:
     def finish(self, request_id: str, reason: str) -> None:
         self.finished.append((request_id, reason, time.perf_counter()))
 
+    def keep_finished(self, count: int) -> None:
+        self.kept = count  # its own `finished` is the test's record of finish() calls, not the engine's
+
     def add_request(self, request_id, prompt_ids, sampling):
         start = self.clock.now()
 

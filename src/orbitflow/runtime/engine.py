@@ -355,6 +355,14 @@ class Engine:
         self.scheduler.finish_requests(request_ids, reason, error)
         self._publish_finished()
 
+    def keep_finished(self, count: int) -> None:
+        """Keep only the last ``count`` finished requests in :attr:`finished` (each holds its prompt and output ids
+        and timestamps). A server, which reads none of them, keeps a few: 100,000 requests of 8k tokens would hold
+        tens of GB."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self.finished = deque(self.finished, maxlen=count)
+
     def _publish_finished(self) -> None:
         """Record and announce the requests the scheduler finished (their KV is already free)."""
         for req in self.scheduler.take_finished():

@@ -30,6 +30,7 @@ from orbitflow.serve.stop import StopStringFilter
 log = logging.getLogger("orbitflow.serve")
 
 _IDLE_WAIT_S = 0.05  # how long the engine thread sleeps between checks for work or shutdown
+SERVED_FINISHED_KEPT = 256  # finished requests the engine keeps for inspection while serving (it reads none of them)
 
 
 class EngineError(RuntimeError):
@@ -72,6 +73,7 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()  # last time the engine loop went round
         self.draining = False
         engine.listeners.append(self._on_event)
+        engine.keep_finished(SERVED_FINISHED_KEPT)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
