@@ -61,3 +61,6 @@ def test_more_choices_than_the_server_ever_holds_is_a_400_naming_n(tiny_chat_dir
         assert len(held.json()["choices"]) == 4
         wait_until_idle(llm)
         assert kv_empty(llm)
+        # the 400s are not served requests, and the 4 choices share one prompt: counted once, as usage counts it
+        assert live.metric(http, "orbitflow:prompt_tokens_total") == held.json()["usage"]["prompt_tokens"]
+        assert live.metric(http, 'orbitflow:requests_total{finish_reason="length"}') == 4

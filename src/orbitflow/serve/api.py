@@ -152,7 +152,8 @@ class OpenAIServer:
         """One choice's text deltas, the last one with the finish reason; stop strings applied (by the engine's
         bridge, where the text is made as it is generated)."""
         clock = self.clock
-        tracker = self.metrics.tracker(clock.now(), len(prompt_ids))
+        # n choices share one prompt: counted once (with choice 0), as the response's usage counts it
+        tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0)
         reason: str | None = "abort"
         tokens: list[TokenInfo] = []
         try:

@@ -110,9 +110,9 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("orbitflow:e2e_request_latency_seconds", "Request arrival to last token",
                              buckets=_REQUEST_BUCKETS, registry=self.registry)
-        self.requests = Counter("orbitflow:requests", "Requests ended, by finish reason", ["finish_reason"],
-                                registry=self.registry)
-        self.prompt_tokens = Counter("orbitflow:prompt_tokens", "Prompt tokens of served requests",
+        self.requests = Counter("orbitflow:requests", "Requests ended, by finish reason (each of n choices counts)",
+                                ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("orbitflow:prompt_tokens", "Prompt tokens of served requests (once for n choices)",
                                      registry=self.registry)
         self.generation_tokens = Counter("orbitflow:generation_tokens", "Tokens delivered",
                                          registry=self.registry)
