@@ -29,6 +29,7 @@ import argparse
 import heapq
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -80,6 +81,7 @@ class PathLP:
         self.rhs: list[float] = []
         self.solves = 0
         self.last = None  # the last HiGHS result (its marginals price each candidate: `reduced_costs`)
+        self.last_full = False  # whether that solve kept every candidate of every request (the root)
         self._ms = np.empty(self.n_layers + 1, np.int64)
         self._ls = np.empty(self.n_layers + 1, np.int64)
 
@@ -118,7 +120,7 @@ class PathLP:
                           b_ub=np.concatenate([np.full(self.n_layers, self.cap), self.rhs]), A_eq=self.eq,
                           b_eq=np.ones(self.n_req), bounds=[*ranges, (0.0, None)], method="highs")
             self.solves += 1
-            self.last = res
+            self.last, self.last_full = res, all(lo[r] == 0 and hi[r] == self.n_cand - 1 for r in range(self.n_req))
             if res.status == 2:
                 return math.inf, None
             if res.status != 0:
@@ -130,14 +132,15 @@ class PathLP:
 
 
 def reduced_costs(lp: PathLP) -> np.ndarray:
-    """What each choice adds to the bound of the last :meth:`PathLP.solve` (at its optimum): ``pen[r, k]`` such that
-    every plan in that solve's candidate ranges that takes candidate ``k_r`` for each request ``r`` steps at least
+    """What each choice adds to the bound of the last :meth:`PathLP.solve`, which must have kept every candidate (the
+    root; a candidate fixed out of a node's range carries a marginal of its own, which this reading would spread to
+    the others): ``pen[r, k]`` such that every plan that takes candidate ``k_r`` for each request ``r`` steps at least
     ``bound + sum_r pen[r, k_r]`` on any link. LP duality with HiGHS's marginals of the variable bounds: the
     objective at any feasible ``y`` is at least the bound plus ``lower_j * y_j + upper_j * (y_j - 1)`` summed (lower
     marginals >= 0, upper ones <= 0, both terms >= 0 on [0, 1]), which at an integral choice is the table's sum."""
     res = lp.last
-    if res is None or res.status != 0:
-        raise ValueError("reduced_costs needs a solved PathLP")
+    if res is None or res.status != 0 or not lp.last_full:
+        raise ValueError("reduced_costs needs a PathLP solved over every candidate (the root)")
     shape = (lp.n_req, lp.n_cand)
     lower = np.maximum(res.lower.marginals[:-1].reshape(shape), 0.0)  # HiGHS's signs, clipped of its float noise
     upper = np.maximum(-res.upper.marginals[:-1].reshape(shape), 0.0)
@@ -320,6 +323,7 @@ def main() -> None:
                     help="relative gap of the LP branch and bound (default %(default)s)")
     ap.add_argument("--lp-cap-s", type=float, default=5.0,
                     help="cap of each LP branch and bound, s (default %(default)s)")
+    ap.add_argument("--note", default="", help="a sentence added to the --md fragment (e.g. how fast the machine ran)")
     ap.add_argument("--fix-cap", type=int, default=100_000,
                     help="most plans reduced-cost fixing counts per batch and link (default %(default)s)")
     ap.add_argument("--md", metavar="PATH", help="write the table as a Markdown fragment (docs/results/planner_lp.md)")
@@ -336,8 +340,9 @@ def main() -> None:
     print("\n".join(out))
     if args.md:
         write_fragment(args.md, "Planner: how tight a linear relaxation gets at (16, 80)",
-                       "python benchmarks/planner_lp.py " + " ".join(sys.argv[1:]), started, machine,
-                       f"seed {args.seed}. The batches of `benchmarks/planner.py`'s speed table", out)
+                       "python benchmarks/planner_lp.py " + shlex.join(sys.argv[1:]), started, machine,
+                       f"seed {args.seed}. The batches of `benchmarks/planner.py`'s speed table"
+                       + (f". {args.note.rstrip('.')}" if args.note else ""), out)
 
 
 if __name__ == "__main__":

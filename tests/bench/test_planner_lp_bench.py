@@ -97,5 +97,8 @@ def test_reduced_costs_bound_every_plan_and_plans_within_counts_them():
             assert bench.plans_within(lp, pen, float(budget), 10**9) == int((sums < budget).sum())
         capped = bench.plans_within(lp, pen, math.inf, 7)
         assert capped == min(7, len(fitting))
+        lp.solve([0] * tree.n_req, [0] + [len(tree.counts) - 1] * (tree.n_req - 1))  # a node: its prices differ
+        with pytest.raises(ValueError, match="every candidate"):
+            bench.reduced_costs(lp)
         checked += 1
     assert checked >= 3 and tight > 0  # some plans' reduced costs raise the bound (the check is not vacuous)

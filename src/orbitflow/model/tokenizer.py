@@ -111,6 +111,14 @@ class Tokenizer:
     def _added_ids(self) -> frozenset[int]:
         return frozenset(self._tokenizer.get_added_tokens_decoder())
 
+    def is_byte_piece(self, token_id: int) -> bool:
+        """Whether the token is a sentencepiece byte-fallback piece (``<0xNN>``), which its decoder turns into text
+        a whole run at a time."""
+        if "ByteFallback" not in self._decoder_kinds:
+            return False
+        piece = self._tokenizer.id_to_token(token_id)
+        return piece is not None and token_id not in self._added_ids and _BYTE_PIECE.fullmatch(piece) is not None
+
     @cached_property
     def special_ids(self) -> frozenset[int]:
         """The special tokens: what `decode(..., skip_special_tokens=True)` leaves out of the text."""
@@ -157,6 +165,7 @@ class Tokenizer:
 
 
 HOLD_TOKENS = 4  # a UTF-8 character has at most 4 bytes and a token at least one: held longer, a window holds garbage
+MAX_HELD = 64  # tokens held without a safe place to cut (a long run of sentencepiece byte pieces): cut anyway
 
 
 class IncrementalDecoder:
@@ -164,11 +173,14 @@ class IncrementalDecoder:
 
     Decodes a short window of recent ids rather than single tokens, so that word-boundary spaces come out
     right and a multi-byte character split across tokens is only emitted once complete. The window stays short
-    whatever the model generates, so a push costs O(1) decodes of a few tokens: special tokens that are skipped
-    never enter it, and once `HOLD_TOKENS` tokens are held without completing text (bytes that are no UTF-8
-    character, each decoded as U+FFFD; tokens that add no text) the text up to the last token boundary that the
-    later tokens no longer change goes out. Before, such a stream re-decoded its whole tail on every token:
-    8,000 lone continuation bytes took 17 s of the server's event loop.
+    whatever the model generates: tokens that decode to nothing anywhere (special tokens the text skips, ids past
+    the tokenizer's vocabulary) never enter it, and once `HOLD_TOKENS` tokens are held without completing text
+    (bytes that are no UTF-8 character, each decoded as U+FFFD; tokens that add no text) the text up to the last
+    token boundary that the later tokens no longer change goes out. Before, such a stream re-decoded its whole tail
+    on every token: 8,000 lone continuation bytes took 17 s of the server's event loop. A sentencepiece decoder
+    with byte fallback decodes a run of byte pieces all or nothing (every byte U+FFFD unless the whole run is
+    UTF-8), so such a run is never cut, until `MAX_HELD` tokens of garbage are held: then the text that goes out may
+    differ from the whole stream's decode in those garbage bytes.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
@@ -176,29 +188,35 @@ class IncrementalDecoder:
         self.skip_special_tokens = skip_special_tokens
         # decode(..., skip_special_tokens=True) drops these wherever they are: they add nothing to any window
         self._skipped = getattr(tokenizer, "special_ids", frozenset()) if skip_special_tokens else frozenset()
-        self.ids: list[int] = []  # the tokens pushed, less the skipped special ones
+        self._token_bytes = getattr(tokenizer, "token_bytes", None)
+        self._byte_piece = getattr(tokenizer, "is_byte_piece", None)
+        self.ids: list[int] = []  # the tokens pushed, less those that decode to nothing
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # end of the text already returned
 
     def push(self, token_id: int) -> str:
-        if token_id in self._skipped:
+        if token_id in self._skipped or (self._token_bytes is not None and not self._token_bytes(token_id)):
             return ""
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self.ids[self._prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             return self._advance(len(self.ids), new_text, prefix_text)
-        if len(self.ids) - self._read_offset < HOLD_TOKENS:
+        held = len(self.ids) - self._read_offset
+        if held < HOLD_TOKENS:
             return ""
         if len(new_text) <= len(prefix_text):  # the held tokens add no text: they become context
             return self._advance(len(self.ids), new_text, prefix_text)
         # The text ends in U+FFFD this long after the last emit: release it up to the last token boundary whose
-        # text is final. A character still being completed has at most 3 bytes so far, all in the last 3 tokens;
-        # before them, the text up to a boundary that no character straddles (a prefix of the whole window's text)
-        # never changes again.
+        # text is final. A character still being completed has at most 3 bytes so far, all in the last 3 tokens
+        # (each holds one at least); before them, the text up to a boundary that no character straddles (a prefix
+        # of the whole window's text) and no run of byte pieces spans never changes again.
         for end in range(len(self.ids) - (HOLD_TOKENS - 1), self._read_offset, -1):
+            if held < MAX_HELD and self._byte_piece is not None and self._byte_piece(self.ids[end - 1]) \
+                    and self._byte_piece(self.ids[end]):
+                continue
             text = self._decode(self.ids[self._prefix_offset : end])
-            if len(text) > len(prefix_text) and new_text.startswith(text):
+            if held >= MAX_HELD or (len(text) > len(prefix_text) and new_text.startswith(text)):
                 return self._advance(end, text, prefix_text)
         return ""
 
