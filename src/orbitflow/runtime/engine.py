@@ -161,10 +161,10 @@ class Engine:
     ) -> Request:
         if not prompt_ids:
             raise RequestRejected("prompt must contain at least one token")
-        if self.vocab_size is not None:  # else the embedding lookup fails the whole batch's step, not just this one
-            bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise RequestRejected(f"prompt token id {bad} is not in the vocabulary (size {self.vocab_size})")
+        # else the embedding lookup fails the whole batch's step, not just this one (min/max: C loops, for long prompts)
+        if self.vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):
+            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+            raise RequestRejected(f"prompt token id {bad} is not in the vocabulary (size {self.vocab_size})")
         slo = slo_s or self.default_slo_s
         req = Request(
             request_id=request_id,
