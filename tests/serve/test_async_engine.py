@@ -175,3 +175,30 @@ def test_a_detokenizer_failure_ends_that_request_alone():
         assert engine.running  # and the loop goes on for everyone else
     finally:
         engine.shutdown()
+
+
+def test_a_request_failed_by_the_server_while_entering_the_engine_is_aborted_after_it():
+    """`_fail_all` (a step that raised below the engine's own handling) aborts every stream it knows, and a stream
+    is known just before its request enters the engine's inbox: that abort can go first, and the engine ignores an
+    abort of a request it does not have yet. The request then ran to its max_tokens with nobody listening; now its
+    stream aborts it again once the error reached it."""
+    log: list[tuple[str, str]] = []
+
+    class RacingEngine(ScriptedEngine):
+        def abort(self, request_id):
+            log.append(("abort", request_id))
+
+        def add_request(self, request_id, prompt_ids, sampling):
+            engine._fail_all("injected")  # on the engine thread, between the stream's registration and this add
+            log.append(("add", request_id))
+
+    fake = RacingEngine([])
+    engine = AsyncEngine(fake, LetterTokenizer())
+    engine.start()
+    try:
+        with pytest.raises(EngineError, match="injected"):
+            asyncio.run(consume(engine))
+        assert log[0] == ("abort", "r1") and log.index(("add", "r1")) < len(log) - 1 and log[-1] == ("abort", "r1")
+        assert engine.running
+    finally:
+        engine.shutdown()

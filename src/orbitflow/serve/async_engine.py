@@ -200,7 +200,10 @@ class AsyncEngine:
                         if text.stopped:  # its text is complete: the engine ends it (tokens it makes meanwhile go)
                             self.engine.finish(request_id, "stop")
                 if final is not None or text.stopped:
-                    finished = True
+                    # An error may be the server's own (`_fail_all`), sent while this request was still on its way
+                    # into the engine: its abort then went first, and the request would run on with nobody
+                    # listening. Abort it again when done (the engine ignores a request it has already ended).
+                    finished = final is None or final.finish_reason != "error"
                     for event, piece in held:  # finish flushes the deposit: everything left goes now
                         yield _output(event, piece)
                     if final is not None and final.finish_reason == "error" and not text.stopped:
@@ -221,7 +224,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self.engine.abort(request_id)  # disconnect, cancellation or rejection: free its blocks
+                self.engine.abort(request_id)  # disconnect, cancellation, rejection or error: free its blocks
 
 
 class _Text:
