@@ -160,3 +160,30 @@ def test_solver_time_flag_values():
     for bad in ("fast", "-1ms", "ms"):
         with pytest.raises(ValueError, match="--solver-time"):
             solver_time_model(bad)
+
+
+def test_aborted_requests_do_not_count_as_served(a5000):
+    """request_records gave every request the engine ended a finish time, aborts included: num_finished and the
+    throughput counted them as served (3 finished, only 1 completed)."""
+    from orbitflow.bench.metrics import compute_metrics
+    from orbitflow.runtime.sampling import SamplingParams
+    from orbitflow.sim.runner import build_sim_engine, request_records
+
+    engine = build_sim_engine(a5000, sim_config(a5000, policy="orbitflow", slo_scale=1.0))
+    try:
+        for rid in ("done", "cut", "never"):
+            engine.add_request(rid, [0] * 500, SamplingParams(max_tokens=50), arrival_s=0.0, target_output_tokens=50)
+        engine.abort("never")
+        for _ in range(3):
+            engine.step()
+        engine.abort("cut")
+        engine.run_until_done()
+        reasons = {r.request_id: r.finish_reason for r in engine.finished}
+        assert reasons == {"done": "length", "cut": "abort", "never": "abort"}
+        records = {r.request_id: r for r in request_records(engine)}
+        assert records["done"].finished_s is not None
+        assert records["cut"].finished_s is None and records["never"].finished_s is None
+        metrics = compute_metrics(list(records.values()), engine.default_slo_s)
+        assert (metrics.num_requests, metrics.num_finished) == (3, 1)
+    finally:
+        engine.close()

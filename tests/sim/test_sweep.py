@@ -28,10 +28,18 @@ def test_mean_ci95_uses_student_t():
 
 
 def test_better_only_without_overlap():
-    hi, lo = {"mean": 0.9, "ci95": 0.05}, {"mean": 0.7, "ci95": 0.1}
+    hi, lo = {"mean": 0.9, "ci95": 0.05, "n": 5}, {"mean": 0.7, "ci95": 0.1, "n": 5}
     assert better(hi, lo, "tbt_attainment") and not better(lo, hi, "tbt_attainment")
-    assert not better({"mean": 0.9, "ci95": 0.15}, lo, "tbt_attainment")  # 0.75 < 0.8: overlap
+    assert not better({"mean": 0.9, "ci95": 0.15, "n": 5}, lo, "tbt_attainment")  # 0.75 < 0.8: overlap
     assert better(lo, hi, "p95_tbt_s") and not better(hi, lo, "p95_tbt_s")  # lower is better for latency
+
+
+def test_no_win_from_or_against_a_single_value():
+    """One seed left (the others NaN) reads as an interval of half-width 0: it was enough to claim a win."""
+    one, many = mean_ci95([0.9]), mean_ci95([0.8, 0.81, 0.79, 0.8, 0.8])
+    assert one["n"] == 1 and not better(one, many, "tbt_attainment") and not better(many, one, "tbt_attainment")
+    assert not better(mean_ci95([0.9]), mean_ci95([0.8, float("nan"), float("nan")]), "tbt_attainment")
+    assert better(mean_ci95([0.9, 0.91]), many, "tbt_attainment")
 
 
 def test_summary_groups_seeds_per_point():

@@ -61,12 +61,14 @@ def _free_solve(wall_s: float) -> float:
 
 
 def request_records(engine: Engine) -> list[RequestRecord]:
-    """The finished requests of a simulated engine, as the metrics take them."""
+    """The finished requests of a simulated engine, as the metrics take them. An aborted or failed request did not
+    finish (``finished_s`` None): it does not count as served in ``num_finished`` or the throughput."""
     return [
         RequestRecord(
             request_id=r.request_id, arrival_s=r.arrival_s, input_tokens=r.num_prompt,
             output_tokens=len(r.output_ids), generated_s=r.generated_s, delivered_s=r.delivered_s,
-            finished_s=r.finished_s, slo_s=r.slo_s, num_pauses=r.num_pauses,
+            finished_s=r.finished_s if r.finish_reason in ("stop", "length") else None, slo_s=r.slo_s,
+            num_pauses=r.num_pauses,
         )
         for r in engine.finished
     ]

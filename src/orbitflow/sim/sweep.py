@@ -294,8 +294,9 @@ def summarize(runs: Sequence[dict], metrics: Sequence[str] = SUMMARY_METRICS) ->
 
 
 def better(a: dict, b: dict, metric: str) -> bool:
-    """Whether summary cell ``a`` beats ``b`` on ``metric`` with non-overlapping 95% intervals."""
-    if a.get("mean") is None or b.get("mean") is None:
+    """Whether summary cell ``a`` beats ``b`` on ``metric`` with non-overlapping 95% intervals. A cell of fewer than two
+    values has no interval (its half-width reads 0): no win is claimed from or against it."""
+    if a.get("mean") is None or b.get("mean") is None or min(a.get("n", 0), b.get("n", 0)) < 2:
         return False
     hi = HIGHER_IS_BETTER.get(metric, True)
     lo_a, hi_a = a["mean"] - a["ci95"], a["mean"] + a["ci95"]
