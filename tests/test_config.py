@@ -68,6 +68,21 @@ def test_server_config_checks():
     assert ServerConfig(watchdog_s=math.inf).watchdog_s == math.inf  # the watchdog off, as before
     with pytest.raises(ConfigError, match="--shutdown-timeout must be a finite number"):
         ServerConfig(shutdown_timeout=math.inf)  # threading.Timer cannot wait that long
+    for empty in ("", "  "):  # what --api-key "$UNSET" gives: it turned authentication off without a word
+        with pytest.raises(ConfigError, match="--api-key is empty"):
+            ServerConfig(api_key=empty)
+    assert ServerConfig(api_key="k").api_key == "k" and ServerConfig().api_key is None
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_a_bad_orbitflow_num_threads_is_an_error_naming_it(monkeypatch, value):
+    """It raised a bare ValueError or RuntimeError from torch, a traceback instead of a message."""
+    from orbitflow.model.errors import ModelLoadError
+    from orbitflow.model.loader import configure_cpu_threads
+
+    monkeypatch.setenv("ORBITFLOW_NUM_THREADS", value)
+    with pytest.raises(ModelLoadError, match=f"ORBITFLOW_NUM_THREADS must be an integer >= 1.*got '{value}'"):
+        configure_cpu_threads()
 
 
 def test_flags_come_from_the_fields_once_with_their_defaults():

@@ -248,6 +248,9 @@ class ServerConfig(_Validated):
     def _cross_check(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            # what --api-key "$UNSET" gives: serving without authentication is then a surprise, not a choice
+            raise ConfigError("--api-key is empty; give a key, or omit the flag to serve without one")
 
 
 ROUTER_CHOICES = ("slo-aware", "least-loaded", "round-robin")

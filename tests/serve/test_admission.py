@@ -64,3 +64,17 @@ def test_more_choices_than_the_server_ever_holds_is_a_400_naming_n(tiny_chat_dir
         # the 400s are not served requests, and the 4 choices share one prompt: counted once, as usage counts it
         assert live.metric(http, "orbitflow:prompt_tokens_total") == held.json()["usage"]["prompt_tokens"]
         assert live.metric(http, 'orbitflow:requests_total{finish_reason="length"}') == 4
+
+
+def test_pools_that_hold_no_request_are_refused_at_start_naming_the_flags(tiny_chat_dir):
+    """A server whose KV pools cannot hold one prompt token and one output token started, and answered every request
+    with a 400; it now refuses to start, naming the flags to raise."""
+    from orbitflow.config import ConfigError
+    from orbitflow.serve.api import build_app
+
+    llm = make_server_llm(tiny_chat_dir, device_kv_blocks=1, host_kv_blocks=1)
+    try:
+        with pytest.raises(ConfigError, match="--device-kv-blocks 1 and --host-kv-blocks 1 hold no request"):
+            build_app(llm, MODEL_NAME)
+    finally:
+        llm.close()

@@ -83,6 +83,9 @@ def configure_cpu_threads() -> None:
     """Cap torch's intra-op threads at the CPUs this process may use, unless the user chose a count."""
     if any(os.environ.get(var) for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ORBITFLOW_NUM_THREADS")):
         if threads := os.environ.get("ORBITFLOW_NUM_THREADS"):
+            if not threads.strip().isdigit() or int(threads) < 1:
+                raise ModelLoadError(f"ORBITFLOW_NUM_THREADS must be an integer >= 1 (torch's intra-op threads), "
+                                     f"got {threads!r}")
             torch.set_num_threads(int(threads))
         return
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic.json_schema import models_json_schema
 
+from orbitflow.config import ConfigError
 from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.serve import protocol as p
@@ -76,9 +77,14 @@ class OpenAIServer:
         # Each choice is a request of its own: past the batch and the queue, the last ones would meet a full queue
         # on an idle server, and a 503 that no retry can turn into a 200.
         max_choices = None if sched.max_queue_len is None else sched.max_num_seqs + sched.max_queue_len
+        max_len = max_len_of(llm)
+        if max_len < 2:  # a prompt token and an output token: with less, every request would get a 400
+            cache = llm.config.cache
+            raise ConfigError(f"--device-kv-blocks {cache.device_kv_blocks} and --host-kv-blocks "
+                              f"{cache.host_kv_blocks} hold no request (the longest one these pools and the policy "
+                              f"can serve is {max_len} tokens); raise them")
         return cls(model_name, llm.tokenizer, AsyncEngine(llm.engine, llm.tokenizer), ServerMetrics(llm.engine),
-                   llm.clock, max_len_of(llm), llm.loaded.config.vocab_size, watchdog_s, llm=llm,
-                   max_choices=max_choices)
+                   llm.clock, max_len, llm.loaded.config.vocab_size, watchdog_s, llm=llm, max_choices=max_choices)
 
     # ---- request preparation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
