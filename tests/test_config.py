@@ -108,3 +108,16 @@ def test_a_subcommand_picks_fields_and_overrides_defaults():
     assert args.max_queue_len == 256 and args.alpha == PlannerConfig().alpha and not hasattr(args, "policy")
     assert config_from_args(ServerConfig, args) == ServerConfig(port=9000)
     assert engine_config(args).scheduler.max_queue_len == 256
+
+
+def test_replica_flags_without_replicas_are_errors():
+    """--router and --replica-cpus without --replicas were ignored without a word (one engine ran); only
+    --ray-address was checked."""
+    from orbitflow.config import ClusterConfig
+
+    for kwargs, flag in (({"ray_address": "auto"}, "--ray-address"), ({"router": "round-robin"}, "--router"),
+                         ({"replica_cpus": 8.0}, "--replica-cpus")):
+        with pytest.raises(ConfigError, match=f"{flag} needs --replicas N"):
+            ClusterConfig(**kwargs)
+        assert ClusterConfig(replicas=2, **kwargs).replicas == 2
+    assert ClusterConfig().replicas is None

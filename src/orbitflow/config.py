@@ -271,8 +271,12 @@ class ClusterConfig(_Validated):
     replica_cpus: float = option(1.0, "CPUs Ray reserves for each engine replica", type=float, check="positive")
 
     def _cross_check(self) -> None:
-        if self.ray_address is not None and self.replicas is None:
-            raise ConfigError("--ray-address needs --replicas N")
+        if self.replicas is None:  # one engine in this process: a replica flag would be ignored without a word
+            given = [flag for flag, on in (("--ray-address", self.ray_address is not None),
+                                           ("--router", self.router != "slo-aware"),
+                                           ("--replica-cpus", self.replica_cpus != 1.0)) if on]
+            if given:
+                raise ConfigError(f"{given[0]} needs --replicas N")
 
 
 TP_LINK_CHOICES = ("shared", "per-rank")
