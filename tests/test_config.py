@@ -121,3 +121,18 @@ def test_replica_flags_without_replicas_are_errors():
             ClusterConfig(**kwargs)
         assert ClusterConfig(replicas=2, **kwargs).replicas == 2
     assert ClusterConfig().replicas is None
+
+
+
+def test_fields_built_from_python_have_their_flags_types():
+    """port='8000' failed a comparison with a TypeError, and block_size=16.5 or token_deposit='no' passed."""
+    from orbitflow.config import PlannerConfig
+
+    for make, flag in ((lambda: ServerConfig(port="8000"), "--port must be an integer"),
+                       (lambda: CacheConfig(block_size=16.5), "--block-size must be an integer"),
+                       (lambda: PlannerConfig(alpha="0.5"), "--alpha must be a number"),
+                       (lambda: PlannerConfig(token_deposit="no"), "--token-deposit must be true or false")):
+        with pytest.raises(ConfigError, match=flag):
+            make()
+    assert ServerConfig(shutdown_timeout=5).shutdown_timeout == 5  # an int is a number
+    assert PlannerConfig(token_deposit=False).token_deposit is False

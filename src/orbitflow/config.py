@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields
@@ -90,6 +91,19 @@ def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any
         raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
 
+def _check_type(flag: str, kind: Callable | None, default: Any, value: Any) -> None:
+    """A field built from Python (not parsed from its flag) has its flag's type: before, ``port='8000'`` failed a
+    comparison with a TypeError and ``block_size=16.5`` passed. Integers of any kind (NumPy's too) pass for numbers."""
+    if value is None:
+        return
+    if kind in (int, optional_int) and not (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+        raise ConfigError(f"{flag} must be an integer, got {value!r}")
+    if kind is float and not (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+        raise ConfigError(f"{flag} must be a number, got {value!r}")
+    if (kind is bool or (kind is None and isinstance(default, bool))) and not isinstance(value, bool):
+        raise ConfigError(f"{flag} must be true or false, got {value!r}")
+
+
 def check_output_path(path: str | None, flag: str, directory: bool = False) -> None:
     """Raise ConfigError naming ``flag`` unless ``path`` (a file, or with ``directory`` a folder that may not exist
     yet) can be written: checked before a long run, not after it."""
@@ -116,6 +130,7 @@ class _Validated:
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            _check_type(flag_of(f), f.metadata.get("type"), f.default, getattr(self, f.name))
             _check_field(flag_of(f), f.metadata.get("check"), f.metadata.get("choices"), getattr(self, f.name))
         self._cross_check()
 
