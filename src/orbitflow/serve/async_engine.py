@@ -142,6 +142,9 @@ class AsyncEngine:
             log.exception("engine step raised during shutdown")
 
     def _fail_all(self, message: str) -> None:
+        """End every request in flight with an error. A stream is known just before its request enters the engine's
+        inbox, so the abort sent here may reach the engine first (and be ignored): the stream aborts its request
+        again once the error reaches it (`generate`; the engine ignores a request it has already ended)."""
         now = self.engine.clock.now()
         with self._lock:
             in_flight = list(self._streams)
@@ -200,10 +203,7 @@ class AsyncEngine:
                         if text.stopped:  # its text is complete: the engine ends it (tokens it makes meanwhile go)
                             self.engine.finish(request_id, "stop")
                 if final is not None or text.stopped:
-                    # An error may be the server's own (`_fail_all`), sent while this request was still on its way
-                    # into the engine: its abort then went first, and the request would run on with nobody
-                    # listening. Abort it again when done (the engine ignores a request it has already ended).
-                    finished = final is None or final.finish_reason != "error"
+                    finished = final is None or final.finish_reason != "error"  # else abort again: `_fail_all`
                     for event, piece in held:  # finish flushes the deposit: everything left goes now
                         yield _output(event, piece)
                     if final is not None and final.finish_reason == "error" and not text.stopped:
