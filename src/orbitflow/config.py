@@ -91,7 +91,7 @@ def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any
         raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def _check_type(flag: str, kind: Callable | None, default: Any, value: Any) -> None:
+def _check_type(flag: str, kind: Callable | None, value: Any) -> None:
     """A field built from Python (not parsed from its flag) has its flag's type: before, ``port='8000'`` failed a
     comparison with a TypeError and ``block_size=16.5`` passed. Integers of any kind (NumPy's too) pass for numbers."""
     if value is None:
@@ -100,7 +100,7 @@ def _check_type(flag: str, kind: Callable | None, default: Any, value: Any) -> N
         raise ConfigError(f"{flag} must be an integer, got {value!r}")
     if kind is float and not (isinstance(value, numbers.Real) and not isinstance(value, bool)):
         raise ConfigError(f"{flag} must be a number, got {value!r}")
-    if (kind is bool or (kind is None and isinstance(default, bool))) and not isinstance(value, bool):
+    if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{flag} must be true or false, got {value!r}")
 
 
@@ -130,7 +130,7 @@ class _Validated:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_type(flag_of(f), f.metadata.get("type"), f.default, getattr(self, f.name))
+            _check_type(flag_of(f), f.metadata.get("type"), getattr(self, f.name))
             _check_field(flag_of(f), f.metadata.get("check"), f.metadata.get("choices"), getattr(self, f.name))
         self._cross_check()
 
@@ -287,11 +287,9 @@ class ClusterConfig(_Validated):
 
     def _cross_check(self) -> None:
         if self.replicas is None:  # one engine in this process: a replica flag would be ignored without a word
-            given = [flag for flag, on in (("--ray-address", self.ray_address is not None),
-                                           ("--router", self.router != "slo-aware"),
-                                           ("--replica-cpus", self.replica_cpus != 1.0)) if on]
-            if given:
-                raise ConfigError(f"{given[0]} needs --replicas N")
+            for f in fields(self):
+                if f.name != "replicas" and getattr(self, f.name) != f.default:
+                    raise ConfigError(f"{flag_of(f)} needs --replicas N")
 
 
 TP_LINK_CHOICES = ("shared", "per-rank")
