@@ -38,6 +38,12 @@ def test_plan_json_is_standard_json_when_nothing_is_feasible(capsys):
     assert not out["feasible"] and out["predicted_step_s"] is None
 
 
+def test_plan_blames_the_profile_not_the_flag_for_a_budget_it_was_not_given(capsys):
+    assert main(["plan", "--json", "--request", "tokens=100000000"]) == 0
+    why = json.loads(capsys.readouterr().out)["why"]
+    assert "of the profile's device_kv_blocks" in why and "of --device-kv-blocks" not in why
+
+
 def test_plan_budget_flags(capsys):
     reqs = ["--request", "tokens=20000", "--request", "tokens=9000,left=500", "--request", "tokens=30000",
             "--request", "tokens=3000", "--request", "tokens=12000"]

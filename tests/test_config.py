@@ -108,6 +108,9 @@ def test_a_subcommand_picks_fields_and_overrides_defaults():
     assert args.max_queue_len == 256 and args.alpha == PlannerConfig().alpha and not hasattr(args, "policy")
     assert config_from_args(ServerConfig, args) == ServerConfig(port=9000)
     assert engine_config(args).scheduler.max_queue_len == 256
+    assert engine_config(parser.parse_args(["--max-queue-len", "none"])).scheduler.max_queue_len is None
+    with pytest.raises(ConfigError, match="--max-queue-len"):  # 0 is not 'unbounded' here: it is refused
+        engine_config(parser.parse_args(["--max-queue-len", "0"]))
 
 
 def test_replica_flags_without_replicas_are_errors():

@@ -300,8 +300,9 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
         raise CLIError(f"--request {text!r}: {exc}") from None
 
 
-def _why_infeasible(planner, requests) -> str:
-    """One line on why no placement of ``requests`` is feasible, read from the two extreme placements."""
+def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks") -> str:
+    """One line on why no placement of ``requests`` is feasible, read from the two extreme placements.
+    ``cap_source`` names where the device budget came from (the flag, or the profile when the flag is unset)."""
     import numpy as np
 
     from orbitflow.plan import Placement
@@ -311,10 +312,10 @@ def _why_infeasible(planner, requests) -> str:
     cap = planner.capacity_blocks
     if host.memory_blocks > cap:
         return (f"the batch does not fit: with every layer on the host its prefetch buffers alone take "
-                f"{host.memory_blocks:.0f} blocks, more than the {cap:.0f} of --device-kv-blocks")
+                f"{host.memory_blocks:.0f} blocks, more than the {cap:.0f} of {cap_source}")
     if host.expiry_step is not None and host.expiry_step < planner.min_steps:
         return (f"the batch does not fit for --window-min {planner.min_steps} steps: with every layer on the host "
-                f"its prefetch buffers outgrow the {cap:.0f} blocks of --device-kv-blocks at step {host.expiry_step}")
+                f"its prefetch buffers outgrow the {cap:.0f} blocks of {cap_source} at step {host.expiry_step}")
     device = planner.evaluate(Placement.from_mask(np.ones(shape, bool)), requests)
     slo_ms = 1000 * min(q.slo_s for q in requests)
     if device.predicted_step_s * 1000 > slo_ms:
@@ -337,13 +338,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (ProfileError, OSError, KeyError, ValueError) as exc:
         raise CLIError(f"--preset/--profile: {exc}") from None
     budget = profile.device_kv_blocks if args.device_kv_blocks is None else args.device_kv_blocks
+    cap_source = ("--device-kv-blocks" if args.device_kv_blocks is not None
+                  else "the profile's device_kv_blocks (pass --device-kv-blocks to override it)")
     config = engine_config(args, block_size=profile.block_size, device_kv_blocks=budget)
     slo_s = args.slo_ms / 1000 if args.slo_ms else config.planner.slo_scale * profile.base_slo_s()
     requests = [_plan_request(t, i, profile.block_size, slo_s) for i, t in enumerate(args.request)]
     planner = PlanContext.from_profile(config, profile).planner(space=args.space)
     plan = planner.plan(requests)
     out = {
-        "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(planner, requests),
+        "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(planner, requests, cap_source),
         "distances": list(plan.distances) if plan.distances else None,
         "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,

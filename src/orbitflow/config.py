@@ -50,6 +50,16 @@ def optional_int(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+def int_or_none(text: str) -> int | None:
+    """Flag parser for 'N' or 'none' (also 'inf'): no limit. Unlike :func:`optional_int`, '0' stays 0."""
+    if text.lower() in ("none", "inf"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
 def option(default: Any, help: str = "", *, type: Callable | None = None, flag: str | None = None,
            check: str | None = None, choices: tuple | None = None, metavar: str | None = None,
            group: str | None = None, cli: bool = True) -> Any:
@@ -96,7 +106,7 @@ def _check_type(flag: str, kind: Callable | None, value: Any) -> None:
     comparison with a TypeError and ``block_size=16.5`` passed. Integers of any kind (NumPy's too) pass for numbers."""
     if value is None:
         return
-    if kind in (int, optional_int) and not (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+    if kind in (int, optional_int, int_or_none) and not (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
         raise ConfigError(f"{flag} must be an integer, got {value!r}")
     if kind is float and not (isinstance(value, numbers.Real) and not isinstance(value, bool)):
         raise ConfigError(f"{flag} must be a number, got {value!r}")
@@ -201,7 +211,7 @@ class SchedulerConfig(_Validated):
     # More waiting requests than this get 503 (None: unbounded); `serve` defaults it to 256.
     max_queue_len: int | None = option(
         None, "requests that may wait for admission beyond the batch's free places (--max-num-seqs); more get 503 "
-              "with Retry-After", type=int, check="positive?")
+              "with Retry-After ('none': unbounded)", type=int_or_none, check="positive?", metavar="N|none")
 
 
 @dataclass(frozen=True)
