@@ -106,7 +106,8 @@ def _check_type(flag: str, kind: Callable | None, value: Any) -> None:
     comparison with a TypeError and ``block_size=16.5`` passed. Integers of any kind (NumPy's too) pass for numbers."""
     if value is None:
         return
-    if kind in (int, optional_int, int_or_none) and not (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind in (int, optional_int, int_or_none) and not integral:
         raise ConfigError(f"{flag} must be an integer, got {value!r}")
     if kind is float and not (isinstance(value, numbers.Real) and not isinstance(value, bool)):
         raise ConfigError(f"{flag} must be a number, got {value!r}")
