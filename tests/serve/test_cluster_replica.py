@@ -281,3 +281,12 @@ def test_a_retry_after_an_unreachable_replica_runs_under_an_id_of_its_own():
 
     assert asyncio.run(run())[-1].finish_reason == "length"
     assert ids == ["r", "r-retry"]
+
+
+def test_a_mistyped_policy_fails_before_any_replica_starts():
+    """Each replica builds its own LLM; a bad --policy must not surface as one failed constructor per replica."""
+    from orbitflow.config import ConfigError, EngineConfig
+    from orbitflow.serve.cluster import build_cluster_app
+
+    with pytest.raises(ConfigError, match="--policy"):
+        build_cluster_app(EngineConfig.build(policy="orbitflw"), replicas=2)

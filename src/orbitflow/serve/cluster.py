@@ -46,6 +46,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from orbitflow.config import ClusterConfig, EngineConfig
+from orbitflow.policies import make_policy
 from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.replica_state import ReplicaState, WhatIf, lookup_what_if, replica_state, what_if_table
 from orbitflow.runtime.routing import DEFAULT_ROUTER, Router
@@ -433,6 +434,7 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
     """The Ray Serve application (bound ingress) of `replicas` engine replicas routed by `router`. ``profile``:
     how each replica gets its hardware profile ("measure" on its node, "rough", or a HardwareProfile)."""
     ClusterConfig(replicas=replicas, router=router, replica_cpus=replica_cpus)  # the flags' own checks
+    make_policy(config.planner.policy)  # a mistyped --policy fails here, not in every replica's constructor
     sched = config.scheduler
     max_ongoing = sched.max_num_seqs + (sched.max_queue_len if sched.max_queue_len is not None else 256)
     engine = serve.deployment(
