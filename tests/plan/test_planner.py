@@ -194,6 +194,21 @@ def test_victim_orders():
         Planner(cm, 0, victim_order="nope")
 
 
+def test_random_victims_are_drawn_afresh_per_batch_state_and_reproducibly():
+    """A planner is built per solve: the random rule must not deal every solve the same permutation (that is a fixed
+    rule by batch position), yet the same batch and seed give the same order."""
+    cm = CostModel([1.0] * 4, 1.0)
+
+    def victims(seed, grown):
+        batch = [PlanRequest(f"r{i}", 4, 60 + grown + i, None, 0.0) for i in range(4)]
+        return Planner(cm, 0, victim_order="random", seed=seed).plan(batch).victims
+
+    assert victims(3, 0) == victims(3, 0)
+    firsts = {victims(3, grown)[0] for grown in range(40)}  # the contexts grow by a token a step
+    assert firsts == {"r0", "r1", "r2", "r3"}
+    assert [victims(3, g) for g in range(10)] != [victims(4, g) for g in range(10)]
+
+
 def test_uniform_space_is_one_distance_and_never_beats_pruned():
     rng = np.random.default_rng(11)
     for _ in range(15):

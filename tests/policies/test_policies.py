@@ -19,6 +19,13 @@ def reqs(blocks, slo=0.2, deposit=0.0):
     return [PlanRequest(f"r{i}", b, b * 16, 32, deposit, slo) for i, b in enumerate(blocks)]
 
 
+def test_the_context_hands_its_seed_to_the_planner():
+    """--seed reaches the random victim rule (the context once built every planner with seed 0)."""
+    batch = reqs([10, 20, 5, 7, 9])
+    orders = {ctx(victim="random", seed=s).planner().plan(batch).victims for s in range(8)}
+    assert len(orders) > 1
+
+
 @pytest.mark.parametrize("name", list(POLICIES) + list(ABLATIONS))
 def test_every_policy_returns_a_plan_for_the_batch(name):
     plan = make_policy(name).plan(reqs([10, 20, 5]), ctx())

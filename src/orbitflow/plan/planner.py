@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -74,6 +75,14 @@ def _largest_kv_deposit(reqs: Sequence[PlanRequest], num_layers: int) -> list[Ha
 VICTIM_ORDERS = ("largest-kv+deposit", "longest", "shortest", "random")
 
 
+def _random_order(reqs: Sequence[PlanRequest], seed: int) -> list[Hashable]:
+    """A random order drawn afresh for each batch state, reproducibly: the generator is seeded by ``seed`` and the
+    batch (its ids and token counts). A planner is built per solve, so a generator seeded by ``seed`` alone would
+    deal every solve the same permutation, a fixed rule by batch position rather than a random one."""
+    entropy = [seed, *(zlib.crc32(repr(q.request_id).encode()) for q in reqs), *(int(q.tokens) for q in reqs)]
+    return [reqs[i].request_id for i in np.random.default_rng(entropy).permutation(len(reqs))]
+
+
 def resolve_victim_order(
     name: str | VictimOrder, num_layers: int, seed: int = 0
 ) -> Callable[[Sequence[PlanRequest]], list[Hashable]]:
@@ -87,8 +96,7 @@ def resolve_victim_order(
     if name == "shortest":
         return lambda reqs: _newest_first_by(reqs, lambda q: q.tokens)
     if name == "random":
-        rng = np.random.default_rng(seed)
-        return lambda reqs: [reqs[i].request_id for i in rng.permutation(len(reqs))]
+        return lambda reqs: _random_order(reqs, seed)
     raise ValueError(f"victim_order must be one of {VICTIM_ORDERS} or a callable, got {name!r}")
 
 

@@ -72,6 +72,7 @@ class PlanContext:
             space=space,
             block_size=self.block_size,
             victim_order=self.victim,
+            seed=self.seed,
             host_capacity_blocks=self.host_capacity_blocks,
             node_limit=self.node_limit,
             time_limit_s=self.time_limit_s,
