@@ -59,6 +59,8 @@ def test_a_failure_comes_back_as_an_error_not_an_exception():
     assert drawn.token is None and "IndexError" in drawn.error
     nan = sample(torch.full((5,), float("nan")), SamplingParams(temperature=1.0))
     assert nan.token is None and "degenerate" in nan.error
+    bad_logprobs = sample(LOGITS, SamplingParams(logprobs=2.5))  # the Python API checks no type; the batch goes on
+    assert bad_logprobs.token is None and "topk" in bad_logprobs.error
 
 
 def test_seeded_sampling_is_reproducible():

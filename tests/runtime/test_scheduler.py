@@ -18,7 +18,7 @@ from orbitflow.runtime.deposit import TokenDeposit
 from orbitflow.runtime.outputs import StepResult
 from orbitflow.runtime.request import Request, Status
 from orbitflow.runtime.sampling import SamplingParams
-from orbitflow.runtime.scheduler import NO_FIT, Scheduler
+from orbitflow.runtime.scheduler import MAX_IDLE_PAUSES, NO_FIT, Scheduler
 
 LAYERS, BS = 4, 16
 
@@ -438,6 +438,57 @@ def test_paused_requests_that_cannot_run_beside_each_others_kv_recompute_instead
     assert (seq.token_ids, seq.start_pos, seq.sample) == ([6], 21, True)
     assert [(r.finish_reason, r.error, len(r.output_ids)) for r in (a, b)] == [("length", None, 8)] * 2
     assert sched.kv.usage() == (0, 0) and not sched.has_work()
+
+
+def _steady_load(sched: Scheduler, steps: int, prefix: str, max_tokens: int = 3) -> int:
+    """Run ``steps`` schedule/execute rounds with one newcomer always queued; returns how many were added."""
+    added = 0
+    for _ in range(steps):
+        if not sched.waiting:
+            added += 1
+            add(sched, f"{prefix}{added}", max_tokens=max_tokens, arrival=float(added))
+        out = sched.schedule()
+        run(sched, out)
+        for r in list(sched.running):
+            if r.remaining_tokens == 0:
+                sched.finish_requests([r.request_id], "length")
+    return added
+
+
+def test_a_request_is_paused_without_moving_on_at_most_max_idle_pauses_times_in_a_row(monkeypatch):
+    """A completion lets the paused request back in; the next newcomer in the same pass overloads the batch, and the
+    policy's victim is the request just resumed. That may happen MAX_IDLE_PAUSES times in a row; then it keeps its
+    place (the newcomer waits). Before, under steady arrivals it was paused again before every first step: one token
+    in 300 steps."""
+    sched = make_scheduler(CapPolicy(cap=2, victim="a"), device_blocks=512, host_blocks=512)
+    a = add(sched, "a", max_tokens=400)
+    add(sched, "b0", max_tokens=3)
+    streaks = []
+    pause = sched._pause_request
+    monkeypatch.setattr(sched, "_pause_request", lambda req, keep_plan=False: (
+        pause(req, keep_plan), streaks.append(req.idle_pauses))[0])
+    served = _steady_load(sched, 300, "b")
+    assert max(streaks) == MAX_IDLE_PAUSES  # the rule is reached, and never passed
+    assert len(a.output_ids) > 20 and served > 50  # both move on (before: 1 and 150)
+
+
+def test_paused_requests_that_block_each_other_are_not_overtaken_by_newcomers(monkeypatch):
+    """Two paused requests each need host KV the other holds; the deadlock breaks (one computes its KV again) once
+    nothing runs. Newcomers used to be admitted past them, so something always ran and they stayed paused forever."""
+    policy = CrowdedPolicy(cap=1, victim="a")
+    sched = make_scheduler(policy)
+    policy.scheduler = sched
+    monkeypatch.setattr(sched.controller, "_settle", lambda requests: policy.plan(requests, sched.controller.ctx))
+    a = add(sched, "a", max_tokens=8)
+    run(sched, sched.schedule())
+    b = add(sched, "b", max_tokens=8)
+    run(sched, sched.schedule(), token=5)
+    run(sched, sched.schedule(), token=6)
+    policy.crowded, policy.victim = {"a", "b"}, None
+    sched.controller.forget()
+    _steady_load(sched, 200, "c")
+    assert a.finished and b.finished and a.num_recomputes + b.num_recomputes >= 1
+    assert [(r.finish_reason, len(r.output_ids)) for r in (a, b)] == [("length", 8)] * 2
 
 
 def test_a_request_no_plan_holds_alone_ends_with_no_fit_when_no_paused_request_holds_kv(monkeypatch):

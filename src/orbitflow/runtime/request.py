@@ -35,6 +35,7 @@ class Request:
     generated_s: list[float] = field(default_factory=list)
     delivered_s: list[float] = field(default_factory=list)
     num_pauses: int = 0
+    idle_pauses: int = 0  # pauses in a row without moving on in between (Scheduler: MAX_IDLE_PAUSES)
     num_recomputes: int = 0  # times its KV was dropped while paused, to be computed again (Scheduler._recompute)
     paused_at_step: int | None = None
     completions_at_pause: int = 0  # the engine's finished-request count when this request was paused

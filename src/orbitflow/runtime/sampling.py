@@ -54,18 +54,18 @@ def sample(
     output_ids: Sequence[int] = (),
 ) -> Sample:
     """The next token of one request from its row of logits; reproducible per (seed, position)."""
-    try:
+    try:  # the logprobs too: a `logprobs` the API would refuse (2.5, say) came through the Python API to the batch
         token = _draw(_processed(logits.float(), params, prompt_ids, output_ids), params, len(output_ids))
+        if params.logprobs is None:
+            return Sample(token)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if params.logprobs > 0:
+            values, ids = torch.topk(logprobs, min(params.logprobs, logprobs.numel()))
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        return Sample(token, float(logprobs[token]), top)
     except Exception as exc:  # noqa: BLE001 - one request's failure must not reach the batch
         return Sample(None, error=f"{type(exc).__name__}: {exc}")
-    if params.logprobs is None:
-        return Sample(token)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top: tuple[tuple[int, float], ...] = ()
-    if params.logprobs > 0:
-        values, ids = torch.topk(logprobs, min(params.logprobs, logprobs.numel()))
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return Sample(token, float(logprobs[token]), top)
 
 
 def _processed(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
