@@ -60,12 +60,22 @@ def int_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+def float_or_auto(text: str) -> float | None:
+    """Flag parser for a number of ms or 'auto' (None: the engine picks it)."""
+    if text.lower() == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
 def option(default: Any, help: str = "", *, type: Callable | None = None, flag: str | None = None,
            check: str | None = None, choices: tuple | None = None, metavar: str | None = None,
            group: str | None = None, cli: bool = True) -> Any:
     """A config field with its CLI flag. ``check``: 'positive', 'positive?' (None allowed), 'positive|inf' (inf
-    allowed: never), 'count?' (an int >= 1 or None), 'nonneg' or 'unit' (in (0, 1]); NaN fails every check, inf
-    all but 'positive|inf'; ``choices`` are checked too. ``group``: flags of one group
+    allowed: never), 'count?' (an int >= 1 or None), 'nonneg', 'nonneg?' (None allowed) or 'unit' (in (0, 1]);
+    NaN fails every check, inf all but 'positive|inf'; ``choices`` are checked too. ``group``: flags of one group
     are mutually exclusive. ``cli=False``: a knob for the Python API only."""
     meta = {"help": help, "type": type, "flag": flag, "check": check, "choices": choices, "metavar": metavar,
             "exclusive": group, "cli": cli}
@@ -82,18 +92,19 @@ def dest_of(f) -> str:
 
 
 def _check_field(flag: str, check: str | None, choices: tuple | None, value: Any) -> None:
-    if check in ("positive?", "count?") and value is None:
+    if check in ("positive?", "count?", "nonneg?") and value is None:
         return
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if check == "positive|inf" and value == math.inf:
         return
-    if check in ("positive", "positive?", "positive|inf", "nonneg", "unit") and is_number and not math.isfinite(value):
+    if check in ("positive", "positive?", "positive|inf", "nonneg", "nonneg?", "unit") and is_number and \
+            not math.isfinite(value):
         raise ConfigError(f"{flag} must be a finite number, got {value!r}")  # NaN passes every comparison below
     if check in ("positive", "positive?", "positive|inf") and (not is_number or value <= 0):
         raise ConfigError(f"{flag} must be a positive number, got {value!r}")
     if check == "count?" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
-    if check == "nonneg" and value < 0:
+    if check in ("nonneg", "nonneg?") and (not is_number or value < 0):
         raise ConfigError(f"{flag} must be >= 0, got {value!r}")
     if check == "unit" and not 0 < value <= 1:
         raise ConfigError(f"{flag} must be in (0, 1], got {value!r}")
@@ -109,7 +120,7 @@ def _check_type(flag: str, kind: Callable | None, value: Any) -> None:
     integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind in (int, optional_int, int_or_none) and not integral:
         raise ConfigError(f"{flag} must be an integer, got {value!r}")
-    if kind is float and not (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+    if kind in (float, float_or_auto) and not (isinstance(value, numbers.Real) and not isinstance(value, bool)):
         raise ConfigError(f"{flag} must be a number, got {value!r}")
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{flag} must be true or false, got {value!r}")
@@ -223,6 +234,13 @@ class PlannerConfig(_Validated):
     slo_scale: float = option(1.5, "SLO as a multiple of the no-offload decode step with a full device budget",
                               type=float, check="positive", group="slo")
     token_deposit: bool = option(True, "pace delivery with Token-Deposit", type=bool)
+    # A stream paced exactly one SLO apart misses it at the client whenever a token leaves later than the one
+    # before it (the event loop's timers, the GIL): benchmarks/deposit_guard.py measures how often.
+    deposit_guard_ms: float | None = option(
+        0.0, "pace delivery this many ms under the SLO, and plan for the SLO less it, so that the delivery's own "
+             "jitter (event-loop timers, the GIL) stays inside the SLO as a client measures it; 'auto': the lesser of "
+             "5 ms and a tenth of the SLO (serve's default; elsewhere nothing is delivered live, and it is 0)",
+        type=float_or_auto, check="nonneg?", metavar="MS|auto")
     # Tolerated SLO violations per step, averaged over the decode window. The paper uses 1; that lets one
     # request miss the SLO on every step indefinitely, while a pause costs a single long gap, so we
     # default to 0.5 (see docs/results.md for the comparison).
@@ -251,6 +269,9 @@ class PlannerConfig(_Validated):
         choices=BACKGROUND_PLANNER_CHOICES)
 
     def _cross_check(self) -> None:
+        if self.slo_ms is not None and self.deposit_guard_ms is not None and self.deposit_guard_ms >= self.slo_ms:
+            raise ConfigError(f"--deposit-guard-ms ({self.deposit_guard_ms:g}) must be under --slo-ms "
+                              f"({self.slo_ms:g})")
         if self.window_min > self.window_max:
             raise ConfigError(f"--window-min ({self.window_min}) must not exceed --window-max ({self.window_max})")
 
@@ -295,6 +316,9 @@ class ClusterConfig(_Validated):
         "slo-aware", "how requests pick a replica: slo-aware (power of two choices by the replicas' planned SLO "
                      "headroom, else least loaded), least-loaded, or round-robin", choices=ROUTER_CHOICES)
     replica_cpus: float = option(1.0, "CPUs Ray reserves for each engine replica", type=float, check="positive")
+    replica_gpus: float | None = option(
+        None, "GPUs Ray reserves for each engine replica (default: --tensor-parallel-size with --device cuda, or with "
+              "--device auto on a Ray cluster that has GPUs; else 0)", type=float, check="nonneg?", metavar="N")
 
     def _cross_check(self) -> None:
         if self.replicas is None:  # one engine in this process: a replica flag would be ignored without a word

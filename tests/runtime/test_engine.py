@@ -103,6 +103,36 @@ def test_deposit_hides_violations_when_early_steps_are_fast(tiny_llama):
         llm.close()
 
 
+def test_deposit_guard_paces_under_the_slo_and_the_planner_plans_for_that_pace(tiny_llama):
+    """A stream paced exactly one SLO apart misses the SLO at the client whenever a token leaves later than the one
+    before; --deposit-guard-ms paces under it, and the planner plans for the pace, not the looser SLO."""
+    from orbitflow.config import ConfigError
+    from orbitflow.runtime.engine import RequestRejected
+
+    llm = make_llm(tiny_llama, profile=tiny_profile(), slo_ms=20.0, deposit_guard_ms=3.0, max_num_seqs=2)
+    try:
+        req = llm.engine.add_request("a", prompts(1, 8)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+        assert req.slo_s == pytest.approx(0.020) and req.pace_s == pytest.approx(0.017)
+        assert req.plan_request(llm.engine.block_size).slo_s == pytest.approx(0.017)
+        deposit = llm.engine.new_deposit(0.020)  # fast steps (1 ms apart): each token is held one pace after the last
+        assert [deposit.push(t, t / 1000) for t in range(4)] == pytest.approx([0.0, 0.017, 0.034, 0.051])
+        llm.engine.run_until_done()
+        assert req.output_ids and llm.engine.kv.usage() == (0, 0)
+        with pytest.raises(RequestRejected, match="--deposit-guard-ms"):  # a per-request SLO under the guard
+            llm.engine.add_request("b", prompts(1, 8)[0], SamplingParams(max_tokens=3), slo_s=0.002)
+    finally:
+        llm.close()
+    with pytest.raises(ConfigError, match="--deposit-guard-ms"):
+        make_llm(tiny_llama, profile=tiny_profile(), slo_ms=20.0, deposit_guard_ms=20.0)
+    auto = make_llm(tiny_llama, profile=tiny_profile(), slo_ms=20.0, deposit_guard_ms=None)  # serve's 'auto'
+    try:
+        short = auto.engine.add_request("a", prompts(1, 8)[0], SamplingParams(max_tokens=3), slo_s=0.020)
+        long = auto.engine.add_request("b", prompts(1, 8)[0], SamplingParams(max_tokens=3), slo_s=0.200)
+        assert short.pace_s == pytest.approx(0.018) and long.pace_s == pytest.approx(0.195)  # a tenth, at most 5 ms
+    finally:
+        auto.close()
+
+
 def test_chunked_prefill_gives_the_same_tokens(tiny_llama):
     ps = prompts(3, 45, seed=5)
     reference = [hf_greedy(tiny_llama.hf, p, 16) for p in ps]

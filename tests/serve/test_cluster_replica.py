@@ -290,3 +290,31 @@ def test_a_mistyped_policy_fails_before_any_replica_starts():
 
     with pytest.raises(ConfigError, match="--policy"):
         build_cluster_app(EngineConfig.build(policy="orbitflw"), replicas=2)
+
+
+def test_a_replica_reserves_a_gpu_per_rank_on_cuda_and_none_on_the_cpu():
+    """Without a reservation Ray puts several replicas on one GPU, each seeing them all (all on cuda:0)."""
+    from orbitflow.config import EngineConfig
+    from orbitflow.serve.cluster import replica_gpus_for
+
+    assert replica_gpus_for(EngineConfig.build(device="cuda", tensor_parallel_size=2), cluster_gpus=0) == 2
+    assert replica_gpus_for(EngineConfig.build(device="auto"), cluster_gpus=8) == 1
+    assert replica_gpus_for(EngineConfig.build(device="auto"), cluster_gpus=0) == 0
+    assert replica_gpus_for(EngineConfig.build(device="cpu"), cluster_gpus=8) == 0
+
+
+def test_a_full_queue_is_reachable_and_serves_backpressure_as_a_503():
+    """Serve sends a replica one request more than its engine holds, so the engine's QueueFull (retry elsewhere, then
+    503) fires; past the replicas, Serve's own backpressure becomes the same QueueFull, not a hang or a 500."""
+    from ray.serve.exceptions import BackPressureError
+
+    from orbitflow.config import EngineConfig
+    from orbitflow.runtime.engine import QueueFull
+    from orbitflow.serve.cluster import _translate, replica_limits
+
+    config = EngineConfig.build(max_num_seqs=4, max_queue_len=8)
+    ongoing, queued = replica_limits(config)
+    assert ongoing > 4 + 8 and queued == 8  # the engine refuses at running + waiting == max_num_seqs + max_queue_len
+    assert replica_limits(EngineConfig.build(max_queue_len=None))[1] == -1  # unbounded: the engines queue
+    error = _translate(BackPressureError(num_queued_requests=8, max_queued_requests=8))
+    assert isinstance(error, QueueFull) and "--max-queue-len" in str(error) and error.retry_after_s >= 1

@@ -27,3 +27,18 @@ def test_replica_values_are_the_unlabelled_families_only():
         assert values["orbitflow:kv_link_preemptions"] == 3
     finally:
         engine.close()
+
+
+def test_delivered_violations_are_counted_on_the_stream_as_sent():
+    """The server's own stopwatch: a gap over the SLO by the event loop's jitter counts, whatever the deposit's
+    schedule said; the schedule's count is a metric of its own."""
+    metrics = ServerMetrics(collector=type("NoEngine", (), {"collect": lambda self: iter(())})())
+    tracker = metrics.tracker(0.0, 5, slo_s=0.050)
+    for t in (0.100, 0.150, 0.2004, 0.250, 0.320):  # 50 ms apart, then 50.4 ms (jitter), 49.6, 70
+        tracker.on_token(t)
+    assert metrics.violations._value.get() == 2
+    untracked = metrics.tracker(0.0, 5)  # no SLO known: nothing counted
+    for t in (0.1, 0.9):
+        untracked.on_token(t)
+    assert metrics.violations._value.get() == 2
+    assert "orbitflow:slo_violations_delivered_total 2.0" in metrics.render().decode()

@@ -85,7 +85,8 @@ def test_models_health_metrics(server, client):
         "orbitflow:time_per_output_token_seconds_sum", "orbitflow:e2e_request_latency_seconds_count",
         "orbitflow:num_requests_running", "orbitflow:kv_device_blocks_total 512.0",
         "orbitflow:solver_calls_total", "orbitflow:solver_budget_reached_total", "orbitflow:plan_optimality_gap",
-        "orbitflow:slo_violations_delivered_total", "orbitflow:slo_violations_generated_total",
+        "orbitflow:slo_violations_delivered_total", "orbitflow:slo_violations_scheduled_total",
+        "orbitflow:slo_violations_generated_total",
         "orbitflow:pauses_total", "orbitflow:recomputes_total",
     ):
         assert name in text

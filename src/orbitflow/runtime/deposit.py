@@ -14,6 +14,18 @@ from collections import deque
 SLO_TOLERANCE_S = 1e-9
 
 
+# --deposit-guard-ms auto: the lesser of these (the delivery's jitter is absolute, but a fast model's SLO is short).
+AUTO_GUARD_S = 0.005
+AUTO_GUARD_FRACTION = 0.1
+
+
+def guard_s(guard_ms: float | None, slo_s: float) -> float:
+    """Seconds Token-Deposit paces under an SLO of ``slo_s`` for ``--deposit-guard-ms guard_ms`` (None: auto)."""
+    if guard_ms is None:
+        return min(AUTO_GUARD_S, AUTO_GUARD_FRACTION * slo_s)
+    return guard_ms / 1000
+
+
 class TokenDeposit:
     def __init__(self, slo_s: float, enabled: bool = True):
         self.slo_s = slo_s

@@ -15,13 +15,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from orbitflow.config import EngineConfig
+from orbitflow.config import ConfigError, EngineConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan.placement import most_blocks
 from orbitflow.plan.types import PlanRequest
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.controller import Controller
-from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit
+from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit, guard_s
 from orbitflow.runtime.executor import Executor
 from orbitflow.runtime.outputs import ScheduleOutput, StepResult
 from orbitflow.runtime.request import Request
@@ -108,6 +108,9 @@ class Engine:
         self.policy = policy
         self.clock = clock
         self.default_slo_s = default_slo_s
+        if guard_s(config.planner.deposit_guard_ms, default_slo_s) >= default_slo_s:
+            raise ConfigError(f"--deposit-guard-ms ({config.planner.deposit_guard_ms:g}) must be under the SLO "
+                              f"({1000 * default_slo_s:.1f} ms)")
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -172,7 +175,7 @@ class Engine:
             sampling=sampling,
             arrival_s=self.clock.now() if arrival_s is None else arrival_s,
             slo_s=slo,
-            deposit=TokenDeposit(slo, enabled=self.config.planner.token_deposit),
+            deposit=self.new_deposit(slo),
             eos_token_ids=self.eos_token_ids,
             target_output_tokens=target_output_tokens,
         )
@@ -189,6 +192,15 @@ class Engine:
             self._live.add(request_id)
         self._wakeup.set()
         return req
+
+    def new_deposit(self, slo_s: float) -> TokenDeposit:
+        """The Token-Deposit of a request with TBT SLO ``slo_s``: it paces delivery ``--deposit-guard-ms`` under the
+        SLO (the planner plans for that pace too: `Request.pace_s`)."""
+        guard = guard_s(self.config.planner.deposit_guard_ms, slo_s)
+        if guard >= slo_s:
+            raise RequestRejected(f"an SLO of {1000 * slo_s:g} ms leaves no pace under --deposit-guard-ms "
+                                  f"({1000 * guard:g})")
+        return TokenDeposit(slo_s - guard, enabled=self.config.planner.token_deposit)
 
     def _check_servable(self, req: Request) -> None:
         reason = self._why_unservable(req.max_total_tokens, req.plan_request(self.block_size))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from orbitflow.runtime.deposit import TokenDeposit
 from orbitflow.runtime.request import Request
 from orbitflow.runtime.sampling import SamplingParams
 
@@ -87,7 +86,7 @@ def _what_if(engine, prompt_tokens: int, max_tokens: int, slo_s: float | None) -
     slo = slo_s or engine.default_slo_s
     cand = Request(
         request_id=_WHAT_IF_ID, prompt_ids=[0] * prompt_tokens, sampling=SamplingParams(max_tokens=max_tokens),
-        arrival_s=engine.clock.now(), slo_s=slo, deposit=TokenDeposit(slo, enabled=engine.config.planner.token_deposit),
+        arrival_s=engine.clock.now(), slo_s=slo, deposit=engine.new_deposit(slo),
         target_output_tokens=max_tokens,
     )
     ahead = list(engine.paused) + list(engine.waiting)
@@ -101,7 +100,7 @@ def _what_if(engine, prompt_tokens: int, max_tokens: int, slo_s: float | None) -
     ctx = replace(engine.controller.ctx, host_capacity_blocks=host_capacity, previous=None)
     plan = engine.policy.plan(requests, ctx)
     step_s = float(plan.predicted_step_s)
-    tightest = min(r.slo_s for r in batch)
+    tightest = min(r.pace_s for r in batch)  # what the planner plans for
     headroom = 1.0 - step_s / tightest if math.isfinite(step_s) else -math.inf
     return WhatIf(bool(plan.feasible), step_s, headroom, "" if plan.feasible else "slo")
 

@@ -89,11 +89,17 @@ class Request:
         """What a rejection says of its length: "prompt (N tokens) plus max_tokens (M)"."""
         return f"prompt ({self.num_prompt} tokens) plus max_tokens ({self.max_output_tokens})"
 
+    @property
+    def pace_s(self) -> float:
+        """The interval Token-Deposit paces this request's tokens at: its SLO less the engine's guard
+        (``--deposit-guard-ms``), so delivery jitter stays inside the SLO. The planner plans for it."""
+        return self.deposit.slo_s
+
     def plan_request(self, block_size: int, ahead: int = 0, deposit: float = 0.0) -> PlanRequest:
         """The planner's view of this request ``ahead`` decode steps on, with Token-Deposit balance ``deposit``."""
         tokens = self.num_tokens + ahead
         return PlanRequest(request_id=self.request_id, blocks_per_layer=math.ceil(tokens / block_size), tokens=tokens,
-                           tokens_left=max(0, self.remaining_tokens - ahead), deposit=deposit, slo_s=self.slo_s)
+                           tokens_left=max(0, self.remaining_tokens - ahead), deposit=deposit, slo_s=self.pace_s)
 
     def next_input(self, chunk: int | None) -> tuple[list[int], int, bool]:
         """Tokens to feed next, where they start, and whether a token is sampled after them (not after a recompute's

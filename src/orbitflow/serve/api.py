@@ -64,12 +64,13 @@ class OpenAIServer:
 
     def __init__(self, model_name: str, tokenizer, engine, metrics: ServerMetrics, clock, max_len: int,
                  vocab_size: int, watchdog_s: float = DEFAULT_WATCHDOG_S, llm=None,
-                 max_choices: int | None = None) -> None:
+                 max_choices: int | None = None, slo_s: float | None = None) -> None:
         self.llm, self.engine, self.metrics, self.clock = llm, engine, metrics, clock  # llm: None on a cluster
         self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
         self.max_len, self.watchdog_s = max_len, watchdog_s
         self.max_choices = max_choices  # the most choices (n) the engine can ever hold at once; None: no cap
         self.created = int(time.time())
+        self.slo_s = slo_s  # the engine's TBT SLO: the metrics count the delivered gaps over it
 
     @classmethod
     def local(cls, llm, model_name: str, watchdog_s: float = DEFAULT_WATCHDOG_S) -> OpenAIServer:
@@ -84,7 +85,8 @@ class OpenAIServer:
                               f"{cache.host_kv_blocks} hold no request (the longest one these pools and the policy "
                               f"can serve is {max_len} tokens); raise them")
         return cls(model_name, llm.tokenizer, AsyncEngine(llm.engine, llm.tokenizer), ServerMetrics(llm.engine),
-                   llm.clock, max_len, llm.loaded.config.vocab_size, watchdog_s, llm=llm, max_choices=max_choices)
+                   llm.clock, max_len, llm.loaded.config.vocab_size, watchdog_s, llm=llm, max_choices=max_choices,
+                   slo_s=llm.engine.default_slo_s)
 
     # ---- request preparation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -159,7 +161,7 @@ class OpenAIServer:
         bridge, where the text is made as it is generated)."""
         clock = self.clock
         # n choices share one prompt: counted once (with choice 0), as the response's usage counts it
-        tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0)
+        tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0, self.slo_s)
         reason: str | None = "abort"
         tokens: list[TokenInfo] = []
         try:

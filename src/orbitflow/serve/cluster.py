@@ -240,7 +240,11 @@ _DEAD_REPLICA_HINTS = ("ActorDiedError", "ActorUnavailableError", "RayActorError
 
 
 def _translate(exc: BaseException) -> BaseException:
-    """The engine's own exception for one raised in a replica; a dead replica becomes an EngineError."""
+    """The engine's own exception for one raised in a replica; a dead replica becomes an EngineError, Serve's
+    backpressure (every replica and the ingress's queue full) a QueueFull."""
+    if any(cls.__name__ == "BackPressureError" for cls in type(exc).__mro__):
+        return QueueFull("the server is busy: every replica's queue and the requests waiting for one are full "
+                         "(--max-queue-len); retry later", 1)
     cause = getattr(exc, "cause", None)
     for known in (RequestRejected, QueueFull, EngineUnavailable, EngineError, ValueError):
         if isinstance(cause, known):
@@ -415,7 +419,7 @@ class ClusterIngress:
                          registry=metrics.registry)
         remote = self._remote = RemoteEngine(self.handle, on_routed=lambda replica: routed.labels(replica).inc())
         server = OpenAIServer(self.model_name, tokenizer, remote, metrics, WallClock(), info["max_len"],
-                              info["vocab_size"], self.watchdog_s)
+                              info["vocab_size"], self.watchdog_s, slo_s=info["slo_s"])
         return serve_app(server, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
 
     async def drain(self, grace_s: float) -> None:
@@ -426,20 +430,54 @@ class ClusterIngress:
 
 
 # ---- building and running the application -------------------------------------------------------------------
+def replica_gpus_for(config: EngineConfig, cluster_gpus: float) -> float:
+    """GPUs Ray reserves for a replica when --replica-gpus is not given: one per tensor-parallel rank on CUDA (without a
+    reservation Ray would put several replicas on one GPU, each seeing them all), none on the CPU."""
+    device = config.model.device
+    if device == "cpu" or (device == "auto" and cluster_gpus <= 0):
+        return 0.0
+    return float(config.parallel.tensor_parallel_size)
+
+
+def _cluster_gpus() -> float:
+    """GPUs of the Ray cluster joined, or of this machine when Ray is not started yet (it will start here)."""
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0))
+    import torch
+
+    return float(torch.cuda.device_count())
+
+
+def replica_limits(config: EngineConfig) -> tuple[int, int]:
+    """Serve's ``max_ongoing_requests`` per replica and ``max_queued_requests`` at the ingress's handle. A replica
+    must be sent one request more than its engine holds (the batch and --max-queue-len), or the engine's own refusal
+    (QueueFull: retry elsewhere, then a 503) is never reached and the request waits at the ingress with no limit.
+    Past the replicas, --max-queue-len more requests may wait at the ingress; beyond, Serve's backpressure (a 503
+    too). An unbounded --max-queue-len leaves both unbounded (the engines queue)."""
+    sched = config.scheduler
+    if sched.max_queue_len is None:
+        return 1_000_000, -1
+    return sched.max_num_seqs + sched.max_queue_len + 1, sched.max_queue_len
+
+
 def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT_ROUTER,
                       served_model_name: str | None = None, api_key: str | None = None,
                       max_body_bytes: int = 8 * 1024 * 1024, watchdog_s: float = 60.0,
-                      replica_cpus: float = 1.0, stats_period_s: float = DEFAULT_STATS_PERIOD_S,
+                      replica_cpus: float = 1.0, replica_gpus: float | None = None,
+                      stats_period_s: float = DEFAULT_STATS_PERIOD_S,
                       health_check_period_s: float = 2.0, seed: int = 0, profile="measure"):
     """The Ray Serve application (bound ingress) of `replicas` engine replicas routed by `router`. ``profile``:
     how each replica gets its hardware profile ("measure" on its node, "rough", or a HardwareProfile)."""
-    ClusterConfig(replicas=replicas, router=router, replica_cpus=replica_cpus)  # the flags' own checks
+    ClusterConfig(replicas=replicas, router=router, replica_cpus=replica_cpus, replica_gpus=replica_gpus)  # checks
     make_policy(config.planner.policy)  # a mistyped --policy fails here, not in every replica's constructor
-    sched = config.scheduler
-    max_ongoing = sched.max_num_seqs + (sched.max_queue_len if sched.max_queue_len is not None else 256)
+    gpus = replica_gpus_for(config, _cluster_gpus()) if replica_gpus is None else replica_gpus
+    max_ongoing, max_queued = replica_limits(config)
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replicas, max_ongoing_requests=max_ongoing,
-        ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=health_check_period_s,
+        max_queued_requests=max_queued,
+        ray_actor_options={"num_cpus": replica_cpus, "num_gpus": gpus}, health_check_period_s=health_check_period_s,
         health_check_timeout_s=max(30.0, watchdog_s), graceful_shutdown_timeout_s=10.0,
         request_router_config=RequestRouterConfig(
             request_router_class=OrbitflowRequestRouter, request_router_kwargs={"policy": router, "seed": seed},
@@ -451,9 +489,8 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
                         max_body_bytes, watchdog_s)
 
 
-def start_cluster(app, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
-                  num_cpus: float | None = None) -> None:
-    """Connect to (or start) Ray, start Serve's HTTP proxy on host:port and deploy `app`."""
+def connect(ray_address: str | None = None, num_cpus: float | None = None) -> None:
+    """Join the Ray cluster at ``ray_address``, or start Ray on this machine; nothing when Ray is already up."""
     import ray
 
     if not ray.is_initialized():
@@ -461,6 +498,12 @@ def start_cluster(app, host: str = "127.0.0.1", port: int = 8000, ray_address: s
         ray.init(**kwargs, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
                  if os.environ.get("PYTHONPATH") else None)
+
+
+def start_cluster(app, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
+                  num_cpus: float | None = None) -> None:
+    """Connect to (or start) Ray, start Serve's HTTP proxy on host:port and deploy `app`."""
+    connect(ray_address, num_cpus)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=APP_NAME, route_prefix="/")
 
@@ -471,8 +514,8 @@ def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, ho
     requests 503, those in flight finish for `shutdown_timeout` seconds, then end with "abort") and shut the
     application down."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    replica_cpus = kwargs.pop("replica_cpus", 1.0)
-    app = build_cluster_app(config, replicas, router, replica_cpus=replica_cpus, **kwargs)
+    connect(ray_address)  # first: a replica's GPU reservation reads the cluster's GPUs
+    app = build_cluster_app(config, replicas, router, **kwargs)
     start_cluster(app, host, port, ray_address)
     log.info("serving %s on %d replicas (router %s) at http://%s:%d/v1", config.model.name, replicas, router,
              host, port)

@@ -1,7 +1,9 @@
 """Prometheus metrics of one served app, on a registry of its own.
 
 Latency histograms are taken on the stream as delivered to the client (after Token-Deposit), so the
-inter-token latency here is the TBT the SLO is about. Engine state (batch, KV blocks, solver, pauses,
+inter-token latency here is the TBT the SLO is about, and ``slo_violations_delivered`` counts that stream's gaps over
+the SLO; ``slo_violations_scheduled`` counts the deposit's schedule, which a token's delivery may miss by the event
+loop's jitter (``--deposit-guard-ms`` paces under the SLO to absorb it). Engine state (batch, KV blocks, solver, pauses,
 violations) is read at scrape time by a collector, so it never goes stale.
 """
 
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from orbitflow.runtime.deposit import SLO_TOLERANCE_S
 from orbitflow.runtime.engine import Engine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -43,7 +46,7 @@ class _EngineCollector:
              engine.controller.solver_time_s),
             ("orbitflow:solver_budget_reached", "Solves stopped by the planner budget before proving optimality",
              engine.controller.solver_budget_hits),
-            ("orbitflow:slo_violations_delivered", "Token gaps over the SLO as delivered",
+            ("orbitflow:slo_violations_scheduled", "Token gaps over the SLO in Token-Deposit's delivery schedule",
              stats.delivered_violations),
             ("orbitflow:slo_violations_generated", "Token gaps over the SLO as generated",
              stats.generated_violations),
@@ -116,19 +119,22 @@ class ServerMetrics:
                                      registry=self.registry)
         self.generation_tokens = Counter("orbitflow:generation_tokens", "Tokens delivered",
                                          registry=self.registry)
+        self.violations = Counter("orbitflow:slo_violations_delivered", "Token gaps over the SLO as delivered "
+                                  "(this server's stopwatch on the stream)", registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self, arrival_s: float, num_prompt: int) -> RequestTracker:
-        return RequestTracker(self, arrival_s, num_prompt)
+    def tracker(self, arrival_s: float, num_prompt: int, slo_s: float | None = None) -> RequestTracker:
+        return RequestTracker(self, arrival_s, num_prompt, slo_s)
 
 
 class RequestTracker:
     """Stopwatch of one request's delivered stream."""
 
-    def __init__(self, metrics: ServerMetrics, arrival_s: float, num_prompt: int) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival_s: float, num_prompt: int, slo_s: float | None = None) -> None:
         self.metrics = metrics
+        self.slo_s = slo_s  # the request's TBT SLO (None: no violations counted)
         self.arrival_s = arrival_s
         self.num_prompt = num_prompt
         self.first_s: float | None = None
@@ -140,7 +146,10 @@ class RequestTracker:
             self.first_s = now
             self.metrics.ttft.observe(now - self.arrival_s)
         else:
-            self.metrics.itl.observe(now - self.last_s)
+            gap = now - self.last_s
+            self.metrics.itl.observe(gap)
+            if self.slo_s is not None and gap > self.slo_s + SLO_TOLERANCE_S:
+                self.metrics.violations.inc()
         self.last_s = now
         self.num_tokens += 1
 

@@ -92,7 +92,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=HelpFormatter)
     add_config_args(p, ServerConfig, "server")
     add_config_args(p, ClusterConfig, "cluster (Ray Serve; pip install 'orbitflow[cluster]')")
-    add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN})
+    add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN, "deposit_guard_ms": "auto"})
 
     def handler(args: argparse.Namespace) -> int:
         server, cluster = config_from_args(ServerConfig, args), config_from_args(ClusterConfig, args)
@@ -116,5 +116,6 @@ def _run_replicas(config: EngineConfig, server: ServerConfig, cluster: ClusterCo
     run_cluster(config, cluster.replicas, cluster.ray_address, server.host, server.port, cluster.router,
                 shutdown_timeout=server.shutdown_timeout, served_model_name=server.served_model_name,
                 api_key=server.api_key,
-                max_body_bytes=server.max_body_bytes, watchdog_s=server.watchdog_s, replica_cpus=cluster.replica_cpus)
+                max_body_bytes=server.max_body_bytes, watchdog_s=server.watchdog_s, replica_cpus=cluster.replica_cpus,
+                replica_gpus=cluster.replica_gpus)
     return 0
