@@ -94,6 +94,21 @@ def test_memory_counts_the_requests_queued_ahead():
         eng.close()
 
 
+def test_what_if_counts_the_requests_still_in_the_inbox(engine):
+    """Requests added while the loop is busy (a long prefill step) wait in the inbox: a what-if that left them out
+    advertised the idle replica's headroom until the loop took them in, and a router piled a burst onto it."""
+    idle = what_if(engine, 1500, 256)
+    _add(engine, "a", prompt=6000)
+    _add(engine, "b", prompt=6000)
+    assert [r.request_id for r in engine.incoming()] == ["a", "b"] and not engine.waiting
+    queued = what_if(engine, 1500, 256)
+    engine.step()  # the loop takes them in: the answer does not change with where they wait
+    assert not engine.incoming()
+    taken = what_if(engine, 1500, 256)
+    assert queued.predicted_step_s > idle.predicted_step_s
+    assert (queued.feasible, queued.predicted_step_s) == (taken.feasible, taken.predicted_step_s)
+
+
 def test_what_if_table_lookup_rounds_up():
     table = [(128, 64, WhatIf(True, 0.01, 0.9)), (128, 512, WhatIf(True, 0.02, 0.8)),
              (512, 64, WhatIf(False, 0.05, -0.1, "slo"))]

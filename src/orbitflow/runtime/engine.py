@@ -127,6 +127,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._add_lock = threading.Lock()  # makes the queue-length check and the enqueue one step
         self._inbox_adds = 0  # requests in the inbox (its aborts do not wait for admission); under _add_lock
+        self._incoming: dict[str, Request] = {}  # those requests, by id (a what-if counts them); under _add_lock
         self._live: set[str] = set()  # ids of the requests added and not yet finished; under _add_lock
         self._wakeup = threading.Event()
 
@@ -189,6 +190,7 @@ class Engine:
                                 "free places (--max-queue-len); retry later", self.retry_after_s())
             self._inbox.put(("add", req))
             self._inbox_adds += 1
+            self._incoming[request_id] = req
             self._live.add(request_id)
         self._wakeup.set()
         return req
@@ -251,6 +253,12 @@ class Engine:
         """Places the batch has for requests now queued (--max-num-seqs less those running or paused, which
         resume first): that many of the queue start at once, memory permitting (thread-safe, approximate)."""
         return max(0, self.config.scheduler.max_num_seqs - len(self.running) - len(self.paused))
+
+    def incoming(self) -> list[Request]:
+        """Requests added but not yet taken in by the loop (in the order they were added): a what-if that left them
+        out answered for a batch without them, through a long step's worth of arrivals."""
+        with self._add_lock:
+            return list(self._incoming.values())
 
     def num_queued(self) -> int:
         """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe; a request
@@ -322,6 +330,7 @@ class Engine:
                 finally:
                     with self._add_lock:
                         self._inbox_adds -= 1
+                        self._incoming.pop(item.request_id, None)
             else:
                 request_id, reason = item
                 self._finish_ids([request_id], reason)

@@ -116,11 +116,11 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """Called by Serve every routing-stats period; what the router decides on."""
         engine = self.llm.engine
+        received = self._received  # before the table and the state: a request counted here is in them or on its way
         key = (tuple(r.request_id for r in list(engine.running)), tuple(r.request_id for r in list(engine.waiting)),
-               len(engine.paused), engine.stats.steps // 16)
+               tuple(r.request_id for r in engine.incoming()), len(engine.paused), engine.stats.steps // 16)
         if self._table is None or self._table[0] != key:
             self._table = (key, what_if_table(engine, self.max_len))
-        received = self._received  # before the state: a request counted here is in the state or about to be
         return {"replica": self.replica_id, "stamp": time.monotonic(), "received": received,
                 "state": replica_state(engine).to_dict(), "max_len": self.max_len,
                 "what_if": [(p, o, w.feasible, w.predicted_step_s, w.headroom) for p, o, w in self._table[1]],
