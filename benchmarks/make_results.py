@@ -10,7 +10,8 @@ Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% C
 (benchmarks/planner.py), planner_proof (its proof section), planner_link (its link section: the same batches planned
 for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), kv_link (benchmarks/kv_link.py:
 the preemptive link on the engine), engine_vs_hf (benchmarks/engine_vs_hf.py), host_copy_bound
-(benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), sim_fidelity and sim_fidelity_tight
+(benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), deposit_guard
+(benchmarks/deposit_guard.py), sim_fidelity and sim_fidelity_tight
 (benchmarks/sim_vs_engine.py), tensor_parallel (benchmarks/tensor_parallel.py), cluster (benchmarks/cluster_sim.py); all
 of them with --stages all (OTHER_STAGES has each one's command). The GPU and planner-beside-the-engine fragments
 come from the runs they name.
@@ -81,6 +82,7 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("engine_vs_hf", "Engine vs Hugging Face transformers"),
              ("host_copy_bound", "Half on host: the copy's own cost"),
              ("host_layer_cost", "What reading prefetched KV adds to the compute"), ("serving", "Serving"),
+             ("deposit_guard", "Token-Deposit's guard band"),
              ("victims", "Pause victims"), ("tensor_parallel", "Tensor parallelism"),
              ("gpu_smoke", "GPU smoke test (benchmarks/gpu_smoke.py)"),
              ("cluster", "Scale-out: routers on a simulated cluster"))
@@ -97,6 +99,7 @@ OTHER_STAGES = {
                      "on a 2-core machine."],
     "host_copy_bound": ["benchmarks/host_copy_bound.py", "--md", "docs/results/host_copy_bound.md"],
     "host_layer_cost": ["benchmarks/host_layer_cost.py", "--md", "docs/results/host_layer_cost.md"],
+    "deposit_guard": ["benchmarks/deposit_guard.py", "--rounds", "5", "--md", "docs/results/deposit_guard.md"],
     "sim_fidelity": ["benchmarks/sim_vs_engine.py", "--quick", "--repeat", "3",
                      "--json", "docs/results/sim_fidelity.json", "--md", "docs/results/sim_fidelity.md"],
     # the same check at a tighter SLO, where other pairs of policies sit near the SLO (sim_vs_engine.py --help)
