@@ -66,9 +66,14 @@ class StallsInPlannerProcess(OrbitFlowPolicy):
 
 
 class OvertakingPolicy(FixedPlacementPolicy):
-    """The shortest request on the host at layers 0-1, the longest at layers 4-5, the others on the device: the
-    longest's layer-4 fetch is on the link when the shortest's layer 1 is released (after layer 0 computes), every
-    decode step, whatever the timing (the fetch lasts ~10x a tiny layer's compute on the slow link)."""
+    """The shortest request on the host at layers 0-1, the longest at layers 4-5, the others on the device: on the
+    preemptive link the longest's layer-4 fetch (it starts when the shortest's layer 0 has landed) yields to the
+    shortest's layer 1 if that is released (at the start of layer 1's attention) while the fetch still has a chunk
+    to go. Whether it does is timing, not the policy: the window, (its blocks - 1) chunks of link time, must outlast
+    layer 0's compute and layer 1's up to attention, and the caller sizes it (link rate, chunk, the longest prompt).
+    It is not ~10x a layer's compute by itself: under TP a layer also waits on gloo all-reduces and a rank's block
+    is half as large, and at 0.5 MB/s with a 41-token longest the window was ~8-12 ms, about one layer's compute
+    (see test_tp_executor's OVERTAKING_LINK_GBPS)."""
 
     def __init__(self):
         super().__init__("none")

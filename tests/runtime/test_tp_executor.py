@@ -59,19 +59,37 @@ def test_tp2_token_identical_to_tp1_under_every_placement(tiny_llama, tp2):
     assert started < tp2.executor.progress_at < time.monotonic()  # what /health reads: rank 0's last layer
 
 
+# The overtaking test's window. A yield needs the shortest request's layer-0 slot released (at the start of layer 1's
+# attention) while the longest's layer-4 fetch, which starts when that layer 0 has landed, still has a chunk to go: a
+# window of (its blocks - 1) one-block chunks against layer 0's compute and layer 1's up to attention, which under TP
+# wait on gloo all-reduces. Per rank a block is 2 KiB (one of the 2 KV heads): 10 ms on a 0.2 MB/s link, so a
+# longest prompt of 301 tokens (19+ blocks) gives ~180 ms or more, where one layer took 3-23 ms on a loaded 2-core
+# machine (0.5 MB/s and a 41-token prompt gave ~8-12 ms, and fetches did not always yield). Every decode step is a
+# chance; the test needs one yield per rank.
+OVERTAKING_LINK_GBPS = 0.0002
+OVERTAKING_PROMPTS = PROMPTS[:2] + [[1] + [3 + (7 * i) % 250 for i in range(300)]]
+
+
 def test_tp2_ranks_run_the_drivers_link_order(tiny_llama):
-    """--kv-link preemptive (and its chunk) reaches every rank with each step: on slow links in one-block chunks the
+    """--kv-link preemptive (and its chunk) reaches every rank with each step: on a slow link in one-block chunks the
     ranks' fetches yield to earlier layers' (OvertakingPolicy), the tokens are still those of one process, and the
     driver counts every rank's yields (/metrics: orbitflow:kv_link_preemptions, and per rank tp_link_preemptions).
-    What preemption does on a rank is the transfer engine's own, tested in tests/kv."""
+    What preemption does on a rank is the transfer engine's own, tested in tests/kv (test_transfer's overtaking_step,
+    with the timing under the test's control)."""
     one = make_llm(tiny_llama, policy=FixedPlacementPolicy("random:3"), max_num_seqs=3, compute_threads=1)
-    expected = [r.output_ids for r in one.generate(PROMPTS, SAMPLING)]
+    expected = [r.output_ids for r in one.generate(OVERTAKING_PROMPTS, SAMPLING)]
     one.close()
-    tp2 = make_llm(tiny_llama, policy=OvertakingPolicy(), max_num_seqs=3, link_gbps=0.0005, tensor_parallel_size=2,
-                   collective_timeout=TIMEOUT_S, kv_link="preemptive", kv_link_chunk_ms=1e-6)
+    tp2 = make_llm(tiny_llama, policy=OvertakingPolicy(), max_num_seqs=3, link_gbps=OVERTAKING_LINK_GBPS,
+                   tensor_parallel_size=2, collective_timeout=TIMEOUT_S, kv_link="preemptive", kv_link_chunk_ms=1e-6)
+    sent, send = [], tp2.executor._send  # what each rank is told to run (it unpacks depth, link and chunk together)
+    tp2.executor._send = lambda messages: (sent.extend(m[2] for m in messages if m[0] == "step"), send(messages))
     try:
-        got = [r.output_ids for r in tp2.generate(PROMPTS, SAMPLING)]
+        got = [r.output_ids for r in tp2.generate(OVERTAKING_PROMPTS, SAMPLING)]
         assert got == expected
+        driver = tp2.kv.transfer
+        assert driver.chunk_s == pytest.approx(1e-9)  # one block a chunk: --kv-link-chunk-ms 1e-6
+        assert len(sent) >= 2 * SAMPLING.max_tokens  # every step, to both ranks
+        assert set(sent) == {(driver.prefetch_slots, "preemptive", driver.chunk_s)}
         ranks = tp2.executor.sync()
         assert [r.link for r in ranks] == ["preemptive", "preemptive"]
         assert [(r.device_blocks_used, r.host_blocks_used) for r in ranks] == [(0, 0), (0, 0)]
