@@ -54,6 +54,19 @@ def test_kv_pools_larger_than_memory_are_an_error_naming_the_flags(tiny_llama): 
         make_llm(tiny_llama, device_kv_blocks=10**14)
 
 
+def test_a_guard_the_measured_slo_refuses_is_an_error_that_leaves_no_copy_thread(tiny_llama, monkeypatch):  # noqa: F811
+    """The SLO is known only once the profile is in: the engine refuses a guard at or over it, and the LLM closes
+    the KV manager it built (its copy thread; a tensor-parallel executor's ranks close with it)."""
+    from orbitflow.kv.manager import KVManager
+
+    closed = []
+    close = KVManager.close
+    monkeypatch.setattr(KVManager, "close", lambda self: (closed.append(self), close(self))[1])
+    with pytest.raises(ConfigError, match="--deposit-guard-ms"):
+        make_llm(tiny_llama, deposit_guard_ms=1e6)
+    assert len(closed) == 1 and not closed[0].transfer._thread.is_alive()
+
+
 def test_generate_that_a_later_prompt_fails_leaves_nothing_queued(tiny_llama):  # noqa: F811
     """A prompt the engine refuses after earlier prompts of the same call were queued: the call raises and aborts
     those too. Before, they stayed queued, ran to completion inside the next generate() and held KV meanwhile."""

@@ -170,7 +170,8 @@ class ModelRunConfig(_Validated):
     compute_threads: int | None = option(
         None, "torch intra-op threads (default: torch's, or all cores but one for the KV copy thread when "
               "--link-gbps throttles a CPU-only run)", type=int, check="positive?", metavar="N")
-    seed: int = option(0, "seed of sampling, the random victim rule and the simulator's noise", type=int)
+    seed: int = option(0, "seed of sampling, the random victim rule and the simulator's noise", type=int,
+                       check="nonneg")  # numpy's generators take no negative seed
 
 
 @dataclass(frozen=True)
@@ -238,8 +239,9 @@ class PlannerConfig(_Validated):
     # before it (the event loop's timers, the GIL): benchmarks/deposit_guard.py measures how often.
     deposit_guard_ms: float | None = option(
         0.0, "pace delivery this many ms under the SLO, and plan for the SLO less it, so that the delivery's own "
-             "jitter (event-loop timers, the GIL) stays inside the SLO as a client measures it; 'auto': the lesser of "
-             "5 ms and a tenth of the SLO (serve's default; elsewhere nothing is delivered live, and it is 0)",
+             "jitter (event-loop timers, the GIL) stays inside the SLO as a client measures it (the planner plans for "
+             "the pace with --no-token-deposit too); 'auto': the lesser of 5 ms and a tenth of the SLO (serve's "
+             "default; elsewhere nothing is delivered live, and it is 0)",
         type=float_or_auto, check="nonneg?", metavar="MS|auto")
     # Tolerated SLO violations per step, averaged over the decode window. The paper uses 1; that lets one
     # request miss the SLO on every step indefinitely, while a pause costs a single long gap, so we

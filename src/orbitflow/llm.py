@@ -88,11 +88,15 @@ class LLM:
         max_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
         ctx = PlanContext.from_profile(cfg, self.profile, self.policy)
         self.kv.transfer.prefetch_slots = ctx.cost_model.prefetch_slots  # the engine runs the depth it plans for
-        self.engine = Engine(
-            cfg, self.executor, self.policy, ctx, self.clock,
-            default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
-            vocab_size=mc.vocab_size,
-        )
+        try:
+            self.engine = Engine(
+                cfg, self.executor, self.policy, ctx, self.clock,
+                default_slo_s(cfg, self.profile), self.loaded.tokenizer.eos_token_ids, max_len,
+                vocab_size=mc.vocab_size,
+            )
+        except Exception:  # a config the measured SLO refuses (--deposit-guard-ms): no copy thread or rank left behind
+            self.kv.close()
+            raise
         self._ids = itertools.count()
 
     def _profile(self, profile: HardwareProfile | str, mc) -> HardwareProfile:

@@ -109,6 +109,31 @@ def test_what_if_counts_the_requests_still_in_the_inbox(engine):
     assert (queued.feasible, queued.predicted_step_s) == (taken.feasible, taken.predicted_step_s)
 
 
+def test_a_request_the_loop_is_taking_in_counts_once(engine, monkeypatch):
+    """The loop moves a request from the inbox to the waiting queue; a what-if on another thread at that moment saw
+    it in both (a duplicate id: the planner raised) or in neither. The move and the snapshot share one lock."""
+    import threading
+
+    seen = []
+    take = engine.scheduler.add_request
+
+    def slow_take(req):
+        take(req)  # queued, not yet out of the inbox: a reader now would see it twice without the lock
+        reader = threading.Thread(target=lambda: seen.append([r.request_id for r in engine.queued_requests()]))
+        reader.start()
+        reader.join(0.2)  # it waits for the loop to finish the move
+        seen.append(reader)
+
+    monkeypatch.setattr(engine.scheduler, "add_request", slow_take)
+    _add(engine, "a", prompt=100, out=10)
+    engine.step()
+    (reader,) = [t for t in seen if isinstance(t, threading.Thread)]
+    reader.join(5)
+    snapshots = [s for s in seen if isinstance(s, list)]
+    assert snapshots == [["a"]] or snapshots == [[]]  # waiting (or already admitted), never twice
+    assert what_if(engine, 100, 10).feasible
+
+
 def test_what_if_table_lookup_rounds_up():
     table = [(128, 64, WhatIf(True, 0.01, 0.9)), (128, 512, WhatIf(True, 0.02, 0.8)),
              (512, 64, WhatIf(False, 0.05, -0.1, "slo"))]

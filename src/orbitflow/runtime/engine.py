@@ -260,6 +260,12 @@ class Engine:
         with self._add_lock:
             return list(self._incoming.values())
 
+    def queued_requests(self) -> list[Request]:
+        """The waiting requests, then those still in the inbox: one snapshot, so a request the loop is taking in
+        counts once (the loop moves it from one to the other under the same lock)."""
+        with self._add_lock:
+            return list(self.waiting) + list(self._incoming.values())
+
     def num_queued(self) -> int:
         """Requests waiting for admission, counting those not yet taken from the inbox (thread-safe; a request
         whose abort is still in the inbox counts until the engine loop takes both)."""
@@ -325,10 +331,10 @@ class Engine:
         while not self._inbox.empty():
             kind, item = self._inbox.get()
             if kind == "add":
-                try:
-                    self.scheduler.add_request(item)
-                finally:
-                    with self._add_lock:
+                with self._add_lock:  # one step for a what-if: a request is in the inbox or queued, never both
+                    try:
+                        self.scheduler.add_request(item)
+                    finally:
                         self._inbox_adds -= 1
                         self._incoming.pop(item.request_id, None)
             else:

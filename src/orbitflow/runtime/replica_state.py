@@ -89,12 +89,13 @@ def _what_if(engine, prompt_tokens: int, max_tokens: int, slo_s: float | None) -
         arrival_s=engine.clock.now(), slo_s=slo, deposit=engine.new_deposit(slo),
         target_output_tokens=max_tokens,
     )
-    ahead = list(engine.paused) + list(engine.waiting) + engine.incoming()  # all served before the candidate
+    queued = engine.queued_requests()  # waiting, then still in the inbox
+    ahead = list(engine.paused) + queued  # all served before the candidate
     batch = list(engine.running) + ahead + [cand]
     # requests still in the engine's inbox (not taken in yet) count toward the batch limit too
     if len(engine.running) + len(engine.paused) + engine.num_queued() + 1 > engine.config.scheduler.max_num_seqs:
         return WhatIf(False, _current_step_s(engine), -math.inf, "batch full")
-    if not engine.scheduler.kv_fits(cand, ahead=list(engine.waiting) + engine.incoming()):  # the queue goes first
+    if not engine.scheduler.kv_fits(cand, ahead=queued):  # the queue is served first
         return WhatIf(False, _current_step_s(engine), -math.inf, "memory")
     requests, host_capacity = engine.scheduler.plan_inputs(batch)
     ctx = replace(engine.controller.ctx, host_capacity_blocks=host_capacity, previous=None)
