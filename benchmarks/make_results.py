@@ -521,9 +521,10 @@ def explain(what: str, facts: dict[str, str]) -> str:
                 "stream already meets the SLO on most tokens, and the misses left are long single gaps (a 12K-token "
                 "prefill), so the gain is smaller than the paper's.")
     if "planner share" in w:
-        return ("the planner's measured wall time on this 2-core machine (compiled branch and bound, one thread) is "
-                "charged in full, where the paper's Gurobi runs on a server CPU; either way it is under a tenth of a "
-                "percent of serving time.")
+        return ("the planner's measured wall time on a 2-core machine (compiled branch and bound, one thread) is "
+                "charged in full, where the paper's Gurobi runs on a server CPU; it scales with that machine's speed "
+                "(runs reused from the cache may come from machines of different speeds: see the line on which code "
+                "made this section), and stays well under one percent of serving time.")
     if "highest rate" in w or "around 50%" in w:
         return "absolute attainments depend on the length mix, which stands in for the paper's ShareGPT-derived one."
     return "see the sections above."
