@@ -40,24 +40,24 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
 
 
-def optional_int(text: str) -> int | None:
-    """Flag parser for 'N' or 'none' (also '0' and 'inf': no limit)."""
-    if text.lower() in ("none", "0", "inf"):
+def _int_unless(text: str, unlimited: tuple[str, ...]) -> int | None:
+    """An integer, or None (no limit) for one of the words in ``unlimited``."""
+    if text.lower() in unlimited:
         return None
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def optional_int(text: str) -> int | None:
+    """Flag parser for 'N' or 'none' (also '0' and 'inf': no limit)."""
+    return _int_unless(text, ("none", "0", "inf"))
 
 
 def int_or_none(text: str) -> int | None:
     """Flag parser for 'N' or 'none' (also 'inf'): no limit. Unlike :func:`optional_int`, '0' stays 0."""
-    if text.lower() in ("none", "inf"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+    return _int_unless(text, ("none", "inf"))
 
 
 def float_or_auto(text: str) -> float | None:

@@ -401,10 +401,9 @@ def test_a_lone_request_that_outgrows_the_room_paused_requests_leave_steps_aside
     assert sched.kv.usage() == (0, 0) and not sched.has_work()
 
 
-def test_paused_requests_that_cannot_run_beside_each_others_kv_recompute_instead_of_ending(monkeypatch):
-    """The deadlock the step-aside rule could leave: nobody runs, and no paused request can run beside the others'
-    KV. The last in line gives up its KV (it used to end with NO_FIT), the first runs to its end, then the other
-    prefills its prompt and outputs again and decodes on from its last output; no block leaks."""
+def _paused_pair_blocking_each_other(monkeypatch) -> tuple[Scheduler, Request, Request]:
+    """a paused (it keeps its KV) while b runs and decodes a token; from then on no plan holds both, nor either one
+    beside the other's KV (CrowdedPolicy), so the next schedule() sets b aside as well."""
     policy = CrowdedPolicy(cap=1, victim="a")
     sched = make_scheduler(policy)
     policy.scheduler = sched
@@ -418,6 +417,14 @@ def test_paused_requests_that_cannot_run_beside_each_others_kv_recompute_instead
     run(sched, out, token=5)
     run(sched, sched.schedule(), token=6)  # b decodes a token
     policy.crowded, policy.victim = {"a", "b"}, None
+    return sched, a, b
+
+
+def test_paused_requests_that_cannot_run_beside_each_others_kv_recompute_instead_of_ending(monkeypatch):
+    """The deadlock the step-aside rule could leave: nobody runs, and no paused request can run beside the others'
+    KV. The last in line gives up its KV (it used to end with NO_FIT), the first runs to its end, then the other
+    prefills its prompt and outputs again and decodes on from its last output; no block leaks."""
+    sched, a, b = _paused_pair_blocking_each_other(monkeypatch)
     sched.controller.forget()
     out = sched.schedule()  # b has run a token since it started: it steps aside for a rather than end
     assert out.paused_ids == ["b"] and not out.seqs and not out.finished_ids and ids(sched.paused) == ["a", "b"]
@@ -475,16 +482,7 @@ def test_a_request_is_paused_without_moving_on_at_most_max_idle_pauses_times_in_
 def test_paused_requests_that_block_each_other_are_not_overtaken_by_newcomers(monkeypatch):
     """Two paused requests each need host KV the other holds; the deadlock breaks (one computes its KV again) once
     nothing runs. Newcomers used to be admitted past them, so something always ran and they stayed paused forever."""
-    policy = CrowdedPolicy(cap=1, victim="a")
-    sched = make_scheduler(policy)
-    policy.scheduler = sched
-    monkeypatch.setattr(sched.controller, "_settle", lambda requests: policy.plan(requests, sched.controller.ctx))
-    a = add(sched, "a", max_tokens=8)
-    run(sched, sched.schedule())
-    b = add(sched, "b", max_tokens=8)
-    run(sched, sched.schedule(), token=5)
-    run(sched, sched.schedule(), token=6)
-    policy.crowded, policy.victim = {"a", "b"}, None
+    sched, a, b = _paused_pair_blocking_each_other(monkeypatch)
     sched.controller.forget()
     _steady_load(sched, 200, "c")
     assert a.finished and b.finished and a.num_recomputes + b.num_recomputes >= 1
