@@ -32,6 +32,16 @@ def test_plan_says_why_no_placement_is_feasible(capsys, flags, why):
     assert not out["feasible"] and why in out["why"]
 
 
+def test_plan_plans_for_the_pace_under_a_deposit_guard(capsys):
+    """serve plans for the SLO less --deposit-guard-ms (its default: auto); plan can be told the same."""
+    tight = ["plan", "--json", *_BATCH, "--device-kv-blocks", "120000", "--slo-ms", "106"]
+    assert main(tight) == 0  # every layer on the device steps in 105.4 ms
+    assert json.loads(capsys.readouterr().out)["feasible"]
+    assert main([*tight, "--deposit-guard-ms", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["feasible"] and "over the pace (the SLO less --deposit-guard-ms) of 104.0 ms" in out["why"]
+
+
 def test_plan_json_is_standard_json_when_nothing_is_feasible(capsys):
     assert main(["plan", "--json", "--request", "tokens=100000000"]) == 0
     out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not standard JSON: {c}"))

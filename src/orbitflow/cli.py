@@ -300,9 +300,22 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
         raise CLIError(f"--request {text!r}: {exc}") from None
 
 
-def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks") -> str:
+def _paced(request, guard_ms: float | None):
+    """``request`` as the engine plans it: for its SLO less --deposit-guard-ms (serve's default is 'auto')."""
+    from dataclasses import replace
+
+    from orbitflow.runtime.deposit import guard_s
+
+    guard = guard_s(guard_ms, request.slo_s)
+    if guard >= request.slo_s:
+        raise CLIError(f"--deposit-guard-ms ({1000 * guard:g}) must be under the SLO ({1000 * request.slo_s:g} ms)")
+    return replace(request, slo_s=request.slo_s - guard)
+
+
+def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks", slo_name: str = "the SLO") -> str:
     """One line on why no placement of ``requests`` is feasible, read from the two extreme placements.
-    ``cap_source`` names where the device budget came from (the flag, or the profile when the flag is unset)."""
+    ``cap_source`` names where the device budget came from (the flag, or the profile when the flag is unset);
+    ``slo_name`` what the requests' SLO is (the SLO less --deposit-guard-ms when there is a guard)."""
     import numpy as np
 
     from orbitflow.plan import Placement
@@ -320,9 +333,9 @@ def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks") -
     slo_ms = 1000 * min(q.slo_s for q in requests)
     if device.predicted_step_s * 1000 > slo_ms:
         return (f"the SLO cannot be met: with every layer on the device a step takes "
-                f"{1000 * device.predicted_step_s:.1f} ms, over the SLO of {slo_ms:.1f} ms "
+                f"{1000 * device.predicted_step_s:.1f} ms, over {slo_name} of {slo_ms:.1f} ms "
                 f"(raise --slo-ms or --slo-scale)")
-    return (f"no placement that fits in {cap:.0f} device blocks meets the SLO ({slo_ms:.1f} ms) over "
+    return (f"no placement that fits in {cap:.0f} device blocks meets {slo_name} ({slo_ms:.1f} ms) over "
             f"--window-min {planner.min_steps} steps: waiting for the offloaded KV makes the steps too slow "
             f"(every layer on the device would take {device.memory_blocks:.0f} blocks and step in "
             f"{1000 * device.predicted_step_s:.1f} ms)")
@@ -342,11 +355,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   else "the profile's device_kv_blocks (pass --device-kv-blocks to override it)")
     config = engine_config(args, block_size=profile.block_size, device_kv_blocks=budget)
     slo_s = args.slo_ms / 1000 if args.slo_ms else config.planner.slo_scale * profile.base_slo_s()
-    requests = [_plan_request(t, i, profile.block_size, slo_s) for i, t in enumerate(args.request)]
+    requests = [_paced(_plan_request(t, i, profile.block_size, slo_s), config.planner.deposit_guard_ms)
+                for i, t in enumerate(args.request)]
+    guarded = config.planner.deposit_guard_ms != 0
     planner = PlanContext.from_profile(config, profile).planner(space=args.space)
     plan = planner.plan(requests)
     out = {
-        "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(planner, requests, cap_source),
+        "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(
+            planner, requests, cap_source, "the pace (the SLO less --deposit-guard-ms)" if guarded else "the SLO"),
         "distances": list(plan.distances) if plan.distances else None,
         "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
@@ -496,7 +512,7 @@ def _add_plan_parser(sub) -> None:
                     helps={"device_kv_blocks": "override the device KV budget (default: the profile's)"})
     add_config_args(p, PlannerConfig, "planner", helps={"slo_ms": "TBT SLO (default: --slo-scale x the base SLO)"},
                     only=("slo_ms", "slo_scale", "alpha", "window_min", "window_max", "victim", "plan_node_limit",
-                          "plan_time_limit_ms", "plan_threads"))
+                          "plan_time_limit_ms", "plan_threads", "deposit_guard_ms"))
     p.add_argument("--space", choices=("pruned", "uniform", "full"), default="pruned", help="search space")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
