@@ -318,3 +318,38 @@ def test_a_full_queue_is_reachable_and_serves_backpressure_as_a_503():
     assert replica_limits(EngineConfig.build(max_queue_len=None))[1] == -1  # unbounded: the engines queue
     error = _translate(BackPressureError(num_queued_requests=8, max_queued_requests=8))
     assert isinstance(error, QueueFull) and "--max-queue-len" in str(error) and error.retry_after_s >= 1
+
+
+@pytest.mark.parametrize("where", ["call", "stream"])
+def test_backpressure_is_a_503_of_ours_after_one_retry(where):
+    """Serve raises BackPressureError when the queues are full: from the call, or where the stream is read, and then
+    again from the failed stream's cancel(). It escaped untranslated, and Serve's proxy answered a plain-text 503
+    with no Retry-After (seen on a live cluster). Now it is a QueueFull, tried once more."""
+    from ray.serve.exceptions import BackPressureError
+
+    from orbitflow.runtime.engine import QueueFull
+    from orbitflow.serve.cluster import RemoteEngine
+
+    ids = []
+
+    class Refused(_Stream):
+        async def __anext__(self):
+            raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
+
+        def cancel(self):
+            raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
+
+    def remote(request_id, *args):
+        ids.append(request_id)
+        if where == "call":
+            raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
+        return Refused(0, 0.0)
+
+    handle = SimpleNamespace(options=lambda **kw: SimpleNamespace(generate=SimpleNamespace(remote=remote)))
+
+    async def run():
+        return [out async for out in RemoteEngine(handle).generate("r", [1], None)]
+
+    with pytest.raises(QueueFull, match="--max-queue-len") as refused:
+        asyncio.run(run())
+    assert ids == ["r", "r-retry"] and refused.value.retry_after_s >= 1

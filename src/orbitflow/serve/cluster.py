@@ -259,6 +259,15 @@ def _replica_died(exc: BaseException) -> bool:
     return any(cls.__name__ in _DEAD_REPLICA_HINTS for cls in type(exc).__mro__)
 
 
+def _cancel(stream) -> None:
+    """Cancel a replica stream; one whose call failed (Serve's backpressure: it was never assigned) re-raises that
+    failure from cancel(), which escaped the retry untranslated: Serve's proxy then answered a plain-text 503."""
+    try:
+        stream.cancel()
+    except Exception as exc:  # noqa: BLE001 - nothing is left to cancel
+        log.debug("cancelling a failed replica stream: %s: %s", type(exc).__name__, exc)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else ""
@@ -322,10 +331,10 @@ class RemoteEngine:
         for attempt in (0, 1):
             # a retry has an id of its own: a replica only unavailable for a moment may still hold the first attempt
             engine_id = request_id if attempt == 0 else f"{request_id}-retry"
-            stream = self.handle.options(stream=True).generate.remote(engine_id, prompt_ids, sampling, stop, avoid)
             started = finished = False
-            item = None
-            try:
+            stream = item = None
+            try:  # the call itself raises Serve's BackPressureError (queues full): a 503 of ours, like a QueueFull
+                stream = self.handle.options(stream=True).generate.remote(engine_id, prompt_ids, sampling, stop, avoid)
                 items = stream.__aiter__()
                 while True:
                     item = asyncio.ensure_future(items.__anext__())
@@ -358,8 +367,8 @@ class RemoteEngine:
             finally:
                 if item is not None and not item.done():
                     item.cancel()
-                if not finished:
-                    stream.cancel()  # the replica aborts the request and frees its blocks
+                if not finished and stream is not None:
+                    _cancel(stream)  # the replica aborts the request and frees its blocks
 
 
 class _ClusterCollector:
