@@ -47,6 +47,17 @@ def test_replay_measures_every_token(server):
     assert m.tokens_per_s > 0 and m.makespan_s >= 0.45
 
 
+def test_replay_sends_each_requests_slo_to_an_orbitflow_server(server):
+    """The client times each request against its own SLO: the server must plan and pace it for the same one."""
+    trace = small_trace()
+    for i, req in enumerate(trace):
+        req.slo_s = 0.25 + 0.125 * i
+    result = asyncio.run(replay(server.url, trace, progress=False))
+    assert result.errors == {}
+    served = sorted(r.slo_s for r in list(server.llm.engine.finished)[-len(OUTPUTS):])
+    assert served == pytest.approx(sorted(req.slo_s for req in trace))
+
+
 def test_cli_generated_trace_writes_json(server, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())

@@ -258,3 +258,15 @@ def test_d6_sigterm_drains_and_exits_0_without_traceback(tiny_chat_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_request_carries_its_own_slo(http, server):
+    """`slo_ms` (an extension) is the SLO the engine plans and paces this request for, and the one the metrics time
+    it against; a bad one is a 400 naming it."""
+    ok = http.post("/v1/completions", json={**GOOD, "slo_ms": 1234.5})
+    assert ok.status_code == 200, ok.text
+    wait_until_idle(server.llm)
+    assert [r.slo_s for r in server.llm.engine.finished][-1] == pytest.approx(1.2345)
+    for bad in (0, -5, "fast", 10**9):
+        reply = http.post("/v1/completions", json={**GOOD, "slo_ms": bad})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "slo_ms", reply.text

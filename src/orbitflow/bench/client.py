@@ -78,8 +78,9 @@ def prompt_token_ids(req: TraceRequest, seed: int = 0) -> list[int]:
     return [rng.randrange(*_PROMPT_ID_RANGE) for _ in range(req.input_tokens)]
 
 
-async def _resolve_model(client, url: str, model: str | None) -> tuple[str, int | None]:
-    """The served model (checked against `model` if given) and its context length, if the server says."""
+async def _resolve_model(client, url: str, model: str | None) -> tuple[str, int | None, bool]:
+    """The served model (checked against `model` if given), its context length if the server says, and whether the
+    server is orbitflow (which takes a per-request `slo_ms`)."""
     import openai
 
     try:
@@ -102,11 +103,13 @@ async def _resolve_model(client, url: str, model: str | None) -> tuple[str, int 
         raise BenchError(f"--model {model!r} is not served at {url}; it serves {', '.join(by_id)}")
     chosen = by_id[model] if model is not None else served[0]
     max_len = getattr(chosen, "max_model_len", None) or (chosen.model_extra or {}).get("max_model_len")
-    return chosen.id, int(max_len) if max_len else None
+    return chosen.id, int(max_len) if max_len else None, getattr(chosen, "owned_by", None) == "orbitflow"
 
 
-async def _send(client, model: str, req: TraceRequest, start: float, seed: int) -> tuple[RequestRecord, str | None]:
-    """Wait for the request's arrival time, stream it, and stamp every chunk on receipt."""
+async def _send(client, model: str, req: TraceRequest, start: float, seed: int,
+                slo_s: float | None = None) -> tuple[RequestRecord, str | None]:
+    """Wait for the request's arrival time, stream it, and stamp every chunk on receipt. ``slo_s``: sent as the
+    request's `slo_ms` (an orbitflow server plans for it)."""
     import openai
 
     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
@@ -120,7 +123,8 @@ async def _send(client, model: str, req: TraceRequest, start: float, seed: int) 
     try:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=req.output_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True} | ({} if slo_s is None else {"slo_ms": 1000 * slo_s}),
         )
         async for chunk in stream:
             now = time.perf_counter()
@@ -157,8 +161,10 @@ def _error_message(exc: Any) -> str:
 
 
 async def replay(url: str, trace: Trace, model: str | None = None, api_key: str | None = None,
-                 seed: int = 0, progress: bool = True, timeout_s: float = 3600.0) -> ReplayResult:
-    """Send every request of `trace` at its arrival time to the server at `url` (.../v1) and time each token."""
+                 seed: int = 0, progress: bool = True, timeout_s: float = 3600.0,
+                 slo_s: float | None = None) -> ReplayResult:
+    """Send every request of `trace` at its arrival time to the server at `url` (.../v1) and time each token. An
+    orbitflow server is sent each request's SLO (``slo_s`` overrides them all), as the metrics measure it."""
     import openai
     from tqdm import tqdm
 
@@ -173,7 +179,7 @@ async def replay(url: str, trace: Trace, model: str | None = None, api_key: str 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
                                 max_retries=0, timeout=timeout_s)
     try:
-        served, max_len = await _resolve_model(client, url, model)
+        served, max_len, ours = await _resolve_model(client, url, model)
         too_long = [r for r in trace if max_len is not None and r.prompt is None
                     and r.input_tokens + r.output_tokens > max_len]
         if too_long:
@@ -184,7 +190,7 @@ async def replay(url: str, trace: Trace, model: str | None = None, api_key: str 
         start = time.perf_counter()
 
         async def one(req: TraceRequest) -> tuple[RequestRecord, str | None]:
-            out = await _send(client, served, req, start, seed)
+            out = await _send(client, served, req, start, seed, (slo_s or req.slo_s) if ours else None)
             bar.update(1)
             return out
 
@@ -273,7 +279,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.save_trace:
             trace.save(args.save_trace)
         result = asyncio.run(replay(args.url, trace, model=args.model, api_key=args.api_key, seed=args.seed,
-                                    progress=sys.stderr.isatty() and not args.quiet, timeout_s=args.timeout))
+                                    progress=sys.stderr.isatty() and not args.quiet, timeout_s=args.timeout,
+                                    slo_s=slo_s))
     except (BenchError, ConfigError) as exc:
         print(f"orbitflow bench: error: {exc}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # return the chosen token's logprob and this many top alternatives
+    slo_s: float | None = None  # this request's per-token SLO (None: the engine's); the API's `slo_ms`
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic.json_schema import models_json_schema
 
 from orbitflow.config import ConfigError
+from orbitflow.runtime.deposit import guard_s
 from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.serve import protocol as p
@@ -146,8 +147,14 @@ class OpenAIServer:
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
         self.check_token_ids(list(bias), "logit_bias")
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        slo_s = None if req.slo_ms is None else float(req.slo_ms) / 1000
+        if slo_s is not None and self.llm is not None:  # a cluster's replica refuses it itself (naming max_tokens)
+            guard = guard_s(self.llm.config.planner.deposit_guard_ms, slo_s)
+            if guard >= slo_s:
+                raise bad_request(f"slo_ms: {1000 * slo_s:g} ms leaves no pace under this server's "
+                                  f"--deposit-guard-ms ({1000 * guard:g} ms)", "slo_ms")
         return SamplingParams(
-            max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+            slo_s=slo_s, max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
             top_k=max(0, req.top_k), seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos, presence_penalty=float(req.presence_penalty),
             frequency_penalty=float(req.frequency_penalty), repetition_penalty=float(req.repetition_penalty),
@@ -161,7 +168,7 @@ class OpenAIServer:
         bridge, where the text is made as it is generated)."""
         clock = self.clock
         # n choices share one prompt: counted once (with choice 0), as the response's usage counts it
-        tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0, self.slo_s)
+        tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0, sampling.slo_s or self.slo_s)
         reason: str | None = "abort"
         tokens: list[TokenInfo] = []
         try:

@@ -148,6 +148,8 @@ class SamplingFields(NullIsDefault):
     stream: StrictBool = Field(False, description="stream chunks as server-sent events")
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="keep generating past the end-of-sequence token")
+    slo_ms: Number | None = Field(None, gt=0, le=3_600_000, description="this request's per-token (TBT) SLO in ms, "
+                                  "which the planner plans for and Token-Deposit paces (default: the server's)")
     user: StrictStr | None = Field(None, description="accepted and ignored")
 
     @field_validator("stop", mode="before")
