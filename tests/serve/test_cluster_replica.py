@@ -58,11 +58,11 @@ def _running(name, stats):
     return SimpleNamespace(replica_id=_ID[name], routing_stats=stats)
 
 
-def _route(router, replicas, max_tokens=32, prompt=10, avoid=None, method="generate"):
+def _route(router, replicas, max_tokens=32, prompt=10, avoid=None, method="generate", slo_s=None):
     """One call through choose_replicas, accepted by the replica chosen (as Serve reports it); its replica's name."""
     from orbitflow.runtime.sampling import SamplingParams
 
-    request = SimpleNamespace(args=("id", [1] * prompt, SamplingParams(max_tokens=max_tokens), (), avoid),
+    request = SimpleNamespace(args=("id", [1] * prompt, SamplingParams(max_tokens=max_tokens, slo_s=slo_s), (), avoid),
                               metadata=SimpleNamespace(call_method=method))
     chosen = asyncio.run(router.choose_replicas(replicas, request))[0][0].replica_id
     router.on_request_routed(request, chosen, None)
@@ -353,3 +353,18 @@ def test_backpressure_is_a_503_of_ours_after_one_retry(where):
     with pytest.raises(QueueFull, match="--max-queue-len") as refused:
         asyncio.run(run())
     assert ids == ["r", "r-retry"] and refused.value.retry_after_s >= 1
+
+
+def test_a_request_with_its_own_slo_is_judged_against_it():
+    """The replicas' tables answer for their default SLO (0.2 s); a request whose slo_ms the planned step (0.1 s)
+    misses is not feasible there, and one it meets keeps the tighter of the two headrooms."""
+    from orbitflow.runtime.replica_state import WhatIf
+    from orbitflow.serve.cluster import _for_slo
+
+    table = WhatIf(True, 0.1, 0.5)
+    assert _for_slo(table, None) == table
+    assert _for_slo(table, 0.05) == WhatIf(False, 0.1, -1.0, "slo")
+    assert _for_slo(table, 0.125).headroom == pytest.approx(0.2)
+    router = _router()
+    a, b = _running("A", _stats("A", headroom=0.5)), _running("B", _stats("B", headroom=0.4))
+    assert _route(router, [a, b], slo_s=0.05) in ("A", "B") and router.rule.fallbacks == 1  # neither: by load

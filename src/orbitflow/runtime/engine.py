@@ -169,7 +169,7 @@ class Engine:
         if self.vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):
             bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
             raise RequestRejected(f"prompt token id {bad} is not in the vocabulary (size {self.vocab_size})")
-        slo = slo_s or sampling.slo_s or self.default_slo_s
+        slo = next((s for s in (slo_s, sampling.slo_s) if s is not None), self.default_slo_s)  # 0 is refused below
         req = Request(
             request_id=request_id,
             prompt_ids=list(prompt_ids),

@@ -65,13 +65,15 @@ class OpenAIServer:
 
     def __init__(self, model_name: str, tokenizer, engine, metrics: ServerMetrics, clock, max_len: int,
                  vocab_size: int, watchdog_s: float = DEFAULT_WATCHDOG_S, llm=None,
-                 max_choices: int | None = None, slo_s: float | None = None) -> None:
+                 max_choices: int | None = None, slo_s: float | None = None,
+                 deposit_guard_ms: float | None = 0.0) -> None:
         self.llm, self.engine, self.metrics, self.clock = llm, engine, metrics, clock  # llm: None on a cluster
         self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
         self.max_len, self.watchdog_s = max_len, watchdog_s
         self.max_choices = max_choices  # the most choices (n) the engine can ever hold at once; None: no cap
         self.created = int(time.time())
         self.slo_s = slo_s  # the engine's TBT SLO: the metrics count the delivered gaps over it
+        self.deposit_guard_ms = deposit_guard_ms  # the engines' --deposit-guard-ms: a request's slo_ms must clear it
 
     @classmethod
     def local(cls, llm, model_name: str, watchdog_s: float = DEFAULT_WATCHDOG_S) -> OpenAIServer:
@@ -87,7 +89,7 @@ class OpenAIServer:
                               f"can serve is {max_len} tokens); raise them")
         return cls(model_name, llm.tokenizer, AsyncEngine(llm.engine, llm.tokenizer), ServerMetrics(llm.engine),
                    llm.clock, max_len, llm.loaded.config.vocab_size, watchdog_s, llm=llm, max_choices=max_choices,
-                   slo_s=llm.engine.default_slo_s)
+                   slo_s=llm.engine.default_slo_s, deposit_guard_ms=llm.config.planner.deposit_guard_ms)
 
     # ---- request preparation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -148,11 +150,9 @@ class OpenAIServer:
         self.check_token_ids(list(bias), "logit_bias")
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         slo_s = None if req.slo_ms is None else float(req.slo_ms) / 1000
-        if slo_s is not None and self.llm is not None:  # a cluster's replica refuses it itself (naming max_tokens)
-            guard = guard_s(self.llm.config.planner.deposit_guard_ms, slo_s)
-            if guard >= slo_s:
-                raise bad_request(f"slo_ms: {1000 * slo_s:g} ms leaves no pace under this server's "
-                                  f"--deposit-guard-ms ({1000 * guard:g} ms)", "slo_ms")
+        if slo_s is not None and guard_s(self.deposit_guard_ms, slo_s) >= slo_s:  # 0 too (an slo_ms that underflows)
+            raise bad_request(f"slo_ms: {req.slo_ms:g} ms leaves no pace under this server's --deposit-guard-ms "
+                              f"({1000 * guard_s(self.deposit_guard_ms, slo_s):g} ms)", "slo_ms")
         return SamplingParams(
             slo_s=slo_s, max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
             top_k=max(0, req.top_k), seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -168,7 +168,8 @@ class OpenAIServer:
         bridge, where the text is made as it is generated)."""
         clock = self.clock
         # n choices share one prompt: counted once (with choice 0), as the response's usage counts it
-        tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0, sampling.slo_s or self.slo_s)
+        slo_s = self.slo_s if sampling.slo_s is None else sampling.slo_s
+        tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0, slo_s)
         reason: str | None = "abort"
         tokens: list[TokenInfo] = []
         try:

@@ -100,7 +100,7 @@ class EngineReplica:
         llm = self.llm
         return {"replica": self.replica_id, "max_len": self.max_len, "vocab_size": llm.loaded.config.vocab_size,
                 "model_dir": str(llm.loaded.path), "eos_token_ids": list(llm.loaded.config.eos_token_ids),
-                "slo_s": llm.engine.default_slo_s}
+                "slo_s": llm.engine.default_slo_s, "deposit_guard_ms": llm.config.planner.deposit_guard_ms}
 
     # the replica state API
     def state(self) -> dict:
@@ -145,6 +145,17 @@ class EngineReplica:
 
 # ---- the request router -----------------------------------------------------------------------------------
 _ROUTERS: list = []  # the routers of this process (the ingress reads their replicas' stats for /metrics)
+
+
+def _for_slo(answer: WhatIf, slo_s: float | None) -> WhatIf:
+    """A replica's table answers for its default SLO; a request with a tighter one of its own (slo_ms) is feasible
+    there only if the planned step meets that one too (the table's plans do not know it: an approximation)."""
+    if not slo_s or not answer.feasible:
+        return answer
+    own = 1.0 - answer.predicted_step_s / slo_s
+    if own < 0:
+        return WhatIf(False, answer.predicted_step_s, own, "slo")
+    return WhatIf(True, answer.predicted_step_s, min(answer.headroom, own))
 
 
 def _is_generate(pending_request) -> bool:
@@ -201,11 +212,12 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        prompt_tokens, max_tokens = 1, 1
+        prompt_tokens, max_tokens, slo_s = 1, 1, None
         generate = pending_request is not None and _is_generate(pending_request) and len(pending_request.args) >= 3
         if generate:
             prompt_tokens = max(1, len(pending_request.args[1]))
             max_tokens = max(1, int(pending_request.args[2].max_tokens))
+            slo_s = getattr(pending_request.args[2], "slo_s", None)  # the request's own SLO (slo_ms)
             avoid = pending_request.args[4] if len(pending_request.args) >= 5 else None  # its queue refused it
             others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
             candidate_replicas = others or candidate_replicas
@@ -223,7 +235,9 @@ class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
                 rows = [(p, o, WhatIf(f, s, h)) for p, o, f, s, h in table]
                 answer = lookup_what_if(rows, prompt_tokens, max_tokens,
                                         (by_id[rid].routing_stats or {}).get("max_len"))
-            return answer or WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
+            if answer is None:
+                return WhatIf(False, state.predicted_step_s, float("-inf"), "unknown")
+            return _for_slo(answer, slo_s)
 
         chosen = self.rule.choose([(rid, views[rid][0]) for rid in by_id], what_if)
         if generate:  # in flight from now: requests routed at once must not see the same state
@@ -259,13 +273,14 @@ def _replica_died(exc: BaseException) -> bool:
     return any(cls.__name__ in _DEAD_REPLICA_HINTS for cls in type(exc).__mro__)
 
 
-def _cancel(stream) -> None:
-    """Cancel a replica stream; one whose call failed (Serve's backpressure: it was never assigned) re-raises that
-    failure from cancel(), which escaped the retry untranslated: Serve's proxy then answered a plain-text 503."""
+def _cancel(stream, started: bool) -> None:
+    """Cancel a replica stream. One that never started (Serve's backpressure: it was never assigned) re-raises its
+    failure from cancel(), which escaped the retry untranslated: Serve's proxy then answered a plain-text 503. A live
+    stream whose cancel fails is said: its replica may run the request on, holding KV, until it ends."""
     try:
         stream.cancel()
-    except Exception as exc:  # noqa: BLE001 - nothing is left to cancel
-        log.debug("cancelling a failed replica stream: %s: %s", type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - a cleanup: the request's own outcome is already decided
+        (log.warning if started else log.debug)("cancelling a replica stream failed: %s: %s", type(exc).__name__, exc)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -368,7 +383,7 @@ class RemoteEngine:
                 if item is not None and not item.done():
                     item.cancel()
                 if not finished and stream is not None:
-                    _cancel(stream)  # the replica aborts the request and frees its blocks
+                    _cancel(stream, started)  # the replica aborts the request and frees its blocks
 
 
 class _ClusterCollector:
@@ -428,7 +443,8 @@ class ClusterIngress:
                          registry=metrics.registry)
         remote = self._remote = RemoteEngine(self.handle, on_routed=lambda replica: routed.labels(replica).inc())
         server = OpenAIServer(self.model_name, tokenizer, remote, metrics, WallClock(), info["max_len"],
-                              info["vocab_size"], self.watchdog_s, slo_s=info["slo_s"])
+                              info["vocab_size"], self.watchdog_s, slo_s=info["slo_s"],
+                              deposit_guard_ms=info["deposit_guard_ms"])
         return serve_app(server, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
 
     async def drain(self, grace_s: float) -> None:
