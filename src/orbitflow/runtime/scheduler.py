@@ -58,6 +58,7 @@ NO_FIT = "request's KV does not fit the device KV budget and the host pool left 
 # Without the bound, simulator runs at SLO scale 1 paused one request up to 5 times in a row before it moved on.
 MAX_IDLE_PAUSES = 2
 
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager, controller: Controller, num_layers: int,
                  clock: Callable[[], float]):
