@@ -304,12 +304,12 @@ def _paced(request, guard_ms: float | None):
     """``request`` as the engine plans it: for its SLO less --deposit-guard-ms (serve's default is 'auto')."""
     from dataclasses import replace
 
-    from orbitflow.runtime.deposit import guard_s
+    from orbitflow.runtime.deposit import pace_s
 
-    guard = guard_s(guard_ms, request.slo_s)
-    if guard >= request.slo_s:
-        raise CLIError(f"--deposit-guard-ms ({1000 * guard:g}) must be under the SLO ({1000 * request.slo_s:g} ms)")
-    return replace(request, slo_s=request.slo_s - guard)
+    try:
+        return replace(request, slo_s=pace_s(guard_ms, request.slo_s))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks", slo_name: str = "the SLO") -> str:

@@ -26,6 +26,15 @@ def guard_s(guard_ms: float | None, slo_s: float) -> float:
     return guard_ms / 1000
 
 
+def pace_s(guard_ms: float | None, slo_s: float) -> float:
+    """The interval Token-Deposit paces a request of TBT SLO ``slo_s`` at, and the planner plans it for: the SLO less
+    its guard. A ValueError naming --deposit-guard-ms when that leaves no pace (each caller says it its own way)."""
+    guard = guard_s(guard_ms, slo_s)
+    if guard >= slo_s:
+        raise ValueError(f"an SLO of {1000 * slo_s:g} ms leaves no pace under --deposit-guard-ms ({1000 * guard:g} ms)")
+    return slo_s - guard
+
+
 class TokenDeposit:
     def __init__(self, slo_s: float, enabled: bool = True):
         self.slo_s = slo_s

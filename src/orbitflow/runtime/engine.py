@@ -21,7 +21,7 @@ from orbitflow.plan.placement import most_blocks
 from orbitflow.plan.types import PlanRequest
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.runtime.controller import Controller
-from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit, guard_s
+from orbitflow.runtime.deposit import SLO_TOLERANCE_S, TokenDeposit, pace_s
 from orbitflow.runtime.executor import Executor
 from orbitflow.runtime.outputs import ScheduleOutput, StepResult
 from orbitflow.runtime.request import Request
@@ -108,9 +108,10 @@ class Engine:
         self.policy = policy
         self.clock = clock
         self.default_slo_s = default_slo_s
-        if guard_s(config.planner.deposit_guard_ms, default_slo_s) >= default_slo_s:
-            raise ConfigError(f"--deposit-guard-ms ({config.planner.deposit_guard_ms:g}) must be under the SLO "
-                              f"({1000 * default_slo_s:.1f} ms)")
+        try:
+            pace_s(config.planner.deposit_guard_ms, default_slo_s)
+        except ValueError as exc:  # the SLO is known only now, once the profile is in
+            raise ConfigError(str(exc)) from None
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -198,11 +199,11 @@ class Engine:
     def new_deposit(self, slo_s: float) -> TokenDeposit:
         """The Token-Deposit of a request with TBT SLO ``slo_s``: it paces delivery ``--deposit-guard-ms`` under the
         SLO (the planner plans for that pace too: `Request.pace_s`)."""
-        guard = guard_s(self.config.planner.deposit_guard_ms, slo_s)
-        if guard >= slo_s:
-            raise RequestRejected(f"an SLO of {1000 * slo_s:g} ms leaves no pace under --deposit-guard-ms "
-                                  f"({1000 * guard:g})")
-        return TokenDeposit(slo_s - guard, enabled=self.config.planner.token_deposit)
+        try:
+            pace = pace_s(self.config.planner.deposit_guard_ms, slo_s)
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
+        return TokenDeposit(pace, enabled=self.config.planner.token_deposit)
 
     def _check_servable(self, req: Request) -> None:
         reason = self._why_unservable(req.max_total_tokens, req.plan_request(self.block_size))

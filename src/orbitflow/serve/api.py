@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic.json_schema import models_json_schema
 
 from orbitflow.config import ConfigError
-from orbitflow.runtime.deposit import guard_s
+from orbitflow.runtime.deposit import pace_s
 from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.sampling import SamplingParams
 from orbitflow.serve import protocol as p
@@ -150,9 +150,11 @@ class OpenAIServer:
         self.check_token_ids(list(bias), "logit_bias")
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         slo_s = None if req.slo_ms is None else float(req.slo_ms) / 1000
-        if slo_s is not None and guard_s(self.deposit_guard_ms, slo_s) >= slo_s:  # 0 too (an slo_ms that underflows)
-            raise bad_request(f"slo_ms: {req.slo_ms:g} ms leaves no pace under this server's --deposit-guard-ms "
-                              f"({1000 * guard_s(self.deposit_guard_ms, slo_s):g} ms)", "slo_ms")
+        if slo_s is not None:  # the engine's own check, here so the 400 names slo_ms (0 too: an slo_ms that underflows)
+            try:
+                pace_s(self.deposit_guard_ms, slo_s)
+            except ValueError as exc:
+                raise bad_request(f"slo_ms: {exc}", "slo_ms") from None
         return SamplingParams(
             slo_s=slo_s, max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
             top_k=max(0, req.top_k), seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()),
