@@ -14,3 +14,11 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def run_benchmark(name: str, monkeypatch, *args: str) -> ModuleType:
+    """Run the script's main() with ``args`` as its command line; the loaded module."""
+    module = load_benchmark(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *args])
+    module.main()
+    return module

@@ -1,17 +1,14 @@
 """benchmarks/deposit_guard.py runs end to end on the real model at a small size and writes its table."""
 
 import re
-import sys
 
-from benchmark_scripts import load_benchmark
+from benchmark_scripts import run_benchmark
 
 
 def test_guard_benchmark_runs_every_arm_and_writes_its_table(tmp_path, monkeypatch, capsys):
-    bench = load_benchmark("deposit_guard")
     md = tmp_path / "guard.md"
-    monkeypatch.setattr(sys, "argv", ["deposit_guard.py", "--rounds", "2", "--streams", "1", "--tokens", "10",
-                                      "--guards", "0,auto", "--md", str(md)])
-    bench.main()
+    run_benchmark("deposit_guard", monkeypatch, "--rounds", "2", "--streams", "1", "--tokens", "10",
+                  "--guards", "0,auto", "--md", str(md))
     text = md.read_text()
     assert text.startswith("## Token-Deposit's guard band")
     rows = re.findall(r"^\| (0|auto) \| ([\d.]+) \| (\d+) \|", text, flags=re.M)

@@ -1,17 +1,14 @@
 """benchmarks/host_copy_bound.py runs end to end on the real model at a small size and writes its fragment."""
 
 import re
-import sys
 
-from benchmark_scripts import load_benchmark
+from benchmark_scripts import run_benchmark
 
 
 def test_bound_runs_and_reports_a_ratio_no_better_than_free(tmp_path, monkeypatch, capsys):
-    bench = load_benchmark("host_copy_bound")
     md = tmp_path / "bound.md"
-    monkeypatch.setattr(sys, "argv", ["host_copy_bound.py", "--context", "64", "--batch", "1", "--steps", "3",
-                                      "--repeats", "1", "--md", str(md)])
-    bench.main()
+    run_benchmark("host_copy_bound", monkeypatch, "--context", "64", "--batch", "1", "--steps", "3", "--repeats", "1",
+                  "--md", str(md))
     out = capsys.readouterr().out
     ratios = {name: float(value) for name, value in re.findall(r"(none/half|none \+ copy\)) (\d+\.\d+)", out)}
     assert set(ratios) == {"none/half", "none + copy)"}
