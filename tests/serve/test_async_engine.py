@@ -63,7 +63,7 @@ class ScriptedEngine:
 
 
 def token(i: int, due_after: float):
-    return lambda rid, start: TokenEvent(rid, i, time.perf_counter(), start + due_after)
+    return lambda rid, start: TokenEvent(rid, i, time.perf_counter(), start + due_after, slo_s=0.05)
 
 
 def finish(reason="length", error=None):
@@ -108,6 +108,7 @@ def test_tokens_wait_for_their_due_time_and_finish_flushes(run):
     times = [t - start for t, _ in out]
     assert [item.text_delta for _, item in out] == ["a", "b", "c", ""]
     assert [item.finish_reason for _, item in out] == [None, None, None, "length"]
+    assert [item.slo_s for _, item in out] == [0.05, 0.05, 0.05, None]  # the request's SLO, for the server's stopwatch
     assert times[0] >= 0.15  # held until due
     assert 0.3 <= times[1] < 0.55 and times[2] < 0.55  # released by the finish, before their due time
     assert fake.aborted == []

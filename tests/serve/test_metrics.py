@@ -42,3 +42,32 @@ def test_delivered_violations_are_counted_on_the_stream_as_sent():
         untracked.on_token(t)
     assert metrics.violations._value.get() == 2
     assert "orbitflow:slo_violations_delivered_total 2.0" in metrics.render().decode()
+
+
+def test_delivered_gaps_are_judged_against_the_slo_of_the_engine_that_made_them():
+    """Behind a cluster the ingress's default SLO is one replica's; a replica on other hardware measured its own. Each
+    token carries the SLO its engine paces the request for, and the server's stopwatch judges the gaps against it."""
+    import asyncio
+
+    from orbitflow.runtime.clock import VirtualClock
+    from orbitflow.runtime.sampling import SamplingParams
+    from orbitflow.serve.api import OpenAIServer
+    from orbitflow.serve.async_engine import GenerationOutput
+
+    clock = VirtualClock()
+
+    class SlowReplica:  # tokens 80 ms apart, paced for its own SLO of 100 ms
+        async def generate(self, request_id, prompt_ids, sampling, stop=()):
+            for token in range(4):
+                clock.advance(0.080)
+                yield GenerationOutput(token, "x", None, slo_s=0.100)
+            yield GenerationOutput(None, "", "length")
+
+    metrics = ServerMetrics(collector=type("NoEngine", (), {"collect": lambda self: iter(())})())
+    server = OpenAIServer("m", None, SlowReplica(), metrics, clock, 64, 100, slo_s=0.050)  # the ingress's: 50 ms
+
+    async def run():
+        return [d async for d in server.deltas(0, "r", [1, 2], SamplingParams(max_tokens=4), [])]
+
+    assert asyncio.run(run())[-1].finish_reason == "length"
+    assert metrics.violations._value.get() == 0  # 80 ms gaps against the replica's 100 ms (50 ms would count 3)

@@ -58,6 +58,7 @@ class TokenEvent:
     error: str | None = None
     logprob: float | None = None  # of `token`, when the request asked for logprobs
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    slo_s: float | None = None  # on a token: the request's TBT SLO (the server judges the delivered gaps against it)
 
 
 @dataclass
@@ -371,7 +372,7 @@ class Engine:
             self.stats.generated_violations += 1
         if prev_due is not None and due - prev_due > req.slo_s + SLO_TOLERANCE_S:
             self.stats.delivered_violations += 1
-        event = TokenEvent(req.request_id, token, now, due)
+        event = TokenEvent(req.request_id, token, now, due, slo_s=req.slo_s)
         if drawn is not None and drawn.logprob is not None:
             event.logprob, event.top_logprobs = drawn.logprob, drawn.top_logprobs
         self._notify(event)

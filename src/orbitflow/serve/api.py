@@ -169,7 +169,9 @@ class OpenAIServer:
         """One choice's text deltas, the last one with the finish reason; stop strings applied (by the engine's
         bridge, where the text is made as it is generated)."""
         clock = self.clock
-        # n choices share one prompt: counted once (with choice 0), as the response's usage counts it
+        # n choices share one prompt: counted once (with choice 0), as the response's usage counts it. The gaps are
+        # judged against the SLO the engine that makes the tokens paces them for (each token says it: behind a cluster,
+        # the replica's, measured on its own hardware); this server's default until the first token.
         slo_s = self.slo_s if sampling.slo_s is None else sampling.slo_s
         tracker = self.metrics.tracker(clock.now(), len(prompt_ids) if index == 0 else 0, slo_s)
         reason: str | None = "abort"
@@ -178,6 +180,8 @@ class OpenAIServer:
             async with aclosing(self.engine.generate(request_id, prompt_ids, sampling, stop)) as outputs:
                 async for out in outputs:
                     if out.token_id is not None:
+                        if out.slo_s is not None:
+                            tracker.slo_s = out.slo_s
                         tracker.on_token(clock.now())
                         tokens.append(TokenInfo(out.token_id, out.logprob, out.top_logprobs))
                     text = out.text_delta

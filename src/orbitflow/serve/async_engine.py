@@ -48,6 +48,7 @@ class GenerationOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" on the final item
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    slo_s: float | None = None  # on a token: the TBT SLO the engine that made it paces the request for
 
 
 @dataclass
@@ -252,7 +253,7 @@ class _Text:
 
 
 def _output(event: TokenEvent, text: str) -> GenerationOutput:
-    return GenerationOutput(event.token, text, None, event.logprob, event.top_logprobs)
+    return GenerationOutput(event.token, text, None, event.logprob, event.top_logprobs, event.slo_s)
 
 
 def _alone(action: str, fn, *args) -> str:

@@ -2,7 +2,8 @@
 
 Latency histograms are taken on the stream as delivered to the client (after Token-Deposit), so the
 inter-token latency here is the TBT the SLO is about, and ``slo_violations_delivered`` counts that stream's gaps over
-the SLO; ``slo_violations_scheduled`` counts the deposit's schedule, which a token's delivery may miss by the event
+the SLO the engine paced that request for (each token carries it: a cluster's replicas each measure their own);
+``slo_violations_scheduled`` counts the deposit's schedule, which a token's delivery may miss by the event
 loop's jitter (``--deposit-guard-ms`` paces under the SLO to absorb it). Engine state (batch, KV blocks, solver, pauses,
 violations) is read at scrape time by a collector, so it never goes stale.
 """
