@@ -37,6 +37,9 @@ def test_delivered_violations_are_counted_on_the_stream_as_sent():
     for t in (0.100, 0.150, 0.2004, 0.250, 0.320):  # 50 ms apart, then 50.4 ms (jitter), 49.6, 70
         tracker.on_token(t)
     assert metrics.violations._value.get() == 2
+    tracker.on_finish("length")  # its longest gap, once per request: 70 ms
+    assert 'orbitflow:request_max_inter_token_latency_seconds_bucket{le="0.06"} 0.0' in metrics.render().decode()
+    assert 'orbitflow:request_max_inter_token_latency_seconds_bucket{le="0.08"} 1.0' in metrics.render().decode()
     untracked = metrics.tracker(0.0, 5)  # no SLO known: nothing counted
     for t in (0.1, 0.9):
         untracked.on_token(t)

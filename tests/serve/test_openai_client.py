@@ -83,6 +83,7 @@ def test_models_health_metrics(server, client):
     for name in (
         "orbitflow:time_to_first_token_seconds_bucket", "orbitflow:inter_token_latency_seconds_count",
         "orbitflow:time_per_output_token_seconds_sum", "orbitflow:e2e_request_latency_seconds_count",
+        "orbitflow:request_max_inter_token_latency_seconds_count",
         "orbitflow:num_requests_running", "orbitflow:kv_device_blocks_total 512.0",
         "orbitflow:solver_calls_total", "orbitflow:solver_budget_reached_total", "orbitflow:plan_optimality_gap",
         "orbitflow:slo_violations_delivered_total", "orbitflow:slo_violations_scheduled_total",

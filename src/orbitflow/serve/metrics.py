@@ -112,6 +112,10 @@ class ServerMetrics:
         self.tpot = Histogram("orbitflow:time_per_output_token_seconds",
                               "Per request: (last token - first token) / (tokens - 1), as delivered",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.max_itl = Histogram("orbitflow:request_max_inter_token_latency_seconds",
+                                 "Per request: its longest gap between consecutive tokens as delivered (a pause, "
+                                 "a recompute or a stall shows here even when the mean gap meets the SLO)",
+                                 buckets=_LATENCY_BUCKETS + (20.0, 40.0), registry=self.registry)
         self.e2e = Histogram("orbitflow:e2e_request_latency_seconds", "Request arrival to last token",
                              buckets=_REQUEST_BUCKETS, registry=self.registry)
         self.requests = Counter("orbitflow:requests", "Requests ended, by finish reason (each of n choices counts)",
@@ -141,6 +145,7 @@ class RequestTracker:
         self.first_s: float | None = None
         self.last_s: float | None = None
         self.num_tokens = 0
+        self.max_gap_s = 0.0
 
     def on_token(self, now: float) -> None:
         if self.first_s is None:
@@ -148,6 +153,7 @@ class RequestTracker:
             self.metrics.ttft.observe(now - self.arrival_s)
         else:
             gap = now - self.last_s
+            self.max_gap_s = max(self.max_gap_s, gap)
             self.metrics.itl.observe(gap)
             if self.slo_s is not None and gap > self.slo_s + SLO_TOLERANCE_S:
                 self.metrics.violations.inc()
@@ -163,3 +169,4 @@ class RequestTracker:
             m.e2e.observe(self.last_s - self.arrival_s)
         if self.num_tokens > 1:
             m.tpot.observe((self.last_s - self.first_s) / (self.num_tokens - 1))
+            m.max_itl.observe(self.max_gap_s)
