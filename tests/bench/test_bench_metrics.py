@@ -74,11 +74,26 @@ def test_unfinished_and_empty():
     r = RequestRecord("a", 0.0, 10, 5, generated_s=[], finished_s=None)
     m = compute_metrics([r], slo_s=0.1)
     assert m.num_finished == 0 and math.isnan(m.p95_tbt_s)
-    # nothing measured: no attainment (it was 100%, so a run that served nothing scored perfectly)
-    assert math.isnan(m.tbt_attainment) and math.isnan(m.tbt_attainment_generated) and math.isnan(m.tpot_attainment)
+    # no gap measured: no TBT attainment (it was 100%, so a run that served nothing scored perfectly); the request
+    # itself was submitted and not served: a TPOT miss
+    assert math.isnan(m.tbt_attainment) and math.isnan(m.tbt_attainment_generated) and m.tpot_attainment == 0.0
     assert "TBT attainment:" in format_summary(m.to_dict()) and "100.0%" not in format_summary(m.to_dict())
     m = compute_metrics([], slo_s=0.1)
     assert m.num_requests == 0 and math.isnan(m.throughput_rpm) and math.isnan(m.tbt_attainment)
+    assert math.isnan(m.tpot_attainment)
+
+
+def test_requests_not_served_count_as_tpot_misses():
+    """TPOT attainment is the share of the requests submitted: one that failed before any token, one aborted after
+    two tokens in time, and two refused before they ran (no record) are misses, not left out."""
+    good = rec("good", 0.0, [1.0, 1.1, 1.2])
+    failed = RequestRecord("failed", 0.0, 10, 50, generated_s=[], finished_s=None)
+    aborted = RequestRecord("aborted", 0.0, 10, 50, generated_s=[1.0, 1.1], finished_s=None)
+    assert compute_metrics([good, failed], slo_s=0.2).tpot_attainment == 0.5
+    assert compute_metrics([good, aborted], slo_s=0.2).tpot_attainment == 0.5
+    m = compute_metrics([good], slo_s=0.2, rejected=2)
+    assert m.tpot_attainment == pytest.approx(1 / 3) and m.num_requests == 3 and m.to_dict()["rejected"] == 2
+    assert m.tbt_attainment == 1.0  # per delivered gap: nothing delivered, nothing counted
 
 
 def test_record_validation():

@@ -2,8 +2,9 @@
 
 - TBT: gap between consecutive tokens of a request as *delivered* (after Token-Deposit); a request's
   first token has no gap. TBT attainment = share of gaps within the SLO (a gap equal to it meets it).
-- TPOT: per request (last - first delivered) / (tokens - 1); attainment = share of requests within the
-  SLO (a one-token request meets it).
+- TPOT: per request (last - first delivered) / (tokens - 1); attainment = share of the requests submitted that
+  finished within the SLO (a one-token request meets it). A request that failed, was aborted, was rejected or never
+  finished counts as a miss, whatever tokens it got in time: an overloaded server's refusals are not left out.
 - TTFT = first delivered - arrival; E2E = last delivered - arrival.
 - Throughput over the makespan, first arrival to last finish.
 """
@@ -149,8 +150,9 @@ class _Tally:
             self.last_event = max(self.last_event, rec.finished_s)
         times = rec.delivered
         self.total_tokens += len(times)
+        self.tpot_count += 1
         if not times:
-            return
+            return  # a miss: nothing delivered
         self.last_event = max(self.last_event, times[-1])
         gaps = np.diff(times)
         self.tbt.extend(gaps.tolist())
@@ -160,23 +162,24 @@ class _Tally:
         self.tbt_met_gen += int(np.count_nonzero(gen_diffs <= slo + SLO_TOLERANCE_S))
         self.ttfts.append(times[0] - rec.arrival_s)
         self.e2es.append(times[-1] - rec.arrival_s)
-        self.tpot_count += 1
+        served = rec.finished_s is not None
         if len(times) == 1:
-            self.tpot_met += 1
+            self.tpot_met += served
         else:
             tpot = (times[-1] - times[0]) / (len(times) - 1)
             self.tpots.append(tpot)
-            self.tpot_met += _meets(tpot, slo)
+            self.tpot_met += served and _meets(tpot, slo)
 
 
 def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None,
                     device_mem_util: float | Sequence[float] | None = None, solver_calls: int | None = None,
-                    solver_time_s: float | None = None, **extra: Any) -> RunMetrics:
-    """Metrics of one run. ``slo_s`` is the TBT/TPOT SLO for records without their own.
+                    solver_time_s: float | None = None, rejected: int | None = None, **extra: Any) -> RunMetrics:
+    """Metrics of one run. ``slo_s`` is the TBT/TPOT SLO for records without their own. ``rejected``: requests
+    submitted that have no record (refused before they ran): each is a TPOT miss and counts in ``num_requests``.
 
     ``device_mem_util`` may be per-step samples (averaged) or an already averaged value. Attainment with
-    nothing to measure (no gaps, no requests: every request rejected or failed) is NaN, as the percentiles are, and
-    reports show it as '-': a run that served nothing does not score 100%.
+    nothing to measure (TBT: no gaps; TPOT: no request submitted) is NaN, as the percentiles are, and reports show it
+    as '-': a run that served nothing does not score 100%.
     """
     t = _Tally()
     for rec in records:
@@ -187,6 +190,9 @@ def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None
     tbt, tbt_met, tbt_met_gen, gen_gaps = t.tbt, t.tbt_met, t.tbt_met_gen, t.gen_gaps
     tpot_met, tpot_count, total_tokens, finished = t.tpot_met, t.tpot_count, t.total_tokens, t.finished
     first_arrival, last_event = t.first_arrival, t.last_event
+    if rejected is not None:
+        tpot_count += rejected
+        extra = {"rejected": rejected, **extra}
 
     makespan = last_event - first_arrival if records and last_event > -math.inf else 0.0
     if device_mem_util is not None and not isinstance(device_mem_util, int | float):
@@ -194,7 +200,7 @@ def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None
         device_mem_util = float(np.mean(samples)) if samples else None
 
     return RunMetrics(
-        num_requests=len(records),
+        num_requests=len(records) + (rejected or 0),
         num_finished=finished,
         slo_s=slo_s,
         tbt_attainment=tbt_met / len(tbt) if tbt else math.nan,
