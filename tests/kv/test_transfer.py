@@ -50,6 +50,39 @@ def test_end_step_frees_slots_of_an_aborted_step():
     engine.close()
 
 
+def test_closing_under_a_waiting_step_fails_it_instead_of_hanging_it():
+    """Shutdown closes the KV while the engine thread may still be in a step: a layer whose fetch can no longer be
+    issued raised nothing and waited forever (its request's blocks never came back); now the step fails, ends, and
+    frees its slots, and a later step is refused."""
+    import threading
+
+    import pytest
+
+    engine, device, host = make_engine()
+    ids = host.allocate(4)
+    engine.start_step({0: [(0, ids[:2]), (3, ids[2:])]})  # one slot: layer 3 waits for layer 0's release
+    engine.wait_layer(0, [0])
+    raised = []
+
+    def step():
+        try:
+            engine.wait_layer(3, [0])
+        except RuntimeError as exc:
+            raised.append(str(exc))
+
+    waiter = threading.Thread(target=step, daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting, as it should while the transfer engine is open
+    engine.close()
+    waiter.join(5)
+    assert not waiter.is_alive() and raised and "closed" in raised[0]
+    engine.end_step()  # the failed step's clean-up
+    assert device.num_used == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.start_step({0: [(0, ids[:2])]})
+
+
 def test_throttled_copy_holds_the_link_for_bytes_over_rate():
     import time
 

@@ -330,6 +330,8 @@ class TransferEngine:
         """fetches[batch_index] = [(layer, host_block_ids) or (layer, host_block_ids, capacity_blocks), ...] in
         layer order; a slot holds `capacity_blocks` (default: as many as it fetches). Starts the step's clock."""
         with self._cond:
+            if self._closed:  # its copy thread is gone: the step's fetches would never land
+                raise RuntimeError("the KV transfer engine is closed")
             assert not self._pending and not self._fetches, "previous step was not finished"
             self._error = None
             self.clock = LayerClock(self.device)
@@ -357,9 +359,12 @@ class TransferEngine:
             return 0.0
         begin = self.clock.wait_begin()
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or all(k in self._issued for k in keys))
+            self._cond.wait_for(lambda: self._error is not None or self._closed
+                                or all(k in self._issued for k in keys))
             if self._error is not None:
                 raise RuntimeError("KV prefetch failed") from self._error
+            if not all(k in self._issued for k in keys):  # closed under a running step (shutdown): fail, not hang
+                raise RuntimeError("the KV transfer engine was closed while a step waited for its prefetch")
         for k in keys:
             self.device.compute_wait(self._fetches[k].event)  # protocol: wait on the copy event
         return self.clock.wait_end(layer, begin)
