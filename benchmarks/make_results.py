@@ -417,12 +417,11 @@ def reproduction(res: Results, rates) -> dict:
         add(f"Throughput vs {LABEL[b]}, SLO 1.5 (paper: 4-52% higher)", 0.28, ratio_of_means(o, t, 1), "%")
     add("OrbitFlow TBT attainment, SLO 1, highest rate (paper: over 75%)", 0.75,
         res.cell("tbt_attainment", "orbitflow", 1.0, [max(rates)]))
-    per = {}
+    # the paper's sentence is about "most baselines except DeepSpeed": each is a row of its own (their mean hid a
+    # FlexGen near 0 behind three adaptive baselines above 50%)
     for b in ("flexgen", "flexgen+", "slo-aware", "dynamic"):
-        for s, v in res.per_seed("tbt_attainment", b, 2.5, [max(rates)]).items():
-            per.setdefault(s, []).append(v)
-    add("Baselines but DeepSpeed, TBT attainment, SLO 2.5, highest rate (paper: around 50%)", 0.5,
-        mean_ci95(np.mean(v) for v in per.values()))
+        add(f"{LABEL[b]} TBT attainment, SLO 2.5, highest rate (paper: baselines but DeepSpeed around 50%)", 0.5,
+            res.cell("tbt_attainment", b, 2.5, [max(rates)]))
     for step, paper in (("batch-uniform", 0.451), ("+request-wise", 0.545), ("+pause-resume", 0.71)):
         add(f"Ablation {LABEL[step]}, SLO 1 (rate {SENS_RATE:g})", paper,
             res.cell("tbt_attainment", step, SENS_SLO, [SENS_RATE], deposit=False))

@@ -1,8 +1,16 @@
 import itertools
 
 import numpy as np
+import pytest
 
-from orbitflow.bench.plots import ablation_runs, normalise_policy, write_plots
+from orbitflow.bench.plots import (
+    ablation_runs,
+    deposit_pairs,
+    headline_runs,
+    mean_over_seeds,
+    normalise_policy,
+    write_plots,
+)
 
 POLICIES = ["orbitflow", "deepspeed", "flexgen+", "dynamic-heuristic"]
 
@@ -48,3 +56,26 @@ def test_missing_metrics_skip_figures(tmp_path):
     paths = write_plots(runs, tmp_path)
     assert [p.name for p in paths] == ["attainment_grid.png"]
     assert write_plots([], tmp_path) == []
+
+
+def test_a_bar_is_the_mean_over_seeds_with_its_interval():
+    """Each seed's runs (its rate scales) are averaged first; the interval is over the seeds, as DESIGN asks."""
+    runs = [{"policy": "a", "seed": s, "rate_scale": r, "x": v}
+            for s, (lo, hi) in enumerate([(0.2, 0.4), (0.4, 0.6), (0.6, 0.8)]) for r, v in ((1, lo), (5, hi))]
+    mean, ci = mean_over_seeds(runs, "x")
+    assert mean == pytest.approx(0.5)
+    assert ci == pytest.approx(4.303 * 0.2 / 3 ** 0.5)  # seeds 0.3, 0.5, 0.7: sd 0.2, t(2) = 4.303
+    assert mean_over_seeds([{"policy": "a", "seed": 0}], "x")[0] != mean_over_seeds([], "x")[0]  # both nan
+
+
+def test_the_deposit_figure_compares_paired_runs_only_and_the_headline_leaves_the_ablation_out():
+    """The no-deposit runs exist at one rate: a 'with deposit' bar averaged over every rate compared unlike runs."""
+    paired = {"policy": "flexgen+", "seed": 0, "slo_scale": 1.0, "rate_scale": 3.0, "tbt_attainment": 0.35,
+              "tbt_attainment_no_deposit": 0.25}
+    other_rate = {"policy": "flexgen+", "seed": 0, "slo_scale": 1.0, "rate_scale": 1.0, "tbt_attainment": 0.6}
+    step = {"policy": "+pause-resume", "seed": 0, "slo_scale": 1.0, "rate_scale": 3.0, "tbt_attainment": 0.5,
+            "tbt_attainment_no_deposit": 0.5}
+    runs = [paired, other_rate, step]
+    assert deposit_pairs(runs) == [paired]
+    assert headline_runs(runs) == [paired, other_rate]
+    assert mean_over_seeds(deposit_pairs(runs), "tbt_attainment")[0] == 0.35  # not (0.35 + 0.6) / 2

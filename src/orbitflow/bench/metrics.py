@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -107,6 +107,24 @@ def finite_or_none(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite_or_none(v) for v in value]
     return value
+
+
+# Two-sided 95% Student-t quantiles by degrees of freedom (1..30); beyond, the normal 1.96.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+def mean_ci95(values: Iterable[float]) -> dict:
+    """Mean and the half-width of its two-sided 95% Student-t confidence interval (0 for one value)."""
+    arr = np.asarray([v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))],
+                     dtype=float)
+    if arr.size == 0:
+        return {"mean": None, "ci95": None, "n": 0}
+    if arr.size == 1:
+        return {"mean": float(arr[0]), "ci95": 0.0, "n": 1}
+    df = arr.size - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    return {"mean": float(arr.mean()), "ci95": float(t * arr.std(ddof=1) / math.sqrt(arr.size)), "n": int(arr.size)}
 
 
 def _summary(name: str, values: Sequence[float]) -> dict[str, float]:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
+from orbitflow.bench.metrics import mean_ci95
 from orbitflow.bench.workload import Trace, generate_trace, paper_default_rate_per_s
 from orbitflow.plan.hardware import HardwareProfile
 
@@ -45,11 +44,6 @@ SUMMARY_METRICS = ("tbt_attainment", "tpot_attainment", "p95_tbt_s", "p99_tbt_s"
 HIGHER_IS_BETTER = {"tbt_attainment": True, "tpot_attainment": True, "throughput_rpm": True, "tokens_per_s": True,
                     "p95_tbt_s": False, "p99_tbt_s": False, "p95_tpot_s": False, "p99_tpot_s": False,
                     "ttft_mean_s": False, "e2e_mean_s": False, "p95_e2e_s": False, "p95_ttft_s": False}
-
-# Two-sided 95% Student-t quantiles by degrees of freedom (1..30); beyond, the normal 1.96.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
 
 
 def _check_device_fraction(fraction: float, name: str) -> None:
@@ -260,19 +254,6 @@ def run_points(
 
 
 # ----------------------------------------------------------------------------- statistics
-def mean_ci95(values: Iterable[float]) -> dict:
-    """Mean and the half-width of its two-sided 95% Student-t confidence interval (0 for one value)."""
-    arr = np.asarray([v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))],
-                     dtype=float)
-    if arr.size == 0:
-        return {"mean": None, "ci95": None, "n": 0}
-    if arr.size == 1:
-        return {"mean": float(arr[0]), "ci95": 0.0, "n": 1}
-    df = arr.size - 1
-    t = _T975[df - 1] if df <= len(_T975) else 1.96
-    return {"mean": float(arr.mean()), "ci95": float(t * arr.std(ddof=1) / math.sqrt(arr.size)), "n": int(arr.size)}
-
-
 GROUP_KEYS = ("label", "policy", "slo_scale", "rate_scale", "token_deposit", "device_kv_blocks", "device_kv_fraction",
               "link_gbps", "prefetch_slots", "kv_link")
 
