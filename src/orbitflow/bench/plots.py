@@ -219,9 +219,10 @@ def ablation_runs(runs: Sequence[Run]) -> list[Run]:
 def plot_ablation(runs: Sequence[Run]) -> Figure:
     """Fig. 14a: TBT attainment as components are added, per SLO scale."""
     sel = ablation_runs(runs)
-    # OrbitFlow at the steps' rate scales only: they may run at fewer rates than the headline grid
-    step_rates = {r.get("rate_scale") for r in sel if normalise_policy(str(r["policy"])) != ABLATION_ORDER[-1]}
-    sel = [r for r in sel if r.get("rate_scale") in step_rates]
+    # OrbitFlow at the steps' points only: they may run at fewer rates and SLO scales than the headline grid
+    steps_at = {(r.get("slo_scale"), r.get("rate_scale")) for r in sel
+                if normalise_policy(str(r["policy"])) != ABLATION_ORDER[-1]}
+    sel = [r for r in sel if (r.get("slo_scale"), r.get("rate_scale")) in steps_at]
     present = {normalise_policy(str(r["policy"])): str(r["policy"]) for r in sel}
     steps = [present[n] for n in ABLATION_ORDER if n in present]
     slos = _sorted_values(sel, "slo_scale")
