@@ -14,8 +14,8 @@ One comparison ("run"):
    (`profile.cost_model()`, the model the planner also plans with) against the measured one.
 4. Rank the policies on each side by TBT attainment, a tie in attainment broken by the lower P95 TBT, and
    compare the rankings (Kendall tau-b). Two measured attainments tie when they differ by no more than
-   1.96 x the standard error of their paired difference (replay k of every policy runs in round k; seed k is
-   the same noise seed), and a chain of ties is one group, ordered within by P95 TBT; the strict tau, which
+   the half-width of the 95% Student-t interval of their paired difference (replay k of every policy runs in round
+   k; seed k is the same noise seed), and a chain of ties is one group, ordered within by P95 TBT; the strict tau, which
    counts only exactly equal attainments as ties, is reported beside it.
 
 TBT attainment is a threshold metric: a policy whose decode steps sit within a few percent of the SLO flips
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_table  # noqa: E402
+from orbitflow.bench.metrics import RequestRecord, RunMetrics, compute_metrics, format_table, t975  # noqa: E402
 from orbitflow.bench.workload import Trace, TraceRequest  # noqa: E402
 from orbitflow.config import EngineConfig  # noqa: E402
 from orbitflow.llm import LLM  # noqa: E402
@@ -173,16 +173,18 @@ def run_engine(config: EngineConfig, loaded: LoadedModel, profile: HardwareProfi
 
 # ---- agreement measures -------------------------------------------------------------------------------
 def attainment_tolerance(x: dict, y: dict) -> float:
-    """How far apart two measured mean attainments may be and still tie: 1.96 x the standard error of their
-    difference. With per-replay (engine) or per-seed (simulator) samples on both rows, paired (replay k of every
-    policy ran in the same round, seed k is the same noise seed), the standard error of the paired differences;
-    else the two standard errors combined as if independent; 0 for single replays. A threshold, not a formal
-    95% test: three replays give a rough standard error."""
+    """How far apart two measured mean attainments may be and still tie: the half-width of the 95% Student-t interval
+    of their difference (t with n - 1 degrees of freedom: 4.30 for three replays, where 1.96 called too few ties).
+    With per-replay (engine) or per-seed (simulator) samples on both rows, paired (replay k of every policy ran in
+    the same round, seed k is the same noise seed), the standard error of the paired differences; else the two
+    standard errors combined as if independent, with the fewer samples' degrees of freedom; 0 for single replays."""
     xs, ys = x.get("tbt_attainment_samples"), y.get("tbt_attainment_samples")
     if xs and ys and len(xs) == len(ys) and len(xs) > 1:
         diffs = np.subtract(xs, ys)
-        return 1.96 * float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs))
-    return 1.96 * math.hypot(x.get("tbt_attainment_se", 0.0), y.get("tbt_attainment_se", 0.0))
+        return t975(len(diffs) - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs))
+    n = min(len(xs or ()), len(ys or ()))
+    return (t975(n - 1) if n > 1 else 1.96) * math.hypot(x.get("tbt_attainment_se", 0.0),
+                                                         y.get("tbt_attainment_se", 0.0))
 
 
 def rank_keys(rows: dict[str, dict], strict: bool = False) -> dict[str, tuple[int, float]]:
@@ -484,8 +486,8 @@ def write_md(path: str, payload: dict) -> None:
               f"{replays} replay(s) per run (interleaved, every other round in reverse order), the simulator's "
               "the mean over its noise seeds. Higher TBT attainment ranks first; a tie in attainment is broken by the "
               "lower P95 TBT (issue 12's rule), and two measured attainments tie when they differ by no more than "
-              "1.96 x the standard error of their paired difference (replay k of every policy ran in the same "
-              "round; seed k is the same noise seed): a threshold, not a formal test with three replays. A chain "
+              "the half-width of the 95% Student-t interval of their paired difference (replay k of every policy ran "
+              "in the same round; seed k is the same noise seed). A chain "
               "of ties is one group, ordered within by P95 TBT. 'Strict' counts only exactly equal attainments as "
               "ties. In the rankings, '>~' marks a pair in one attainment group that the P95 TBT orders.", "",
               "Criteria of issue 12 (every run):", ""] + [f"- {line}" for line in payload["verdict"]] + [""]

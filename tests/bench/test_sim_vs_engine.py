@@ -95,6 +95,15 @@ def test_paired_samples_resolve_what_independent_errors_would_call_a_tie(sve):
     assert sve.rank_keys(unpaired)["y"] < sve.rank_keys(unpaired)["x"]  # independent errors: a tie, P95 decides
 
 
+def test_three_replays_tie_within_the_student_t_interval_not_the_normal_one(sve):
+    """Three paired replays: the differences 0.01, 0.03, 0.02 have a standard error of 0.0058; the 95% interval's
+    half-width is t(2) = 4.30 times it (0.025), not 1.96 times (0.011, which called the 0.02 apart a rank)."""
+    x = row(0.32, 0.5, se=0.05, samples=[0.21, 0.33, 0.42])
+    y = row(0.30, 0.1, se=0.05, samples=[0.20, 0.30, 0.40])
+    assert sve.attainment_tolerance(x, y) == pytest.approx(4.303 * 0.01 / 3 ** 0.5)
+    assert sve.rank_keys({"x": x, "y": y})["y"] < sve.rank_keys({"x": x, "y": y})["x"]  # a tie: P95 orders them
+
+
 def test_mean_row_carries_the_standard_error_and_the_samples(sve):
     base = {k: 0.0 for k in sve.ROW_KEYS}
     mean = sve.mean_row([dict(base, tbt_attainment=a) for a in (0.2, 0.3, 0.4)])

@@ -114,6 +114,11 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
          2.045, 2.042)
 
+def t975(df: int) -> float:
+    """The two-sided 95% Student-t quantile for ``df`` degrees of freedom (>= 1)."""
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
 def mean_ci95(values: Iterable[float]) -> dict:
     """Mean and the half-width of its two-sided 95% Student-t confidence interval (0 for one value)."""
     arr = np.asarray([v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))],
@@ -122,8 +127,7 @@ def mean_ci95(values: Iterable[float]) -> dict:
         return {"mean": None, "ci95": None, "n": 0}
     if arr.size == 1:
         return {"mean": float(arr[0]), "ci95": 0.0, "n": 1}
-    df = arr.size - 1
-    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    t = t975(arr.size - 1)
     return {"mean": float(arr.mean()), "ci95": float(t * arr.std(ddof=1) / math.sqrt(arr.size)), "n": int(arr.size)}
 
 
