@@ -53,6 +53,20 @@ def test_process_solves_what_an_inline_solve_solves():
     assert solve_s > 0
 
 
+def test_a_reply_that_has_arrived_makes_its_future_done_without_a_read():
+    """The controller asks done() whether a solve ahead has finished; a process future said False until someone read
+    the pipe, so every expiry ran the old plan to the end of its window and its solve was thrown away."""
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
+    try:
+        future = planner.submit(batch(), context())
+        deadline = time.monotonic() + 60
+        while not future.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert future.done() and future.result(timeout=0)[0].feasible
+    finally:
+        planner.close()
+
+
 def test_uncollected_results_do_not_answer_later_submissions():
     """A solve whose batch changed is never collected; the next submission must get its own plan."""
     planner = BackgroundPlanner(OrbitFlowPolicy(), "process")

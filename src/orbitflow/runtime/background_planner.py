@@ -209,12 +209,23 @@ def _close_pipe(conn, proc) -> None:
 
 
 class _PipeFuture(Future):
-    """A future whose ``result()`` / ``exception()`` read the pipe until its reply arrives (no thread resolves
-    it otherwise: ``concurrent.futures.wait`` does not see it finish)."""
+    """A future whose ``result()`` / ``exception()`` read the pipe until its reply arrives, and whose ``done()`` takes
+    the replies already there off it without waiting (no thread resolves it otherwise: ``concurrent.futures.wait``
+    does not see it finish). Without the poll, the controller saw a solve ahead as running for good: the old plan ran
+    on to the end of its window and the solve was thrown away."""
 
     def __init__(self, owner: PlannerProcess, seq: int):
         super().__init__()
         self._owner, self._seq = owner, seq
+
+    def done(self) -> bool:
+        if not super().done():
+            try:
+                self._owner._drain()
+            except BrokenProcessPool as exc:  # the pipe failed under the poll: this solve will never be answered
+                if not super().done():
+                    self.set_exception(exc)
+        return super().done()
 
     def result(self, timeout: float | None = None):
         if not self.done():
