@@ -84,3 +84,19 @@ class OvertakingPolicy(FixedPlacementPolicy):
         rows[order[0], :2] = False
         rows[order[-1], 4:6] = False
         return ctx.planner(alpha=float("inf")).evaluate(Placement.from_mask(rows), requests)
+
+
+class PausesAForB(Policy):
+    """a and b together: infeasible, victim a. a alone: every layer on the device; b alone: every second layer on
+    the host (distance 2)."""
+
+    name = "pauses-a-for-b"
+    pause_resume = True
+    replan_on = frozenset({"batch"})
+
+    def plan(self, requests, ctx):
+        rids = tuple(r.request_id for r in requests)
+        if len(rids) > 1:
+            return Plan(rids, None, None, False, 0, None, float("inf"), victims=("a",))
+        d = [None] if rids == ("a",) else [2]
+        return Plan(rids, Placement.from_distances(ctx.num_layers, d), tuple(d), True, 8, None, 0.01)

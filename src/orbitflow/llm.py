@@ -40,6 +40,7 @@ class GenerateStats:
     pauses: int
     solver_calls: int
     link_preemptions: int = 0  # prefetches that yielded the link to an earlier layer's (--kv-link preemptive)
+    overflow_blocks_peak: int = 0  # most prefetch staging blocks held outside the device budget at once
 
 
 class LLM:
@@ -197,6 +198,7 @@ class LLM:
             device_blocks_peak=self.kv.device_pool.peak_used, host_blocks_peak=self.kv.host_pool.peak_used,
             bytes_h2d=s.bytes_h2d, bytes_d2h=s.bytes_d2h, stall_s=s.stall_s, step_s=list(s.step_s), pauses=s.pauses,
             solver_calls=self.engine.controller.solver_calls, link_preemptions=s.link_preemptions,
+            overflow_blocks_peak=s.overflow_blocks_peak,
         )
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from scripted_policies import OvertakingPolicy
+from scripted_policies import OvertakingPolicy, PausesAForB
 from tiny_models import hf_greedy, make_llm
 
 from orbitflow.policies import FixedPlacementPolicy
@@ -181,5 +181,26 @@ def test_device_layers_are_read_in_place(tiny_llama):
             assert v.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
         llm.engine.run_until_done()
         assert llm.kv.usage() == (0, 0)
+    finally:
+        llm.close()
+
+
+def test_prefetch_staging_stays_inside_the_device_budget_beside_a_paused_request(tiny_llama):
+    """a (all 6 layers on the device) is paused for b (every second layer on the host): the plan counts b's prefetch
+    buffer in the budget of 24 blocks, and a's device layers give way to it. They gave way only to b's grows, so b's
+    staging slots overflowed past the budget (3 blocks on every decode step); the tokens stay transformers'."""
+    llm = make_llm(tiny_llama, PausesAForB(), device_kv_blocks=24, max_num_seqs=4, background_planner="off")
+    try:
+        engine = llm.engine
+        engine.add_request("a", PROMPTS[2][:40], SamplingParams(max_tokens=8))
+        for _ in range(3):
+            engine.step()
+        engine.add_request("b", PROMPTS[3][:40], SamplingParams(max_tokens=8))
+        for _ in range(6):
+            engine.step()
+        assert [r.request_id for r in engine.paused] == ["a"] and llm.kv.tables["b"].on_device[1] is False
+        assert llm.stats().overflow_blocks_peak == 0 and llm.kv.transfer.overflow_blocks_peak == 0
+        b = engine.scheduler.requests["b"]
+        assert b.output_ids == hf_greedy(tiny_llama.hf, PROMPTS[3][:40], 8)[: len(b.output_ids)]
     finally:
         llm.close()

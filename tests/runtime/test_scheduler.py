@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from scripted_policies import CapPolicy, CrowdedPolicy
+from scripted_policies import CapPolicy, CrowdedPolicy, PausesAForB
 
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
@@ -547,3 +547,23 @@ def test_random_small_pools_end_every_admitted_request_and_leak_no_block(first_s
                 assert r.finish_reason == "abort", seed
             else:
                 assert (r.finish_reason, r.error, len(r.output_ids)) == ("length", None, r.max_output_tokens), seed
+
+
+def test_a_paused_requests_device_layers_give_way_to_the_prefetch_buffer():
+    """The plan counts b's prefetch buffer inside the device budget, but the paused a's device layers were evicted
+    only as far as a grow or a move asked: the step's staging slots found the budget taken and overflowed past it.
+    Budget 10: a holds 8 (2 blocks x 4 layers); b's 2 device layers take 4 (one a layer evicted for them); b's
+    buffer needs 2 more, so a second a layer gives way before the decode step."""
+    sched = make_scheduler(PausesAForB(), device_blocks=10)
+    add(sched, "a", max_tokens=50)
+    run(sched, sched.schedule())
+    add(sched, "b", max_tokens=50, arrival=1.0)
+    out = sched.schedule()
+    assert out.paused_ids == ["a"] and [s.req_id for s in out.seqs] == ["b"]  # b prefills: no fetch yet
+    run(sched, out)
+    out = sched.schedule()
+    assert out.is_decode and [s.req_id for s in out.seqs] == ["b"]
+    kv = sched.kv
+    assert kv.tables["b"].on_device == [True, False, True, False] and kv.tables["b"].blocks_per_layer == 2
+    assert kv.device_pool.num_free >= 2, "the prefetch buffer of b's host layers has no room in the budget"
+    assert sum(kv.tables["a"].on_device) == 2  # two of a's layers evicted, the others stay for its resume

@@ -88,7 +88,7 @@ def test_models_health_metrics(server, client):
         "orbitflow:solver_calls_total", "orbitflow:solver_budget_reached_total", "orbitflow:plan_optimality_gap",
         "orbitflow:slo_violations_delivered_total", "orbitflow:slo_violations_scheduled_total",
         "orbitflow:slo_violations_generated_total",
-        "orbitflow:pauses_total", "orbitflow:recomputes_total",
+        "orbitflow:pauses_total", "orbitflow:recomputes_total", "orbitflow:kv_prefetch_overflow_blocks_peak 0.0",
     ):
         assert name in text
 

@@ -17,8 +17,8 @@ one run of blocks sized for the cached tokens plus the step's new ones: the exec
 it and attention reads it as a view, so the staged copy is the only copy. The capacity equation reserves one
 layer's worth of host KV for them (the paper's prefetch buffer); when prefetching ahead needs more than the
 pool has free at that moment, the slot overflows into a scratch tensor rather than waiting (waiting could
-deadlock against a slot that is only consumed later). The overflow is counted (`overflow_blocks_peak`), so
-the budget is never exceeded silently.
+deadlock against a slot that is only consumed later). The overflow is counted (`overflow_blocks_peak`; the
+engine's stats and `orbitflow:kv_prefetch_overflow_blocks_peak`), so the budget is never exceeded silently.
 
 Every access follows the event-ordered protocol of kv/events.py, the same code on CUDA and the CPU:
 - ACQUIRE (copy worker, `_stage`): take a slot, wait on its *fence* (the compute-stream event recorded after

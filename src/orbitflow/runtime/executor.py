@@ -252,6 +252,7 @@ class ModelExecutor(Executor):
             prefill_tokens=sum(len(s.token_ids) for s in st.seqs if not s.is_decode),
             link_blocks_per_s=moved / busy / kv.host_pool.bytes_per_block if moved and busy > 0 else None,
             link_preemptions=transfer.preemptions - before[3],
+            overflow_blocks=transfer.overflow_blocks_peak,
             samples=samples,
         )
 

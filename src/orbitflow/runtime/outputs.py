@@ -97,6 +97,7 @@ class StepResult:
     prefill_tokens: int = 0
     link_blocks_per_s: float | None = None  # measured effective link rate of this step's prefetches
     link_preemptions: int = 0  # prefetches that yielded the link to an earlier layer's (--kv-link preemptive)
+    overflow_blocks: int = 0  # the most prefetch staging blocks held outside the device budget so far (no room)
     replacement_s: float = 0.0  # simulated time of the placement changes installed before the step
     samples: list[Sample | None] = field(default_factory=list)  # per row (empty: tokens only)
 

@@ -41,7 +41,7 @@ import numpy as np
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Plan, PlanRequest
-from orbitflow.plan.placement import memory_blocks, most_blocks
+from orbitflow.plan.placement import capacity_terms, memory_blocks, most_blocks
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
 from orbitflow.runtime.request import Request, Status
@@ -446,6 +446,7 @@ class Scheduler:
                 continue
             out.seqs.append(SeqInput(req.request_id, tokens, start, sample, req.sampling, len(req.output_ids),
                                      req.prompt_ids, req.output_ids))
+        self._room_for_prefetch(out.seqs)
         if out.is_decode and self.controller.plan is not None:
             # what the cost model (the simulator's) predicts for this step's batch and placement
             out.total_tokens = sum(s.start_pos + 1 for s in out.seqs)
@@ -453,6 +454,23 @@ class Scheduler:
             out.host_layers = [not all(col) for col in zip(*on_device)]
             out.predicted_step_s = self.controller.predict(
                 on_device, [self.kv.blocks_for(s.start_pos) for s in out.seqs], out.total_tokens)
+
+    def _room_for_prefetch(self, seqs: list[SeqInput]) -> None:
+        """Free the device blocks the step's prefetch buffer takes (the capacity equation's buffer term, which the plan
+        counted inside the budget): a paused request's device layers give way only on demand, and only a grow or a
+        move asked for room, so the staging slots found the budget taken by them and overflowed past it (into
+        scratch memory the budget does not count)."""
+        if not self.kv.paused:
+            return
+        rows = [self.kv.tables[s.req_id] for s in seqs if s.start_pos > 0]  # a prefill fetches nothing
+        host = np.array([[not d for d in t.on_device] for t in rows], dtype=bool).reshape(len(rows), self.num_layers)
+        if not host.any():
+            return
+        blocks = np.array([[t.blocks_per_layer for t in rows]], dtype=float)
+        _, buffer = capacity_terms(host, blocks, self.prefetch_slots)
+        short = self.kv.make_room(int(buffer[0]))
+        if short is not None:  # the evicted layer has nowhere to go: the slots overflow, and count it
+            log.warning("no room for the prefetch buffer: %s", short)
 
     def _install_plan(self, out: ScheduleOutput) -> bool:
         """Put the plan in force into the KV manager: allocate new requests in their rows, move only the

@@ -460,6 +460,7 @@ class TensorParallelExecutor(Executor):
             bytes_d2h=sum(r.bytes_d2h for r in results),
             link_blocks_per_s=min(rates) if rates else None,
             link_preemptions=sum(r.link_preemptions for r in results),
+            overflow_blocks=max(r.overflow_blocks for r in results),
         )
 
     def sync(self) -> list[RankStats]:

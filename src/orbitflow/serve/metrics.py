@@ -40,6 +40,9 @@ class _EngineCollector:
                                 value=engine.kv.device_pool.num_blocks)
         yield GaugeMetricFamily("orbitflow:kv_host_blocks_total", "Host KV pool size in blocks",
                                 value=engine.kv.host_pool.num_blocks)
+        yield GaugeMetricFamily("orbitflow:kv_prefetch_overflow_blocks_peak", "Most prefetch staging blocks held "
+                                "outside the device KV budget at once (the pool had no room; 0 when the budget held)",
+                                value=engine.stats.overflow_blocks_peak)
         stats = engine.stats
         counters = (
             ("orbitflow:solver_calls", "Placement solver calls", engine.controller.solver_calls),
