@@ -304,3 +304,17 @@ def test_a_solve_slower_than_a_step_starts_that_many_steps_ahead():
         assert controller.ahead_step(due) is None and controller.ahead_step(due + 3) is None
     finally:
         controller.close()
+
+
+def test_a_long_running_controller_keeps_its_latest_records_and_counts_every_solve(monkeypatch):
+    """A server solves for as long as it runs: the record list grew without bound (about 4 records a request) and
+    /metrics summed it at every scrape. The latest RECORDS_KEPT stay; the totals count every solve."""
+    from orbitflow.runtime import controller as module
+
+    monkeypatch.setattr(module, "RECORDS_KEPT", 3)
+    controller = Controller(OrbitFlowPolicy(), context(), background=False)
+    for step in range(5):
+        controller.solve([PlanRequest("a", 1, 10 + step, None, 0.0, math.inf)], step=step, trigger="batch")
+    assert len(controller.records) == 3 and [r.step for r in controller.records] == [2, 3, 4]
+    assert controller.solver_calls == 5 and controller.solver_budget_hits == 0
+    assert controller.solver_time_s > sum(r.solve_s for r in controller.records) > 0

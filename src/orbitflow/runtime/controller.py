@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 LEAD_MARGIN = 1.25  # a background solve starts when the expiry is this many of its expected durations away ...
 MAX_LEAD_STEPS = 8  # ... but at most this many steps ahead
+RECORDS_KEPT = 4096  # the latest solves kept for inspection (`Controller.records`); their totals count every solve
 
 
 def lead_steps(solve_s: Sequence[float], step_s: float | None) -> int:
@@ -88,7 +89,13 @@ class Controller:
         self.plan_ids: list = []
         self.plan_step = 0
         self.mismatch = False
-        self.records: list[PlanRecord] = []
+        # The latest solves, for inspection (a server solves for as long as it runs: a list grew without bound, and
+        # /metrics summed it at every scrape); their totals are counted as they come.
+        self.records: deque[PlanRecord] = deque(maxlen=RECORDS_KEPT)
+        self.solver_calls = 0
+        self.solver_time_s = 0.0
+        self.solver_budget_hits = 0  # solves whose budget (--plan-node-limit / --plan-time-limit-ms) ran out unproven
+        self.solver_charged_s = 0.0  # seconds of virtual clock the solves were charged (simulator only)
         mode = resolve_mode(background)
         self._background = BackgroundPlanner(policy, mode) if mode != "off" else None
         self._ahead: tuple[int, list, Future] | None = None
@@ -237,15 +244,18 @@ class Controller:
             waited = self._charged(inline_s) if inline_s is not None else 0.0
             self._clock.advance(waited)  # the batch waits for what was solved inline
             charged = waited + (self._charged(ahead_s) if ahead_s is not None else 0.0)
-        self.records.append(
-            PlanRecord(
-                step=step, trigger=trigger, solve_s=(ahead_s or 0.0) + (inline_s or 0.0), request_ids=list(ids),
-                distances=list(plan.distances) if plan.distances is not None else None,
-                window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
-                predicted_step_s=float(plan.predicted_step_s), background=background,
-                proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0), charged_s=charged,
-            )
+        record = PlanRecord(
+            step=step, trigger=trigger, solve_s=(ahead_s or 0.0) + (inline_s or 0.0), request_ids=list(ids),
+            distances=list(plan.distances) if plan.distances is not None else None,
+            window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
+            predicted_step_s=float(plan.predicted_step_s), background=background,
+            proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0), charged_s=charged,
         )
+        self.records.append(record)
+        self.solver_calls += 1
+        self.solver_time_s += record.solve_s
+        self.solver_budget_hits += not record.proven
+        self.solver_charged_s += charged or 0.0
         if plan.feasible:
             self._adopt(plan, ids, step)
         return plan
@@ -294,19 +304,6 @@ class Controller:
         if link_blocks_per_s:
             link = (1 - self.ewma) * cm.link_blocks_per_s + self.ewma * link_blocks_per_s
         self.ctx = replace(self.ctx, cost_model=cm.with_updates(layer_compute_scale=scale, link_blocks_per_s=link))
-
-    @property
-    def solver_calls(self) -> int:
-        return len(self.records)
-
-    @property
-    def solver_time_s(self) -> float:
-        return sum(r.solve_s for r in self.records)
-
-    @property
-    def solver_budget_hits(self) -> int:
-        """Solves whose budget (--plan-node-limit / --plan-time-limit-ms) ran out before a proof."""
-        return sum(not r.proven for r in self.records)
 
     def close(self) -> None:
         if self._background is not None:

@@ -96,7 +96,7 @@ def simulate_trace(
         records, engine.default_slo_s, device_mem_util=engine.stats.device_mem_util,
         solver_calls=c.solver_calls, solver_time_s=c.solver_time_s, rejected=len(rejected),
         pauses=engine.stats.pauses, prefetch_slots=c.ctx.cost_model.prefetch_slots,
-        solver_charged_s=sum(r.charged_s or 0.0 for r in c.records), plans_adopted_late=c.adopted_late,
+        solver_charged_s=c.solver_charged_s, plans_adopted_late=c.adopted_late,
     )
     engine.close()
     return SimResult(engine.policy.name, metrics, records, engine)
