@@ -67,6 +67,28 @@ def test_a_reply_that_has_arrived_makes_its_future_done_without_a_read():
         planner.close()
 
 
+class _Unpicklable(OrbitFlowPolicy):
+    """A library user's policy holding a lock: it cannot cross to a planner process."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.lock = threading.Lock()
+
+
+def test_a_policy_that_does_not_pickle_solves_ahead_on_a_thread(caplog):
+    """A process planner (auto's choice on 4+ cores) pickles the policy when it starts: one that does not pickle
+    raised out of the engine's constructor; it costs a warning and a planner thread."""
+    planner = BackgroundPlanner(_Unpicklable(), "process")
+    try:
+        assert planner.mode == "thread" and "did not start" in caplog.text
+        plan, _ = planner.submit(batch(), context()).result(timeout=60)
+        assert plan.feasible
+    finally:
+        planner.close()
+
+
 def test_uncollected_results_do_not_answer_later_submissions():
     """A solve whose batch changed is never collected; the next submission must get its own plan."""
     planner = BackgroundPlanner(OrbitFlowPolicy(), "process")

@@ -249,9 +249,14 @@ class BackgroundPlanner:
         self._pool = self._start()
 
     def _start(self) -> ThreadPoolExecutor | PlannerProcess:
-        if self.mode == "thread":
-            return ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitflow-planner")
-        return PlannerProcess(self.policy)
+        if self.mode == "process":
+            try:
+                return PlannerProcess(self.policy)
+            except Exception as exc:  # noqa: BLE001 - e.g. a library user's policy that does not pickle
+                log.warning("the planner process did not start (%s: %s); solving ahead on a planner thread",
+                            type(exc).__name__, exc)
+                self.mode = "thread"
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitflow-planner")
 
     def submit(self, requests: list[PlanRequest], ctx: PlanContext) -> Future:
         """A future of ``(plan, solve seconds)``; ``ctx`` is the snapshot the solve sees."""
