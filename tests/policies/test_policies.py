@@ -153,7 +153,31 @@ def test_dynamic_cache_hit_returns_the_plan_of_the_key_it_matched():
     def batch():  # equal ids, new objects (an identical object would skip __eq__)
         return [PlanRequest(SwapOnCompare(f"r{i}"), b, b * 16, 32, 0.0, 0.2) for i, b in enumerate([10, 20])]
 
-    first = policy.plan(batch(), ctx())
+    engine_ctx = ctx()  # the engine's context: its cost model stays one object until a refresh
+    first = policy.plan(batch(), engine_ctx)
     SwapOnCompare.armed = True
-    again = policy.plan(batch(), ctx())
+    again = policy.plan(batch(), engine_ctx)
     assert again is first and again.placement.mask.shape == (2, L)
+
+
+@pytest.mark.parametrize("name", list(POLICIES) + list(ABLATIONS))
+def test_every_policy_plans_an_empty_batch(name):
+    """A library caller may ask for an empty batch; SLO-aware raised (min() of no SLOs)."""
+    plan = make_policy(name).plan([], ctx())
+    assert plan.feasible and plan.request_ids == ()
+
+
+def test_dynamics_reused_decision_follows_the_host_pool_and_the_cost_model():
+    """Dynamic reuses its decision while no block count changes; its feasibility reads the host KV left to the batch
+    and its predicted step the cost model (refreshed from measurements), so either changing is a new decision."""
+    from dataclasses import replace
+
+    policy, batch = make_policy("dynamic"), reqs([30, 30, 30])
+    engine_ctx = ctx(capacity=500, link=4000.0)  # its cost model stays one object until a refresh
+    first = policy.plan(batch, engine_ctx)  # it offloads some layers
+    assert first.feasible and first.distances == (1, 4, None)
+    assert policy.plan(batch, engine_ctx) is first  # reused
+    no_host = policy.plan(batch, replace(engine_ctx, host_capacity_blocks=0))
+    assert not no_host.feasible  # with no host KV left its offload cannot run (the reused decision said feasible)
+    refreshed = engine_ctx.cost_model.with_updates(layer_compute_scale=10.0)
+    assert policy.plan(batch, replace(engine_ctx, cost_model=refreshed)).predicted_step_s > first.predicted_step_s

@@ -16,8 +16,11 @@ class DynamicHeuristicPolicy(Policy):
         self._last: tuple[tuple, Plan] | None = None
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
-        # The decision only changes when some request's block count does: reuse it in between.
-        key = (ctx.capacity_blocks, tuple((r.request_id, r.blocks_per_layer) for r in requests))
+        # The decision only changes when some request's block count does: reuse it in between. Its feasibility and
+        # predicted step also read the host KV left to the batch and the cost model (refreshed from measurements):
+        # either changing is a new decision.
+        key = (ctx.capacity_blocks, ctx.host_capacity_blocks, ctx.cost_model,  # a model compares by identity
+               tuple((r.request_id, r.blocks_per_layer) for r in requests))
         last = self._last  # read once: a what-if on another thread may replace it meanwhile
         if last is not None and last[0] == key:
             return last[1]

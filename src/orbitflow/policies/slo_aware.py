@@ -5,6 +5,8 @@ fastest fitting one."""
 
 from __future__ import annotations
 
+import math
+
 from orbitflow.plan import Plan, PlanRequest
 from orbitflow.policies.base import PlanContext, Policy, uniform_count_plans
 from orbitflow.policies.flexgen import fastest_fitting
@@ -16,7 +18,7 @@ class SLOAwarePolicy(Policy):
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         candidates = uniform_count_plans(requests, ctx, range(ctx.num_layers + 1))
-        slo = min(r.slo_s for r in requests)
+        slo = min((r.slo_s for r in requests), default=math.inf)  # an empty batch meets any SLO
         within = [(d, p) for d, p in candidates if p.feasible and p.predicted_step_s <= slo]
         if within:
             return max(within, key=lambda dp: (dp[1].host_blocks, -dp[1].predicted_step_s))[1]
