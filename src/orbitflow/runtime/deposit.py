@@ -2,8 +2,9 @@
 
 Generated tokens enter a FIFO. While it is non-empty exactly one token leaves per SLO interval;
 when it is empty the next token leaves as soon as it is generated; at finish the rest leaves at once.
-So a token generated at g is due at max(g, due of the previous token + slo). The balance (tokens
-generated but not yet due) is the latency margin the planner may spend.
+So a token generated at g is due at max(g, due of the previous token + slo). The balance (how many paces the last
+held token's due time lies ahead: about the tokens generated but not yet due) is the latency margin the planner may
+spend.
 """
 
 from __future__ import annotations
@@ -65,17 +66,14 @@ class TokenDeposit:
         self._queue.clear()
         return out
 
-    def balance(self, now: float) -> int:
-        """Tokens generated but not yet delivered at `now` (the margin the planner may spend). Reads only (the
-        engine loop drops delivered tokens with `pop_due`): a router's what-if asks from its own thread while the
-        loop pushes and pops (a concurrent change makes the iteration raise RuntimeError, which the what-if
-        retries; a pop from here could empty the FIFO under the loop's own)."""
-        held = 0
-        for _, due in reversed(self._queue):  # due times never decrease: the held tokens are the newest
-            if due <= now:
-                break
-            held += 1
-        return held
+    def balance(self, now: float) -> float:
+        """The margin the planner may spend at `now`, in paces: how far the last held token's due time lies ahead (0
+        when nothing is held). The next token is late once it comes more than one pace after that due time, so a
+        step of ``T`` seconds meets the SLO while ``balance + 1 - T / pace >= 0``: the planner's fluid model
+        (plan/deposit.py) exactly. The count of held tokens said up to one pace more (a token held but due in 1 ms
+        counted as a whole pace). Reads one float, so a router's what-if may ask from its own thread."""
+        last = self._last_due
+        return (last - now) / self.slo_s if last is not None and last > now else 0.0
 
     def __len__(self) -> int:
         return len(self._queue)
