@@ -65,11 +65,11 @@ def test_a_long_chat_reads_as_a_short_one():
     turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}] * 150
     for model in (ChatCompletionRequest, TokenizeRequest):
         req = model.model_validate(_chat([{"role": "system", "content": parts}, *turns]))
-        assert req.messages[0].text == "".join(map(str, range(3000)))
+        assert req.messages[0].text == "\n".join(map(str, range(3000)))
         assert [m.role for m in req.messages[1:]] == [t["role"] for t in turns]
         assert [m.text for m in req.messages[1:]] == ["x", ""] * 150
     at_cap = [{"role": "user", "content": [GOOD_PART] * (MAX_CHAT_ITEMS - 1)}]
-    assert ChatCompletionRequest.model_validate(_chat(at_cap)).messages[0].text == "a" * (MAX_CHAT_ITEMS - 1)
+    assert ChatCompletionRequest.model_validate(_chat(at_cap)).messages[0].text == "\n".join("a" * (MAX_CHAT_ITEMS - 1))
 
 
 @pytest.mark.parametrize("model, body, loc, says", [
@@ -156,3 +156,29 @@ def test_the_server_sets_its_token_id_cap_per_request():
 
     asyncio.run(TokenIdCap(app, cap=10**6)({"type": "http"}, None, None))
     assert seen == [10**6] and token_id_cap.get() == MAX_TOKEN_IDS
+
+
+@pytest.mark.parametrize("extra", [{"min_p": 0.99}, {"min_tokens": 8}, {"guided_json": {"type": "object"}},
+                                   {"guided_choice": ["a", "b"]}, {"use_beam_search": True}, {"prompt_logprobs": 1},
+                                   {"skip_special_tokens": False}, {"include_stop_str_in_output": True}])
+def test_a_vllm_parameter_the_server_does_not_implement_is_refused_by_name(extra):
+    """A vLLM user's min_p or guided_json was silently ignored (200, as if unset); it is refused naming itself."""
+    (name,) = extra
+    errors = _errors(CompletionRequest, {"prompt": "a", **extra})
+    assert f"{name}: this vLLM parameter is not supported" in errors[0]["msg"]
+    ok = CompletionRequest.model_validate({"prompt": "a", "min_p": 0.0, "skip_special_tokens": True,
+                                           "min_tokens": None})
+    assert ok.prompt == "a"  # its "off" value (or null) is accepted
+
+
+def test_stream_options_need_stream():
+    """OpenAI and vLLM refuse stream_options on a non-streaming request; it was accepted and include_usage dropped."""
+    body = {"prompt": "a", "stream_options": {"include_usage": True}}
+    assert "stream_options: only allowed when stream is true" in _errors(CompletionRequest, body)[0]["msg"]
+    assert CompletionRequest.model_validate({**body, "stream": True}).include_usage
+
+
+def test_chat_content_parts_stay_apart():
+    chat = ChatCompletionRequest.model_validate(_chat([{"role": "user", "content": [
+        {"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]}]))
+    assert chat.messages[0].text == "line one\nline two"  # was "line oneline two"

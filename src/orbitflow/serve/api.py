@@ -123,7 +123,14 @@ class OpenAIServer:
         return ids
 
     async def chat_prompt_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        turns = [{"role": m.role, "content": m.text} for m in messages]
+        # OpenAI's "developer" role is the system role of newer models: chat templates know only "system"
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+        for i, turn in enumerate(turns):  # a lone surrogate: the 400 names the message, as encode_text names prompt
+            try:
+                turn["content"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise bad_request(f"messages.{i}.content: not valid Unicode text ({exc.reason} at character "
+                                  f"{exc.start})", f"messages.{i}.content") from exc
         try:  # off the event loop, as encode_text
             return await asyncio.to_thread(self.tokenizer.apply_chat_template, turns,
                                            add_generation_prompt=add_generation_prompt)
@@ -270,7 +277,11 @@ class OpenAIServer:
         for info in tokens:
             out.tokens.append(self.token_text(info.token))
             out.token_logprobs.append(info.logprob)
-            out.top_logprobs.append({self.token_text(t): lp for t, lp in info.top})
+            # the sampled token is always among them (OpenAI: up to logprobs + 1 entries), as vLLM returns it
+            top = {self.token_text(t): lp for t, lp in info.top}
+            if info.logprob is not None:
+                top.setdefault(self.token_text(info.token), info.logprob)
+            out.top_logprobs.append(top)
             skipped = info.token in self.tokenizer.special_ids  # decode leaves it out of the text
             out.text_offset.append(offsets.next(b"" if skipped else self.tokenizer.token_bytes(info.token)))
         return out

@@ -118,6 +118,18 @@ class StreamOptions(NullIsDefault):
     include_usage: StrictBool = Field(False, description="send a last chunk with the usage of the request")
 
 
+# vLLM's sampling and output extensions this server does not implement, each with the value that means "off": a vLLM
+# user's request that sets one is refused by name (a 400), not served as if it had not (null or "off" is accepted).
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "min_p": 0, "min_tokens": 0, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
+    "prompt_logprobs": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [],
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
+    "continue_final_message": False, "logits_processors": None, "priority": 0,
+}
+
+
 class SamplingFields(NullIsDefault):
     """Parameters shared by completions and chat completions."""
 
@@ -152,6 +164,16 @@ class SamplingFields(NullIsDefault):
                                   "which the planner plans for and Token-Deposit paces (default: the server's)")
     user: StrictStr | None = Field(None, description="accepted and ignored")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_vllm_extensions(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, off in VLLM_UNSUPPORTED.items():
+                value = data.get(name)
+                if value is not None and value != off:
+                    raise _unsupported(name, f"this vLLM parameter is not supported (leave it out, or {off!r})")
+        return data
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_count(cls, value: Any) -> Any:
@@ -174,6 +196,8 @@ class SamplingFields(NullIsDefault):
     def _check_best_of(self) -> SamplingFields:
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "best_of other than n is not supported")
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM refuse it
+            raise _unsupported("stream_options", "only allowed when stream is true")
         return self
 
     @property
@@ -366,7 +390,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # parts stay apart (as vLLM joins them)
 
 
 def _chat_checked(value: Any) -> Any:
