@@ -55,6 +55,14 @@ class Delta:
     tokens: list[TokenInfo] = field(default_factory=list)
 
 
+def check_unicode(text: str, param: str) -> None:
+    """Text that is not Unicode (a lone surrogate, which JSON allows) is a 400 naming ``param``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param}: not valid Unicode text ({exc.reason} at character {exc.start})", param) from exc
+
+
 class OpenAIServer:
     """What the routes share: the engine bridge, the tokenizer, the limits and the metrics.
 
@@ -105,11 +113,7 @@ class OpenAIServer:
     def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids; text that is not Unicode (a lone surrogate) is a 400 naming ``param``. A long text
         takes seconds: the handlers run this off the event loop (and the tokenizer releases the GIL)."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise bad_request(f"{param}: not valid Unicode text ({exc.reason} at character {exc.start})",
-                              param) from exc
+        check_unicode(text, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -126,11 +130,7 @@ class OpenAIServer:
         # OpenAI's "developer" role is the system role of newer models: chat templates know only "system"
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         for i, turn in enumerate(turns):  # a lone surrogate: the 400 names the message, as encode_text names prompt
-            try:
-                turn["content"].encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise bad_request(f"messages.{i}.content: not valid Unicode text ({exc.reason} at character "
-                                  f"{exc.start})", f"messages.{i}.content") from exc
+            check_unicode(turn["content"], f"messages.{i}.content")
         try:  # off the event loop, as encode_text
             return await asyncio.to_thread(self.tokenizer.apply_chat_template, turns,
                                            add_generation_prompt=add_generation_prompt)
