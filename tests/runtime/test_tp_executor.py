@@ -128,6 +128,28 @@ def test_shadow_kv_replay_reaches_the_same_state():
     shadow.close()
 
 
+def test_shadow_kv_replays_the_room_made_for_a_prefetch_buffer():
+    """The scheduler's room for a step's prefetch buffer evicts a paused request's device layers with a direct
+    make_room call: the ranks replay it (unrecorded, the shadow's pools drifted from the ranks' and a later op ran
+    short on one side only, which stops the group)."""
+    from orbitflow.kv.manager import KVManager
+    from orbitflow.runtime.tp_executor import ShadowKV, replay
+
+    shadow = ShadowKV(2, 1, 8, 4, 8, block_size=4)
+    rank = KVManager(2, 1, 8, 4, 8, block_size=4)
+    shadow.allocate("a", 8, [True, True])  # the device pool full
+    shadow.pause("a")
+    assert shadow.make_room(4) is None  # a's layers to the host
+    shadow.allocate("c", 8, [False, False])
+    ops = shadow.take_ops()
+    assert [name for name, _, _ in ops] == ["allocate", "pause", "make_room", "allocate"]
+    replay(rank, ops)
+    assert rank.usage() == shadow.usage() == (0, 8)
+    assert rank.tables["a"].on_device == shadow.tables["a"].on_device == [False, False]
+    rank.close()
+    shadow.close()
+
+
 def test_profile_measures_every_rank(tp2, tiny_llama):
     """`orbitflow profile --tensor-parallel-size 2`: rank 0's profile in one rank's units (its shard of the KV
     heads, its own link), every rank's compute, link and all-reduce figures beside it."""
@@ -194,3 +216,53 @@ def test_tp_size_must_divide_the_kv_heads(tiny_llama):
     check_tp_size(tiny_llama.config, 2)
     with pytest.raises(TensorParallelError, match="--tensor-parallel-size 3 does not divide the model's KV heads"):
         make_llm(tiny_llama, tensor_parallel_size=3)
+
+
+def test_a_failed_start_leaves_no_copy_thread_behind(tiny_llama, tmp_path):
+    """Ranks that cannot load the model fail the start with ModelLoadError; the driver's shadow KV closes its copy
+    thread too (each failed start leaked one)."""
+    import shutil
+    import threading
+
+    from orbitflow.config import ParallelConfig
+    from orbitflow.model.errors import ModelLoadError
+    from orbitflow.model.loader import read_model_config
+    from orbitflow.runtime.tp_executor import TensorParallelExecutor
+
+    shutil.copy(tiny_llama.path / "config.json", tmp_path / "config.json")  # and no weights
+    copy_threads = lambda: sum("kv-copy" in t.name for t in threading.enumerate())  # noqa: E731
+    before = copy_threads()
+    with pytest.raises(ModelLoadError, match="no .safetensors weights"):
+        TensorParallelExecutor(tmp_path, read_model_config(tmp_path), ParallelConfig(tensor_parallel_size=2),
+                               device_kv_blocks=8, host_kv_blocks=8, block_size=4, link_bytes_per_s=None, cuda=False)
+    assert copy_threads() == before
+
+
+@pytest.fixture(scope="module")
+def slow_tp2(tiny_llama):
+    """TP=2 with every layer's KV on the host behind a link that takes ~0.1-0.3 s per layer's fetch."""
+    llm = make_llm(tiny_llama, policy=FixedPlacementPolicy("all"), max_num_seqs=1, link_gbps=2e-5,
+                   tensor_parallel_size=2, collective_timeout=TIMEOUT_S)
+    yield llm
+    llm.close()
+
+
+def test_a_long_step_that_advances_is_not_hung(slow_tp2):
+    """The driver's deadline runs from rank 0's last progress (the layer it last started), not from the step's
+    start: with a 0.5 s deadline, steps of seconds whose layers keep starting finish (they failed the group)."""
+    slow_tp2.executor.deadline_s = 0.5
+    start = time.monotonic()
+    out = slow_tp2.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].output_ids) == 3 and slow_tp2.executor.failure is None
+    assert time.monotonic() - start > 0.5 * 4  # the steps did outlast the deadline
+
+
+def test_a_rank_that_stops_reading_fails_a_large_send_at_the_deadline(slow_tp2):
+    """Runs last on its executor: a message larger than the pipe's buffer to a stopped rank (SIGSTOP) blocked the
+    driver's write for good; it is sent from a thread and fails the group at the deadline."""
+    ex = slow_tp2.executor
+    ex.deadline_s = 1.0
+    os.kill(ex._procs[0].pid, signal.SIGSTOP)
+    with pytest.raises(TensorParallelFailure, match="did not read its step"):
+        ex._send([("step", b"x" * 4_000_000), ("step", b"")])
+    assert not any(p.is_alive() for p in ex._procs)

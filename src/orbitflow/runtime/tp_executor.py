@@ -32,10 +32,12 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +54,11 @@ from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
 
 log = logging.getLogger("orbitflow.tensor_parallel")
 
+# A message this small fits the pipe's buffer whole, so sending it cannot block on a rank that stopped reading.
+_UNBLOCKED_SEND_BYTES = 32 * 1024
+
 # Ops of the KV manager that change its state; the shadow records them, the ranks replay them in order.
-_RECORDED_OPS = ("allocate", "grow", "apply_placements", "pause", "free")
+_RECORDED_OPS = ("allocate", "grow", "apply_placements", "pause", "make_room", "free")
 
 
 class TensorParallelFailure(RuntimeError):
@@ -98,6 +103,9 @@ class ShadowKV(KVManager):
 
     def pause(self, req_id):
         return self._record("pause", req_id)
+
+    def make_room(self, blocks, exclude=None):
+        return self._record("make_room", blocks, exclude)
 
     def free(self, req_id):
         if req_id not in self.tables and req_id not in self.paused:
@@ -300,14 +308,14 @@ class TensorParallelExecutor(Executor):
         # compute), the driver stops waiting for the ranks at all.
         self.deadline_s = 4 * parallel.collective_timeout_s + 30.0
         rank_link = parallel.rank_link_bytes_per_s(link_bytes_per_s)
-        self.kv = ShadowKV(self.num_layers, self.shard.num_kv_heads, self.shard.head_dim, device_kv_blocks,
-                           host_kv_blocks, block_size=block_size, dtype=dtype, link_bytes_per_s=rank_link)
-        self.kv.on_close = self.close
-        self.kv.on_free = self._sync_quietly
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if cuda and gpus < size:
             raise ConfigError(f"--device cuda with --tensor-parallel-size {size} needs {size} GPUs; this machine has "
                              f"{gpus}")
+        self.kv = ShadowKV(self.num_layers, self.shard.num_kv_heads, self.shard.head_dim, device_kv_blocks,
+                           host_kv_blocks, block_size=block_size, dtype=dtype, link_bytes_per_s=rank_link)
+        self.kv.on_close = self.close
+        self.kv.on_free = self._sync_quietly
         cuda = gpus >= size if cuda is None else cuda
         if compute_threads is None and not cuda:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -336,6 +344,7 @@ class TensorParallelExecutor(Executor):
             replies = self._gather(startup_timeout_s)
         except TensorParallelFailure as exc:  # a usage-level error for the CLI (bad model files, no memory, ...)
             shutil.rmtree(self._store_dir, ignore_errors=True)
+            KVManager.close(self.kv)  # its copy thread; not self.close (the ranks are stopped already)
             raise ModelLoadError(str(exc)) from exc
         self.rank_stats: list[RankStats] = [reply[1] for reply in replies]
 
@@ -360,20 +369,48 @@ class TensorParallelExecutor(Executor):
         if self.failure is not None:
             self._fail(self.failure)
         for rank, (conn, message) in enumerate(zip(self._conns, messages)):
+            data = ForkingPickler.dumps(message)  # what conn.send(message) sends
             try:
-                conn.send(message)
+                if len(data) <= _UNBLOCKED_SEND_BYTES:
+                    conn.send_bytes(data)
+                else:
+                    self._send_large(rank, conn, data)
             except (BrokenPipeError, ConnectionError, OSError) as exc:
                 self._fail(f"tensor-parallel rank {rank} is gone ({type(exc).__name__})")
 
+    def _send_large(self, rank: int, conn, data) -> None:
+        """Send a message larger than the pipe's buffer from a thread, so that a rank that stopped reading (a hang)
+        fails the group at the deadline instead of blocking the engine in a write for good."""
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionError, OSError) as exc:  # the group was stopped meanwhile
+                errors.append(exc)
+
+        sender = threading.Thread(target=send, name=f"orbitflow-tp-send-{rank}", daemon=True)
+        sender.start()
+        sender.join(self.deadline_s)
+        if sender.is_alive():
+            self._fail(f"tensor-parallel rank {rank} did not read its step within {self.deadline_s:.0f} s (hung); "
+                       "the group was stopped")
+        if errors:
+            raise errors[0]
+
     def _gather(self, deadline_s: float | None = None) -> list[tuple]:
-        """One reply from every rank; a dead rank, an error reply or the deadline fails the group."""
+        """One reply from every rank; a dead rank, an error reply or the deadline fails the group. The deadline
+        (``deadline_s``: from the call, at start-up) runs from rank 0's last progress, the layer it last started: a
+        long step that advances (a long prefill, a throttled link) is not hung, and a rank that hangs stops rank 0
+        at its next collective."""
         limit = self.deadline_s if deadline_s is None else deadline_s
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
         replies: dict[int, tuple] = {}
         while len(replies) < self.size:
             waiting = {self._conns[r]: r for r in range(self.size) if r not in replies}
             sentinels = {self._procs[r].sentinel: r for r in range(self.size)}
-            left = deadline - time.monotonic()
+            since = start if deadline_s is not None else max(start, self.progress_at)
+            left = since + limit - time.monotonic()
             if left <= 0:
                 late = sorted(waiting.values())
                 self._fail(f"tensor-parallel rank(s) {late} did not answer within {limit:.0f} s "
