@@ -185,6 +185,15 @@ def test_engine_overheads_round_trip_and_reach_the_cost_model():
     assert q.placement_change_s(2 * q.block_bytes, 2) == pytest.approx(2 * q.block_bytes / 1e9 + 2 * 0.002)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_placement_change_moves_each_rank_s_shard_at_once(tp):
+    """Moving a layer of 64 blocks between tiers costs what prefetching it does: under TP every rank moves its
+    shard in parallel (the move was charged the whole model's bytes over one rank's link, 2x / 4x too much)."""
+    p = small(tensor_parallel=tp, move_latency_s=0.0)
+    blocks = 64
+    assert p.placement_change_s(blocks * p.block_bytes, 0) == pytest.approx(p.cost_model().transfer_s(blocks))
+
+
 @pytest.mark.parametrize("field", ["decode_per_request_s", "transfer_latency_s", "move_latency_s",
                                    "mixed_step_overhead_s", "decode_tail_fraction"])
 def test_bad_engine_overhead_names_the_field(field):

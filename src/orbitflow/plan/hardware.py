@@ -260,11 +260,12 @@ class HardwareProfile:
         return float(table[min(max(prefetch_slots, 1), len(table)) - 1])
 
     def placement_change_s(self, nbytes: int, layers_moved: int) -> float:
-        """Seconds the engine spends on a placement change: its bytes over the link plus a host-side cost
-        per moved layer."""
+        """Seconds the engine spends on a placement change of ``nbytes`` (whole-model bytes, as `block_bytes`
+        counts them): its bytes over the link plus a host-side cost per moved layer. Under TP every rank moves its
+        own shard at once, as a prefetch does (`link_blocks_per_s`)."""
         if nbytes <= 0 and layers_moved <= 0:
             return 0.0
-        return nbytes / self.effective_link_bytes_per_s + layers_moved * self.move_latency_s
+        return nbytes / self.tensor_parallel / self.effective_link_bytes_per_s + layers_moved * self.move_latency_s
 
     def prefill_s(self, num_tokens: int, pairs: int | None = None) -> float:
         """Seconds of a prefill step over ``num_tokens`` prompt tokens whose attention scores ``pairs`` (query,
