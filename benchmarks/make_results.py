@@ -249,9 +249,9 @@ def sim_section(res: Results, profile, setup: SimSetup, rates, reduced: bool, ou
            f"every layer on the device; `orbitflow profile` measures a smaller one, which the fidelity sections below "
            f"use) the planner does not see; the planner's measured solve time is charged on the virtual clock "
            f"({setup.solver_time}) as the engine runs its solves: an expiry is solved ahead while the steps before it "
-           f"run, every other solve holds its step; DeepSpeed runs at prefetch depth 2 (it fetches layer i+1 while "
-           f"layer i runs), every other policy at depth 1 unless a table says depth 2. Every policy runs with "
-           f"Token-Deposit unless noted.", ""]
+           f"run, every other solve holds its step; DeepSpeed, FlexGen and FlexGen+ run at prefetch depth 2 (their "
+           f"code fetches layer i+1 while layer i runs), every other policy at depth 1 unless a table says depth 2. "
+           f"Every policy runs with Token-Deposit unless noted.", ""]
     if reduced:
         md += [f"> **Reduced configuration.** This page was generated with `--reduced` "
                f"(rate scales {', '.join(f'{r:g}' for r in rates)}; {setup.num_requests} requests per run). "

@@ -98,6 +98,21 @@ def test_slo_aware_offloads_as_much_as_the_slo_allows():
     assert (~loose.placement.mask).sum() > (~tight.placement.mask).sum()
 
 
+def test_slo_aware_keeps_the_slo_until_the_batch_changes():
+    """Select-N's count holds until the batch changes, so it must meet the SLO at the batch's last step, not only
+    now: two requests 200 tokens from their end (10 -> 23 blocks per layer). Offloading 3 layers meets the SLO now
+    (90 ms) and misses it 199 steps on (168 ms); the policy offloads 1. A batch about to change offloads 3."""
+    from orbitflow.policies.slo_aware import last_step_s
+
+    c = ctx(capacity=1000, link=1000.0)
+    growing = [PlanRequest(f"r{i}", 10, 160, 200, 0.0, 0.1) for i in range(2)]
+    plan = make_policy("slo-aware").plan(growing, c)
+    assert (~plan.placement.mask).sum(axis=1).tolist() == [1, 1]
+    assert last_step_s(plan, growing, c) <= 0.1
+    ending = [PlanRequest(f"r{i}", 10, 160, 1, 0.0, 0.1) for i in range(2)]
+    assert (~make_policy("slo-aware").plan(ending, c).placement.mask).sum(axis=1).tolist() == [3, 3]
+
+
 def test_deposit_balance_reaches_the_planner_and_changes_the_plan():
     """Without a balance no plan meets the SLO cap (so OrbitFlow would pause someone); with a balance
     the deposit covers the slow steps and the whole batch runs."""
@@ -113,6 +128,17 @@ def test_unknown_policy_names_the_flag():
 
     with pytest.raises(ConfigError, match="--policy"):
         make_policy("nope")
+
+
+@pytest.mark.parametrize("name", ["flexgen", "flexgen+"])
+def test_flexgen_prefetches_at_its_code_s_depth_two(name):
+    """FlexGen's overlapped loop loads layer j+1's cache while layer j computes: depth 2, as DeepSpeed; a config's
+    --prefetch-slots still overrides it."""
+    from orbitflow.config import EngineConfig
+    from orbitflow.policies.base import prefetch_slots_for
+
+    assert prefetch_slots_for(EngineConfig(), make_policy(name)) == 2
+    assert prefetch_slots_for(EngineConfig.build(prefetch_slots=1), make_policy(name)) == 1
 
 
 def test_deepspeed_prefetches_one_layer_ahead_at_depth_two():

@@ -2,7 +2,8 @@
 
 FlexGen picks it once, offline, for the worst case the workload allows (a full batch at the token
 cap) and never changes it. FlexGen+ re-picks it from the current batch whenever the batch changes.
-Neither looks at the SLO.
+Neither looks at the SLO. Both prefetch at depth 2, as FlexGen's overlapped generation loop does: it loads
+layer j+1's cache while layer j computes (DESIGN: every baseline at its real system's prefetch depth).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def fastest_fitting(candidates: list[tuple[object, Plan]]) -> tuple[object, Plan
 class FlexGenPolicy(Policy):
     name = "flexgen"
     replan_on = frozenset()
+    prefetch_slots = 2
 
     def __init__(self):
         self.count: int | None = None
@@ -41,6 +43,7 @@ class FlexGenPolicy(Policy):
 class FlexGenPlusPolicy(Policy):
     name = "flexgen+"
     replan_on = frozenset({"batch"})
+    prefetch_slots = 2
 
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         return fastest_fitting(uniform_count_plans(requests, ctx, range(ctx.num_layers + 1)))[1]
