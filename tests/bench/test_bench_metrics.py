@@ -93,6 +93,9 @@ def test_requests_not_served_count_as_tpot_misses():
     assert compute_metrics([good, aborted], slo_s=0.2).tpot_attainment == 0.5
     m = compute_metrics([good], slo_s=0.2, rejected=2)
     assert m.tpot_attainment == pytest.approx(1 / 3) and m.num_requests == 3 and m.to_dict()["rejected"] == 2
+    none_served = compute_metrics([], slo_s=0.2, rejected=2)  # every request refused: a rate of 0, not unknown
+    assert none_served.throughput_rpm == 0.0 and none_served.tokens_per_s == 0.0
+    assert math.isnan(compute_metrics([], slo_s=0.2).throughput_rpm)  # nothing submitted: nothing to measure
     assert m.tbt_attainment == 1.0  # per delivered gap: nothing delivered, nothing counted
 
 

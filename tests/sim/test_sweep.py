@@ -49,6 +49,19 @@ def test_summary_groups_seeds_per_point():
     assert row["seeds"] == [0, 1] and row["tbt_attainment"]["mean"] == pytest.approx(0.6)
 
 
+def test_no_win_from_or_against_a_mean_that_left_seeds_out():
+    """A seed that served nothing has no TBT attainment: the mean of the other seeds is not the point's, so it was
+    averaged as if it were (a policy that refused a seed's requests read 1.0 against one that served them)."""
+    runs = [{"label": "x", "policy": "x", "slo_scale": 1.0, "rate_scale": 1.0, "token_deposit": True, "seed": s,
+             "tbt_attainment": v} for s, v in enumerate([1.0, 1.0, 1.0, float("nan")])]
+    (row,) = summarize(runs, metrics=("tbt_attainment",))
+    cell = row["tbt_attainment"]
+    assert cell["n"] == 3 and cell["missing"] == 1
+    low = mean_ci95([0.6, 0.61, 0.59, 0.6]) | {"missing": 0}
+    assert not better(cell, low, "tbt_attainment") and not better(low, cell, "p95_tbt_s")
+    assert better(cell | {"missing": 0}, low, "tbt_attainment")
+
+
 def test_paper_setup_and_point_overrides():
     prof = load_preset("a5000-llama3-8b")
     assert PAPER_SETUP.device_kv_fraction == 0.5 and PAPER_SETUP.seeds >= 5 and PAPER_SETUP.num_requests >= 64

@@ -236,8 +236,9 @@ def compute_metrics(records: Sequence[RequestRecord], slo_s: float | None = None
         **_summary("ttft", t.ttfts),
         **_summary("e2e", t.e2es),
         makespan_s=makespan,
-        throughput_rpm=finished / makespan * 60.0 if makespan > 0 else math.nan,
-        tokens_per_s=total_tokens / makespan if makespan > 0 else math.nan,
+        # a run that served none of the requests submitted to it (all refused) served at rate 0, not an unknown one
+        throughput_rpm=finished / makespan * 60.0 if makespan > 0 else (0.0 if rejected else math.nan),
+        tokens_per_s=total_tokens / makespan if makespan > 0 else (0.0 if rejected else math.nan),
         total_output_tokens=total_tokens,
         num_pauses=t.pauses,
         device_mem_util=None if device_mem_util is None else float(device_mem_util),

@@ -176,7 +176,10 @@ class Controller:
             # Nothing to pause (or a policy without Pause-Resume): settle for the fastest plan that fits
             # memory, SLO cap or not. This holds for a plan solved ahead on the planner thread too.
             plan, inline = self._settle(requests), True
-        inline_s = time.perf_counter() - start if inline else None
+        # The plan in force handed back as it is (Dynamic's decision reused until a block count changes) computed
+        # nothing: no solve to charge, whatever the charge model (a fixed cost per call charged every step's reuse).
+        reused = inline and plan is self.plan
+        inline_s = time.perf_counter() - start if inline and not reused else None
         return self._install(plan, ids, step, trigger, ahead_s, inline_s, background)
 
     def _settle(self, requests: list[PlanRequest]) -> Plan:

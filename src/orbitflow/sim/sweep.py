@@ -260,7 +260,8 @@ GROUP_KEYS = ("label", "policy", "slo_scale", "rate_scale", "token_deposit", "de
 
 def summarize(runs: Sequence[dict], metrics: Sequence[str] = SUMMARY_METRICS) -> list[dict]:
     """One row per point (runs grouped over seeds): the point's keys, ``seeds`` and for each metric
-    ``{"mean", "ci95", "n"}``."""
+    ``{"mean", "ci95", "n", "missing"}``: ``missing`` seeds had no value (nothing to measure, e.g. no request
+    served), and the mean is over the others, so :func:`better` claims nothing from such a cell."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault(tuple(r.get(k) for k in GROUP_KEYS), []).append(r)
@@ -269,15 +270,19 @@ def summarize(runs: Sequence[dict], metrics: Sequence[str] = SUMMARY_METRICS) ->
         row = dict(zip(GROUP_KEYS, key))
         row["seeds"] = sorted(m.get("seed") for m in members)
         for m in metrics:
-            row[m] = mean_ci95(x.get(m) for x in members)
+            cell = row[m] = mean_ci95(x.get(m) for x in members)
+            cell["missing"] = len(members) - cell["n"]
         rows.append(row)
     return rows
 
 
 def better(a: dict, b: dict, metric: str) -> bool:
     """Whether summary cell ``a`` beats ``b`` on ``metric`` with non-overlapping 95% intervals. A cell of fewer than two
-    values has no interval (its half-width reads 0): no win is claimed from or against it."""
+    values has no interval (its half-width reads 0), and one whose mean leaves out seeds without a value (a seed that
+    served nothing) is not the point's: no win is claimed from or against either."""
     if a.get("mean") is None or b.get("mean") is None or min(a.get("n", 0), b.get("n", 0)) < 2:
+        return False
+    if a.get("missing") or b.get("missing"):
         return False
     hi = HIGHER_IS_BETTER.get(metric, True)
     lo_a, hi_a = a["mean"] - a["ci95"], a["mean"] + a["ci95"]
