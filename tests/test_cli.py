@@ -23,7 +23,8 @@ _BATCH = ["--request", "tokens=30000", "--request", "tokens=20000,left=100", "--
 @pytest.mark.parametrize("flags, why", [
     (["--device-kv-blocks", "2000"], "prefetch buffers alone take 3625 blocks, more than the 2000"),
     (["--device-kv-blocks", "3625", "--slo-ms", "20000"], "does not fit for --window-min 4 steps"),
-    (["--device-kv-blocks", "120000"], "with every layer on the device a step takes 105.4 ms, over the SLO of 97.9"),
+    (["--device-kv-blocks", "120000", "--slo-ms", "100"],
+     "with every layer on the device a step takes 105.4 ms, over the SLO of 100.0"),
     (["--device-kv-blocks", "40000", "--slo-ms", "200"], "no placement that fits in 40000 device blocks meets"),
 ])
 def test_plan_says_why_no_placement_is_feasible(capsys, flags, why):
@@ -40,6 +41,22 @@ def test_plan_plans_for_the_pace_under_a_deposit_guard(capsys):
     assert main([*tight, "--deposit-guard-ms", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert not out["feasible"] and "over the pace (the SLO less --deposit-guard-ms) of 104.0 ms" in out["why"]
+
+
+def test_plan_plans_for_the_slo_the_engine_would_at_that_budget(capsys):
+    """The base SLO is a no-offload step with the device budget full of KV: plan read the profile's budget, not
+    --device-kv-blocks', so it planned for another SLO than serve and simulate at that budget."""
+    from orbitflow.config import EngineConfig
+    from orbitflow.plan.hardware import load_preset
+    from orbitflow.policies.base import default_slo_s
+
+    assert main(["plan", "--json", "--request", "tokens=1000", "--device-kv-blocks", "4096"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    preset = load_preset("a5000-llama3-8b")
+    config = EngineConfig.build(device_kv_blocks=4096, block_size=preset.block_size)
+    want = default_slo_s(config, preset)
+    assert out["slo_s"] == pytest.approx(want)
+    assert want != pytest.approx(config.planner.slo_scale * preset.base_slo_s())  # the profile's budget's
 
 
 def test_plan_json_is_standard_json_when_nothing_is_feasible(capsys):
@@ -363,7 +380,7 @@ def test_simulate_shows_rejected_requests_and_writes_strict_json(tmp_path, capsy
     assert main([*TINY_SWEEP, "--device-kv-blocks", "100", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("orbitflow"))
-    assert "Rejected" in table and row.endswith("2.0 ± 0.0")
+    assert "Rejected" in table and row.endswith("2.0 ± -")  # one seed: no interval
     data = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert data["summary"][0]["rejected"]["mean"] == 2.0
 
@@ -411,3 +428,28 @@ def test_output_paths_are_checked_on_the_target_when_it_exists(tmp_path, capsys)
     check_output_path("", "--json")
     check_output_path("relative.json", "--json")
     check_output_path(str(tmp_path / "new" / "nested"), "--plots", directory=True)
+
+
+def test_one_seed_prints_no_interval():
+    """A single seed has no confidence interval: '± -', not '± 0.000' (which read as certain)."""
+    from orbitflow.cli import fmt_ci
+    from orbitflow.sim.sweep import mean_ci95
+
+    assert fmt_ci(mean_ci95([0.9])) == "0.900 ± -"
+    assert fmt_ci(mean_ci95([0.9, 0.8, 0.85])).startswith("0.850 ± 0.1")
+
+
+def test_commands_that_load_a_model_say_what_they_are_doing(caplog):
+    """generate and profile load a model and measure the machine (minutes on a small CPU box) before any output:
+    their 'loading' and 'measuring' lines were INFO records nobody configured to show."""
+    import logging
+
+    logger = logging.getLogger("orbitflow")
+    level = logger.level
+    try:
+        with caplog.at_level(logging.DEBUG):
+            assert main(["generate", "--model", "/nonexistent/model", "--prompt", "hi"]) == 2
+        assert logger.getEffectiveLevel() == logging.INFO
+        assert any(r.levelno == logging.INFO and "loading" in r.getMessage() for r in caplog.records)
+    finally:
+        logger.setLevel(level)

@@ -42,6 +42,8 @@ def test_build_routes_flat_names_to_their_concern():
     ({"plan_time_limit_ms": -1.0}, "--plan-time-limit-ms"), ({"compute_threads": 0}, "--compute-threads"),
     ({"seed": -1}, "--seed"),  # the random victim rule seeds numpy with it (it raised inside every overloaded step)
     ({"deposit_guard_ms": -1.0}, "--deposit-guard-ms"), ({"slo_ms": 10.0, "deposit_guard_ms": 10.0}, "--deposit-guard"),
+    ({"window_max": 100_000}, "--window-max"),  # a one-request plan ran for minutes
+    ({"slo_ms": 50.0, "slo_scale": 2.0}, "--slo-ms and --slo-scale are exclusive"),  # slo_scale was dropped unsaid
 ])
 def test_a_bad_value_names_its_flag(flat, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import sys
 from dataclasses import fields
@@ -147,9 +148,11 @@ def _names(text: str, flag: str, choices, also: str = "") -> list[str]:
 
 
 def fmt_ci(cell: dict | None, fmt: str = ".3f", scale: float = 1.0) -> str:
-    """'mean ± ci95' of a summary cell."""
+    """'mean ± ci95' of a summary cell; one value has no interval ('± -', not a certain '± 0')."""
     if not cell or cell.get("mean") is None:
         return "-"
+    if cell.get("n", 2) < 2:
+        return f"{format(cell['mean'] * scale, fmt)} ± -"
     return f"{format(cell['mean'] * scale, fmt)} ± {format((cell['ci95'] or 0.0) * scale, fmt)}"
 
 
@@ -343,8 +346,9 @@ def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks", s
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from orbitflow.bench.metrics import finite_or_none
+    from orbitflow.plan import warm_up
     from orbitflow.plan.hardware import ProfileError, resolve_profile
-    from orbitflow.policies.base import PlanContext
+    from orbitflow.policies.base import PlanContext, default_slo_s
 
     try:
         profile = resolve_profile(args.profile or args.preset)
@@ -354,11 +358,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cap_source = ("--device-kv-blocks" if args.device_kv_blocks is not None
                   else "the profile's device_kv_blocks (pass --device-kv-blocks to override it)")
     config = engine_config(args, block_size=profile.block_size, device_kv_blocks=budget)
-    slo_s = args.slo_ms / 1000 if args.slo_ms else config.planner.slo_scale * profile.base_slo_s()
+    slo_s = default_slo_s(config, profile)  # the engine's: --slo-ms, else the scale x the base SLO at this budget
     requests = [_paced(_plan_request(t, i, profile.block_size, slo_s), config.planner.deposit_guard_ms)
                 for i, t in enumerate(args.request)]
     guarded = config.planner.deposit_guard_ms != 0
     planner = PlanContext.from_profile(config, profile).planner(space=args.space)
+    warm_up()  # load the compiled planner first: solve_s is the solve's, not numba's cache load (~1-3 s cold)
     plan = planner.plan(requests)
     out = {
         "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(
@@ -536,9 +541,16 @@ def _add_profile_parser(sub) -> None:
     p.set_defaults(func=cmd_profile)
 
 
+# Commands that load a model and measure the machine first (minutes on a small CPU box): they say so as they go.
+_PROGRESS_LOGGED = ("generate", "profile", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in _PROGRESS_LOGGED:  # serve configures its own logging
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("orbitflow").setLevel(logging.INFO)
     from orbitflow.model.errors import ModelLoadError
     from orbitflow.policies import PlacementError
 

@@ -213,8 +213,8 @@ class CacheConfig(_Validated):
 @dataclass(frozen=True)
 class SchedulerConfig(_Validated):
     max_num_seqs: int = option(4, "running batch size cap", type=int, check="positive")
-    max_num_batched_tokens: int = option(32768, "cap on prompt + output tokens of the running batch", type=int,
-                                         check="positive")
+    max_num_batched_tokens: int = option(32768, "cap on prompt + output tokens of the running batch (a request "
+                                                "longer than it still runs, alone)", type=int, check="positive")
     scheduling: str = option("fcfs", "admission order", choices=SCHEDULING_CHOICES)
     chunked_prefill: int | None = option(
         None, "prefill long prompts in chunks of N tokens interleaved with decode steps", type=int,
@@ -225,6 +225,10 @@ class SchedulerConfig(_Validated):
     max_queue_len: int | None = option(
         None, "requests that may wait for admission beyond the batch's free places (--max-num-seqs); more get 503 "
               "with Retry-After ('none': unbounded)", type=int_or_none, check="positive?", metavar="N|none")
+
+
+# The longest decode window a solve may look ahead (--window-max): its time grows with it.
+WINDOW_MAX_LIMIT = 4096
 
 
 @dataclass(frozen=True)
@@ -248,7 +252,7 @@ class PlannerConfig(_Validated):
     # default to 0.5 (see docs/results.md for the comparison).
     alpha: float = option(0.5, "tolerated SLO violations per step (planner cap)", type=float, check="nonneg")
     window_min: int = option(4, "shortest decode window (steps)", type=int, check="positive")
-    window_max: int = option(64, "longest decode window (steps)", type=int, check="positive")
+    window_max: int = option(64, "longest decode window (steps, at most 4096)", type=int, check="positive")
     victim: str = option("largest-kv+deposit", "pause victim rule", choices=VICTIM_CHOICES)
     # Planner budget per solve (like a MILP solver's): past it the best plan found so far is used.
     plan_node_limit: int | None = option(
@@ -276,6 +280,12 @@ class PlannerConfig(_Validated):
                               f"({self.slo_ms:g})")
         if self.window_min > self.window_max:
             raise ConfigError(f"--window-min ({self.window_min}) must not exceed --window-max ({self.window_max})")
+        if self.window_max > WINDOW_MAX_LIMIT:  # a solve looks that many steps ahead: 30,000 took 30 s
+            raise ConfigError(f"--window-max must be at most {WINDOW_MAX_LIMIT} steps, got {self.window_max}")
+        default_scale = PlannerConfig.__dataclass_fields__["slo_scale"].default
+        if self.slo_ms is not None and self.slo_scale != default_scale:  # the flags are exclusive; the API too
+            raise ConfigError(f"--slo-ms and --slo-scale are exclusive (got {self.slo_ms:g} ms and a scale of "
+                              f"{self.slo_scale:g}); give one")
 
     @property
     def plan_time_limit_s(self) -> float | None:
