@@ -240,7 +240,8 @@ def test_a_failed_start_leaves_no_copy_thread_behind(tiny_llama, tmp_path):
 
 @pytest.fixture(scope="module")
 def slow_tp2(tiny_llama):
-    """TP=2 with every layer's KV on the host behind a link that takes ~0.1-0.3 s per layer's fetch."""
+    """TP=2 with every layer's KV on the host behind a link that takes ~0.2 s per layer's fetch (a decode step of
+    its 6 layers ~1.3 s)."""
     llm = make_llm(tiny_llama, policy=FixedPlacementPolicy("all"), max_num_seqs=1, link_gbps=2e-5,
                    tensor_parallel_size=2, collective_timeout=TIMEOUT_S)
     yield llm
@@ -249,12 +250,13 @@ def slow_tp2(tiny_llama):
 
 def test_a_long_step_that_advances_is_not_hung(slow_tp2):
     """The driver's deadline runs from rank 0's last progress (the layer it last started), not from the step's
-    start: with a 0.5 s deadline, steps of seconds whose layers keep starting finish (they failed the group)."""
-    slow_tp2.executor.deadline_s = 0.5
+    start: with a 0.8 s deadline, decode steps of ~1.3 s whose layers start every ~0.2 s finish (they failed the
+    group)."""
+    slow_tp2.executor.deadline_s = 0.8
     start = time.monotonic()
     out = slow_tp2.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].output_ids) == 3 and slow_tp2.executor.failure is None
-    assert time.monotonic() - start > 0.5 * 4  # the steps did outlast the deadline
+    assert time.monotonic() - start > 2 * 0.8  # the steps did outlast the deadline
 
 
 def test_a_rank_that_stops_reading_fails_a_large_send_at_the_deadline(slow_tp2):

@@ -222,4 +222,4 @@ def test_a_measured_solve_time_does_not_charge_the_first_run_for_warming_up(a500
     monkeypatch.setitem(POLICIES, "cold-start", ColdStart)
     res = simulate_trace(a5000, small_trace(), sim_config(a5000, policy="cold-start"), solver_time="measured")
     assert not ColdStart.cold and res.metrics.solver_calls > 0
-    assert res.metrics.extra["solver_charged_s"] < 0.3
+    assert max(r.charged_s or 0.0 for r in res.engine.controller.records) < 0.3  # each solve ~2 ms, not the sleep
