@@ -102,13 +102,20 @@ def test_slo_aware_keeps_the_slo_until_the_batch_changes():
     """Select-N's count holds until the batch changes, so it must meet the SLO at the batch's last step, not only
     now: two requests 200 tokens from their end (10 -> 23 blocks per layer). Offloading 3 layers meets the SLO now
     (90 ms) and misses it 199 steps on (168 ms); the policy offloads 1. A batch about to change offloads 3."""
-    from orbitflow.policies.slo_aware import last_step_s
+    from orbitflow.plan import Placement
 
     c = ctx(capacity=1000, link=1000.0)
+
+    def step_s(count: int, blocks: int, tokens: int) -> float:  # the cost model's step, `count` layers offloaded
+        mask = np.tile(evenly_spaced_row(L, count), (2, 1))
+        return c.cost_model.step(Placement.from_mask(mask), [blocks] * 2, total_tokens=2 * tokens).total_s
+
+    # now (160 tokens, 10 blocks) and at the last step before the batch changes (359 tokens, 23 blocks)
+    assert step_s(3, 10, 160) <= 0.1 < step_s(3, 23, 359)
+    assert step_s(1, 23, 359) <= 0.1 < step_s(2, 23, 359)
     growing = [PlanRequest(f"r{i}", 10, 160, 200, 0.0, 0.1) for i in range(2)]
     plan = make_policy("slo-aware").plan(growing, c)
     assert (~plan.placement.mask).sum(axis=1).tolist() == [1, 1]
-    assert last_step_s(plan, growing, c) <= 0.1
     ending = [PlanRequest(f"r{i}", 10, 160, 1, 0.0, 0.1) for i in range(2)]
     assert (~make_policy("slo-aware").plan(ending, c).placement.mask).sum(axis=1).tolist() == [3, 3]
 

@@ -64,6 +64,11 @@ def test_a_failure_comes_back_as_an_error_not_an_exception():
 
 
 def test_seeded_sampling_is_reproducible():
+    """The same seed draws the same tokens; each step draws afresh (a seed that ignored the step drew one token 20
+    times and passed the comparison alone), and another seed draws another sequence."""
     params = SamplingParams(temperature=1.0, seed=7)
-    assert [sample(LOGITS, params, (), [0] * i).token for i in range(20)] == \
-        [sample(LOGITS, params, (), [0] * i).token for i in range(20)]
+    tokens = [sample(LOGITS, params, (), [0] * i).token for i in range(20)]
+    assert tokens == [sample(LOGITS, params, (), [0] * i).token for i in range(20)]
+    assert len(set(tokens)) > 1
+    other = SamplingParams(temperature=1.0, seed=8)
+    assert [sample(LOGITS, other, (), [0] * i).token for i in range(20)] != tokens

@@ -202,7 +202,7 @@ def test_aborted_requests_do_not_count_as_served(a5000):
 
 def test_a_measured_solve_time_does_not_charge_the_first_run_for_warming_up(a5000, monkeypatch):
     """The first solve in a process loads the compiled planner (~75 ms against ~2 ms warm); with the solve time
-    measured, it was charged to whichever run came first. A policy whose first solve ever sleeps 0.3 s: the
+    measured, it was charged to whichever run came first. A policy whose first solve ever sleeps 1 s: the
     simulator's warm-up solve takes it before the clock starts."""
     import time
 
@@ -216,10 +216,10 @@ def test_a_measured_solve_time_does_not_charge_the_first_run_for_warming_up(a500
         def plan(self, requests, ctx):
             if ColdStart.cold:
                 ColdStart.cold = False
-                time.sleep(0.3)
+                time.sleep(1.0)
             return super().plan(requests, ctx)
 
     monkeypatch.setitem(POLICIES, "cold-start", ColdStart)
     res = simulate_trace(a5000, small_trace(), sim_config(a5000, policy="cold-start"), solver_time="measured")
     assert not ColdStart.cold and res.metrics.solver_calls > 0
-    assert max(r.charged_s or 0.0 for r in res.engine.controller.records) < 0.3  # each solve ~2 ms, not the sleep
+    assert max(r.charged_s or 0.0 for r in res.engine.controller.records) < 1.0  # each solve ~2 ms, not the sleep
