@@ -554,3 +554,13 @@ def test_a_kernel_compiles_afresh_when_a_module_compiled_into_it_changes(tmp_pat
     assert run() == ["2", "1"]  # nothing changed: the cached kernel is loaded
     (tmp_path / "dep.py").write_text("K = 50\n")
     assert run() == ["51", "0"]  # numba's own stamp (kern.py's) alone would load the kernel that adds 1
+
+
+@needs_numba
+def test_warm_up_loads_every_kernel_a_solve_calls_from_python():
+    """plan.warm_up (the controller, the planner process and `orbitflow plan` call it) must load the kernels a first
+    solve reaches from Python: try_assignment is called so only when nothing need be offloaded, which no warm-up batch
+    was, and the first real solve paid its load (25-65 ms, charged on the simulator's clock). A fresh process."""
+    code = "from orbitflow.plan import warm_up, compiled as cc; warm_up(); print(len(cc.try_assignment.signatures))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert int(out.stdout) >= 1

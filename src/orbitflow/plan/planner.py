@@ -414,6 +414,10 @@ def warm_up() -> None:
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1).plan(requests)
     # ... and by its deadline: the kernels' clock
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=None, time_limit_s=1e-9).plan(requests)
+    # a batch that fits with nothing offloaded: the search tries that plan from Python, the only call of
+    # try_assignment's dispatcher (the searches above call it inside compiled code), whose load a first real solve
+    # paid otherwise (25-65 ms)
+    Planner(model, capacity_blocks=1000, window=(1, 4)).plan(requests)
     # a fixed placement's evaluation (the baselines), at one and at two prefetch slots (DeepSpeed's depth)
     for slots in (1, 2):
         planner = Planner(model.with_updates(prefetch_slots=slots), capacity_blocks=100, window=(1, 4))

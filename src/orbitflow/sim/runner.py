@@ -61,8 +61,9 @@ def build_sim_engine(profile: HardwareProfile, config: EngineConfig, noise: floa
 
 def warm_up(policy_name: str, ctx: PlanContext) -> None:
     """One solve, thrown away, by a fresh policy of this name on a full batch that must offload, before the clock
-    starts: with the solve time measured, the first run in a process was charged what loading the compiled planner
-    costs (~75 ms against ~2 ms warm), and only the first. A fresh policy keeps the run's own state untouched."""
+    starts: with the solve time measured, whatever a policy's first solve in a process costs beyond its later ones
+    would be charged to the first run only (the compiled kernels are `orbitflow.plan.warm_up`'s, which the controller
+    calls; this takes the rest, a few ms of first calls). A fresh policy keeps the run's own state untouched."""
     n = max(1, ctx.max_num_seqs)
     per_layer = max(1, math.ceil(1.5 * ctx.capacity_blocks / ctx.num_layers / n))
     batch = [PlanRequest(f"warm-up-{i}", per_layer, per_layer * ctx.block_size, 8) for i in range(n)]
