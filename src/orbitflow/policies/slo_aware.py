@@ -26,11 +26,11 @@ def steps_until_batch_changes(requests: list[PlanRequest], ctx: PlanContext) -> 
     return max(0, min(left) - 1) if left else ctx.window[1]
 
 
-def last_step_s(plan: Plan, requests: list[PlanRequest], ctx: PlanContext) -> float:
-    """Predicted latency of ``plan``'s placement at the batch's last step before it changes."""
+def last_step(requests: list[PlanRequest], ctx: PlanContext) -> tuple[np.ndarray, int]:
+    """Blocks per layer of each request and the batch's tokens at its last step before it changes."""
     later = [r.after(steps_until_batch_changes(requests, ctx), r.deposit) for r in requests]
     blocks = np.array([max(r.blocks_per_layer, math.ceil(r.tokens / ctx.block_size)) for r in later], dtype=float)
-    return ctx.cost_model.step(plan.placement, blocks, total_tokens=sum(r.tokens for r in later)).total_s
+    return blocks, sum(r.tokens for r in later)
 
 
 class SLOAwarePolicy(Policy):
@@ -40,8 +40,9 @@ class SLOAwarePolicy(Policy):
     def plan(self, requests: list[PlanRequest], ctx: PlanContext) -> Plan:
         candidates = uniform_count_plans(requests, ctx, range(ctx.num_layers + 1))
         slo = min((r.slo_s for r in requests), default=math.inf)  # an empty batch meets any SLO
-        within = [(d, p) for d, p in candidates
-                  if p.feasible and p.predicted_step_s <= slo and last_step_s(p, requests, ctx) <= slo]
+        blocks, tokens = last_step(requests, ctx)
+        within = [(d, p) for d, p in candidates if p.feasible and p.predicted_step_s <= slo
+                  and ctx.cost_model.step(p.placement, blocks, total_tokens=tokens).total_s <= slo]
         if within:
             return max(within, key=lambda dp: (dp[1].host_blocks, -dp[1].predicted_step_s))[1]
         return fastest_fitting(candidates)[1]
