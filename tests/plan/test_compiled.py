@@ -275,8 +275,9 @@ def test_jitted_twins_of_the_fluid_deposit_model_and_the_plan_order_agree():
         seg_lat = rng.uniform(0.5, 2.0, starts.size)
         slo = np.where(rng.random(n_req) < 0.2, math.inf, rng.uniform(0.6, 2.0, n_req))
         dep = np.where(rng.random(n_req) < 0.3, 0.0, rng.uniform(0, 8, n_req))
-        ref = deposit.violations(seg_lat.tolist(), starts.tolist(), ends.tolist(), slo, dep, horizon)
-        assert np.array_equal(cc.violations(seg_lat, starts, ends, slo, dep, horizon), ref)
+        bank_max = float(rng.choice([math.inf, 0.0, rng.uniform(0, 4)]))  # with and without Token-Deposit
+        ref = deposit.violations(seg_lat.tolist(), starts.tolist(), ends.tolist(), slo, dep, horizon, bank_max)
+        assert np.array_equal(cc.violations(seg_lat, starts, ends, slo, dep, horizon, bank_max), ref)
         lo = int(rng.integers(1, horizon + 1))
         alpha = float(rng.choice([0.0, 0.5, 1.0]))
         steps = np.arange(lo, horizon + 1)

@@ -179,6 +179,27 @@ def test_alpha_zero_rejects_violations_and_deposit_helps():
     assert Planner(cm, 13, alpha=1.0, window=(4, 4)).plan(reqs).feasible
 
 
+def test_without_token_deposit_no_step_banks_for_a_later_one():
+    """--no-token-deposit delivers each token as it is generated, so a fast step early in the window cannot pay for a
+    slow one later: the planner counts every step over the SLO (the fluid balance capped at 0), on both paths."""
+    from orbitflow.plan import deposit
+
+    # 15 tokens: 1 block for two steps, then 2 blocks; offloading a layer makes the later steps slower than the SLO
+    reqs = [PlanRequest("a", 1, 15, None, 0.0, 5.0)]
+    for compiled in (False, True):
+        on = Planner(CostModel([1.0] * 4, 1.0), 7, alpha=0.0, window=(4, 4), compiled=compiled).plan(reqs)
+        off = Planner(CostModel([1.0] * 4, 1.0), 7, alpha=0.0, window=(4, 4), compiled=compiled,
+                      token_deposit=False).plan(reqs)
+        assert on.feasible and on.violations == 0  # the two fast steps bank what the slow ones spend
+        assert not off.feasible
+    # the model itself: steps of 4 s then 6 s under a 5 s SLO
+    banked = deposit.violations([4.0, 6.0], [0, 3], [3, 5], np.array([5.0]), np.zeros(1), 5)
+    capped = deposit.violations([4.0, 6.0], [0, 3], [3, 5], np.array([5.0]), np.zeros(1), 5, bank_max=0.0)
+    assert banked[-1] == 0 and capped.tolist() == [0, 0, 0, 0, 1, 2]
+    assert deposit.balance_after(0.0, 5.0, [4.0], [0], [3], 3) == pytest.approx(0.6)
+    assert deposit.balance_after(2.0, 5.0, [4.0], [0], [3], 3, bank_max=0.0) == 0.0
+
+
 def test_victim_orders():
     cm = CostModel([1.0] * 4, 1.0)
     reqs = [PlanRequest("small", 2, 20, None, 5.0), PlanRequest("big", 9, 140, None, 0.0),

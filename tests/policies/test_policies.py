@@ -130,6 +130,18 @@ def test_deposit_balance_reaches_the_planner_and_changes_the_plan():
     assert with_balance.feasible
 
 
+def test_token_deposit_off_reaches_the_planner():
+    """--no-token-deposit reaches the planner the policy builds (it once planned as if steps banked margin)."""
+    from orbitflow.config import EngineConfig
+    from orbitflow.plan.hardware import HardwareProfile
+
+    profile = HardwareProfile(name="p", num_layers=L, kv_bytes_per_token_per_layer=256, decode_a=2e-6, decode_b=0.012,
+                              link_bytes_per_s=2e6, device_kv_blocks=40, host_kv_blocks=4000, block_size=16)
+    for flag in (True, False):
+        config = EngineConfig.build(model="p", token_deposit=flag, device_kv_blocks=40, block_size=16)
+        assert PlanContext.from_profile(config, profile).planner().constraints.token_deposit is flag
+
+
 def test_unknown_policy_names_the_flag():
     from orbitflow.config import ConfigError
 

@@ -1011,14 +1011,14 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
 
 # ==== the window rule ======================================================================================
 @_jit
-def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
+def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon, bank_max):
     """Jitted twin of :func:`orbitflow.plan.deposit.violations` (the fluid Token-Deposit model; numba needs its
     own copy): cumulative violations over the first ``k`` steps. tests/plan/test_compiled.py checks that they
     agree."""
     per_step = np.zeros(horizon)
-    bal = deposit.copy()
+    bal = np.minimum(deposit, bank_max)
     for i in range(seg_lat.size):
-        _deposit_segment(seg_lat[i], seg_starts[i], seg_ends[i], slo, bal, per_step)
+        _deposit_segment(seg_lat[i], seg_starts[i], seg_ends[i], slo, bal, per_step, bank_max)
     cum = np.zeros(horizon + 1)
     acc = 0.0
     for step in range(horizon):
@@ -1028,10 +1028,10 @@ def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon):
 
 
 @_jit
-def _deposit_segment(lat, s, e, slo, bal, per_step):
+def _deposit_segment(lat, s, e, slo, bal, per_step, bank_max):
     """One segment of :func:`violations`: steps ``s..e-1`` of ``lat`` seconds each, the balances ``bal`` updated in
-    place and each request's violations counted into ``per_step``. Only steps ``s..e-1`` are touched, so the
-    violations over the first ``d`` steps are known once the segments covering them are done."""
+    place (none above ``bank_max``) and each request's violations counted into ``per_step``. Only steps ``s..e-1``
+    are touched, so the violations over the first ``d`` steps are known once the segments covering them are done."""
     n = e - s
     for r in range(slo.size):
         delta = 1.0 - lat / slo[r]
@@ -1044,22 +1044,23 @@ def _deposit_segment(lat, s, e, slo, bal, per_step):
             else:
                 bal[r] = max(bal[r] + n * delta, 0.0)
         else:
-            bal[r] = bal[r] + n * delta
+            bal[r] = min(bal[r] + n * delta, bank_max)
 
 
 # ==== the window rule of one assignment, and local improvement ==============================================
 def feasibility_data(counts, hosts_f, lay_ptr, lay, blocks_h, cap, host_cap, alpha, min_steps, horizon, seg_starts,
                      seg_ends, seg_comp, seg_tail, seg_sum, seg_xfer, slo, dep, compute_grows,
-                     host_layer_s: float = 0.0, preemptive: bool = False) -> tuple:
+                     host_layer_s: float = 0.0, preemptive: bool = False, bank_max: float = math.inf) -> tuple:
     """What :func:`leaf_feasible` reads, as one tuple (numba passes it whole): the candidate tables, the blocks
     of every window step ``[H, R]``, the budgets (``cap``: the device budget with its tolerance, as
     ``Constraints.first_over``), and per block-constant segment its compute, compute suffix sums, compute total
-    and transfer seconds per request; ``fpar[3]`` the extra compute of a layer that reads prefetched KV; ``ipar[4]``
-    1 on the ``"preemptive"`` link (:func:`_link`)."""
+    and transfer seconds per request; ``fpar[3]`` the extra compute of a layer that reads prefetched KV, ``fpar[4]``
+    the cap on a Token-Deposit balance (:func:`violations`); ``ipar[4]`` 1 on the ``"preemptive"`` link
+    (:func:`_link`)."""
     n_req, n_layers = blocks_h.shape[1], hosts_f.shape[1]
     scratch = (np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
                np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers), np.empty(horizon), np.empty(n_req))
-    fpar = np.array([cap, host_cap, alpha, host_layer_s], dtype=np.float64)
+    fpar = np.array([cap, host_cap, alpha, host_layer_s, bank_max], dtype=np.float64)
     ipar = np.array([min_steps, horizon, int(np.isfinite(slo).any()), int(compute_grows), int(preemptive)],
                     dtype=np.int64)
     return (counts, hosts_f, lay_ptr, lay, np.ascontiguousarray(blocks_h), fpar, ipar, seg_starts, seg_ends, seg_comp,
@@ -1134,17 +1135,18 @@ def _window_rule(k_of, lat0, later_lb, cap_max, feas):
     if n_seg > 1 and later_lb > 0 and ipar[3]:  # every later step at least later_lb: fails without a schedule
         for i in range(1, n_seg):
             seg_lat[i] = later_lb
-        if not _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon), d_lo, cap_max, alpha):
+        if not _window_ok(violations(seg_lat, starts, ends, slo, dep, horizon, fpar[4]), d_lo, cap_max, alpha):
             return False
     per_step, bal = scr[7], scr[8]
     per_step[:] = 0.0
-    bal[:] = dep
+    for r in range(dep.size):
+        bal[r] = min(dep[r], fpar[4])
     acc = 0.0
     for i in range(n_seg):
         if i > 0:
             seg_lat[i] = seg_sum[i] + _link(ipar[4] == 1, seg_comp[i], seg_tail[i], lay_ptr, lay, k_of, seg_xfer[i], 1,
                                             math.inf, scr[0], scr[1], scr[2], scr[3], scr[4], fpar[3])
-        _deposit_segment(seg_lat[i], starts[i], ends[i], slo, bal, per_step)
+        _deposit_segment(seg_lat[i], starts[i], ends[i], slo, bal, per_step, fpar[4])
         for step in range(starts[i], min(ends[i], cap_max)):
             acc += per_step[step]  # the violations over the first step + 1 steps, as violations() sums them
             if step + 1 >= d_lo and acc <= alpha * (step + 1) + 1e-9:

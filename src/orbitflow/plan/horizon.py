@@ -32,7 +32,8 @@ UNBOUNDED = 1 << 40  # tokens_left of a request without a known end
 class Horizon:
     """Block counts, segments and compute over the next ``steps`` decode steps of a batch."""
 
-    def __init__(self, reqs: Sequence[PlanRequest], steps: int, block_size: int, cost_model: CostModel) -> None:
+    def __init__(self, reqs: Sequence[PlanRequest], steps: int, block_size: int, cost_model: CostModel,
+                 bank_max: float = math.inf) -> None:
         self.horizon = steps
         b_now = np.array([q.blocks_per_layer for q in reqs], dtype=np.int64)
         tok = np.array([q.tokens for q in reqs], dtype=np.int64)
@@ -58,7 +59,8 @@ class Horizon:
         self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency
         self.tails: list[np.ndarray] | None = None  # compiled evaluator: suffix sums of each segment's compute
         self.slo = np.array([q.slo_s for q in reqs], dtype=float)
-        self.deposit = np.array([max(0.0, float(q.deposit)) for q in reqs], dtype=float)
+        self.bank_max = float(bank_max)  # the cap on a Token-Deposit balance: inf, or 0 without Token-Deposit
+        self.deposit = np.array([min(max(0.0, float(q.deposit)), self.bank_max) for q in reqs], dtype=float)
 
     def step_latencies(self, seg_lat: Sequence[float]) -> list[float]:
         """Per-step latencies from per-segment ones."""
@@ -80,13 +82,15 @@ class Constraints:
     max_steps: int
     block_size: int
     compiled: bool
+    token_deposit: bool = True  # False: nothing banks (plan/deposit.py's bank_max 0), as with --no-token-deposit
 
     @property
     def num_layers(self) -> int:
         return self.cost_model.num_layers
 
     def horizon(self, reqs: Sequence[PlanRequest]) -> Horizon:
-        return Horizon(reqs, self.max_steps, self.block_size, self.cost_model)
+        return Horizon(reqs, self.max_steps, self.block_size, self.cost_model,
+                       math.inf if self.token_deposit else 0.0)
 
     # ---- capacity -------------------------------------------------------------------------------------
     def memory(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -143,8 +147,9 @@ class Constraints:
         """Cumulative violations ``V[k]`` over the first ``k`` steps, k = 0..H (fluid Token-Deposit)."""
         if self.compiled:
             return cc.violations(np.array(seg_lat, dtype=float), win.seg_starts_a, win.seg_ends_a, win.slo,
-                                 win.deposit, win.horizon)
-        return deposit.violations(seg_lat, win.seg_starts, win.seg_ends, win.slo, win.deposit, win.horizon)
+                                 win.deposit, win.horizon, win.bank_max)
+        return deposit.violations(seg_lat, win.seg_starts, win.seg_ends, win.slo, win.deposit, win.horizon,
+                                  win.bank_max)
 
     def window_of(self, win: Horizon, host: np.ndarray, seg_lat: Sequence[float]) -> tuple[int, float]:
         """Largest feasible Delta (0 if none) and the violations over it."""
@@ -212,4 +217,4 @@ class Constraints:
 
     def deposit_after(self, q: PlanRequest, seg_lat: Sequence[float], win: Horizon, t: int) -> float:
         """Token-Deposit balance of ``q`` after ``t`` steps under a plan with these segment latencies."""
-        return deposit.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t)
+        return deposit.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t, win.bank_max)

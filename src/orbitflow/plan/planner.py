@@ -157,6 +157,9 @@ class Planner:
     ``compiled``: run the search and the step evaluator compiled (:mod:`orbitflow.plan.compiled`, numba,
     without the GIL); None: when numba is installed and ``ORBITFLOW_PLAN_COMPILED`` is not ``0``. Both give the
     same plans; the pure Python / NumPy path is the reference.
+    ``token_deposit``: False when the engine delivers each token as it is generated (``--no-token-deposit``): then
+    no step banks margin for a later one (the fluid balance is capped at 0, :mod:`orbitflow.plan.deposit`), and
+    each step slower than a request's SLO is one violation of it.
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class Planner:
         compiled: bool | None = None,
         improve_evals: int = 256,
         threads: int = 1,
+        token_deposit: bool = True,
     ) -> None:
         lo, hi = _check_limits(space, window, block_size, alpha, capacity_blocks, node_limit, expiry_node_limit,
                                full_max_evals, gap, time_limit_s)
@@ -189,6 +193,7 @@ class Planner:
             cost_model=cost_model, capacity_blocks=float(capacity_blocks),
             host_capacity_blocks=float(host_capacity_blocks),  # what the batch may hold on the host
             alpha=float(alpha), min_steps=lo, max_steps=hi, block_size=int(block_size), compiled=cc.enabled(compiled),
+            token_deposit=bool(token_deposit),
         )
         self.cost_model = cost_model
         self.capacity_blocks = self.constraints.capacity_blocks

@@ -880,7 +880,7 @@ class BranchAndBound:
                 t.counts, t.hosts_f, t.lay_ptr, t.lay, win.blocks[: win.horizon], self.cap, rules.host_capacity_blocks,
                 rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp, tails,
                 np.array([float(c.sum()) for c in comp]), rules.cost_model.transfer_s(win.blocks[win.seg_starts_a]),
-                win.slo, win.deposit, win.compute_grows, rules.cost_model.host_layer_s, self.preemptive)
+                win.slo, win.deposit, win.compute_grows, rules.cost_model.host_layer_s, self.preemptive, win.bank_max)
         return self._feas_data
 
     def _compiled_state(self) -> tuple[np.ndarray, np.ndarray]:

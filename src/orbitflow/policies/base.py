@@ -39,6 +39,7 @@ class PlanContext:
     node_limit: int | None = 2000  # planner budget per solve
     time_limit_s: float | None = None
     threads: int = 1  # threads of a solve without a node limit
+    token_deposit: bool = True  # False: the planner lets no step bank margin for a later one
     # offload distance per request id of the plan in place (the search's first try); read-only
     previous: Mapping | None = None
 
@@ -61,6 +62,7 @@ class PlanContext:
             node_limit=config.planner.plan_node_limit,
             time_limit_s=config.planner.plan_time_limit_s,
             threads=config.planner.plan_threads,
+            token_deposit=config.planner.token_deposit,
         )
 
     def planner(self, space: str = "pruned", alpha: float | None = None) -> Planner:
@@ -77,6 +79,7 @@ class PlanContext:
             node_limit=self.node_limit,
             time_limit_s=self.time_limit_s,
             threads=self.threads,
+            token_deposit=self.token_deposit,
         )
 
 
