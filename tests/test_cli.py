@@ -284,7 +284,13 @@ def _write(path, data: bytes):
     (["plan", "--request", "tokens=10", "--profile", "no-such-profile"],
      "'no-such-profile' is neither a profile JSON file nor a hardware preset (presets: "),
     (["generate", "--prompt", "hi", "--placement", "all", "--policy", "deepspeed"],
-     "--placement all fixes every request's placement, so --policy deepspeed would plan nothing"),
+     "--placement all fixes every request's placement, so --policy deepspeed would change nothing"),
+    # a third review: planner flags beside a fixed placement, rank flags without ranks
+    (["generate", "--prompt", "hi", "--placement", "all", "--alpha", "0.2"], "so --alpha 0.2 would change nothing"),
+    (["generate", "--prompt", "hi", "--placement", "none", "--plan-node-limit", "none"],
+     "so --plan-node-limit None would change nothing"),
+    (["generate", "--prompt", "hi", "--tp-link", "shared"], "--tp-link needs --tensor-parallel-size N with N > 1"),
+    (["generate", "--prompt", "hi", "--collective-timeout", "5"], "--collective-timeout needs --tensor-parallel-size"),
 ])
 def test_a_user_mistake_is_one_line_naming_the_flag_not_a_traceback(argv, says, capsys):
     """Found by a review of the CLI: each of these raised a traceback, ran on silently, or failed after the work."""

@@ -14,6 +14,14 @@ def test_bad_values_name_the_flag(kwargs, flag):
         ParallelConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, flag", [({"tp_link": "shared"}, "--tp-link"),
+                                          ({"collective_timeout_s": 5.0}, "--collective-timeout")])
+def test_a_rank_flag_without_ranks_is_an_error_not_ignored(kwargs, flag):
+    with pytest.raises(ConfigError, match=f"{flag} needs --tensor-parallel-size"):
+        ParallelConfig(1, **kwargs)
+    assert ParallelConfig(2, **kwargs).tensor_parallel_size == 2
+
+
 def test_shared_link_splits_the_rate_per_rank():
     assert ParallelConfig(3, tp_link="shared").rank_link_bytes_per_s(3e9) == pytest.approx(1e9)
     assert ParallelConfig(3, tp_link="per-rank").rank_link_bytes_per_s(3e9) == 3e9

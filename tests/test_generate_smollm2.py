@@ -178,6 +178,9 @@ def test_cli_errors_are_one_line(capsys):
     assert "/nonexistent/model.gguf" in err and "Traceback" not in err
     assert main(["generate", "--prompt", "x", "--placement", "distance:0"]) == 2
     assert "--placement" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--placement", "distance:31"]) == 2  # once silently "none"
+    err = capsys.readouterr().err
+    assert "--placement distance:31 offloads no layer of the model's 30" in err and "Traceback" not in err, err
 
 
 def test_slow_link_stalls_grow_with_offloaded_layers(loaded):

@@ -26,6 +26,7 @@ from orbitflow.config import (
     check_output_path,
     dest_of,
     engine_config,
+    flag_of,
 )
 
 
@@ -34,6 +35,21 @@ class CLIError(Exception):
 
 
 # ---- generate ------------------------------------------------------------------------------------------
+# Planner flags a fixed --placement makes meaningless (it plans nothing and pauses no one); the SLO, Token-Deposit and
+# the window (how often the placement is re-checked against the device budget) still apply.
+NOT_WITH_PLACEMENT = ("policy", "alpha", "victim", "plan_node_limit", "plan_time_limit_ms", "plan_threads",
+                      "background_planner")
+
+
+def _check_no_planner_flags(args: argparse.Namespace) -> None:
+    """A planner flag beside --placement is a usage error, not silently ignored."""
+    defaults = PlannerConfig()
+    for f in fields(PlannerConfig):
+        if f.name in NOT_WITH_PLACEMENT and getattr(args, dest_of(f)) != getattr(defaults, f.name):
+            raise CLIError(f"--placement {args.placement} fixes every request's placement, so {flag_of(f)} "
+                           f"{getattr(args, dest_of(f))} would change nothing: give one of them")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -46,9 +62,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # NaN fails the comparison too
         raise CLIError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
-    if args.placement and args.policy != PlannerConfig().policy:
-        raise CLIError(f"--placement {args.placement} fixes every request's placement, so --policy {args.policy} "
-                       "would plan nothing: give one of them")
+    if args.placement:
+        _check_no_planner_flags(args)
     policy = FixedPlacementPolicy(args.placement) if args.placement else None
     config = engine_config(args, max_num_seqs=len(args.prompt) if args.max_num_seqs is None else args.max_num_seqs)
     llm = LLM(config, policy=policy, profile="rough" if policy else "measure")

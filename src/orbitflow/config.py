@@ -365,6 +365,10 @@ class ParallelConfig(_Validated):
     def _cross_check(self) -> None:
         if self.tensor_parallel_size is None:
             raise ConfigError("--tensor-parallel-size must be an integer >= 1, got None")
+        if self.tensor_parallel_size == 1:  # no ranks: a rank flag would be ignored without a word
+            for f in fields(self):
+                if f.name != "tensor_parallel_size" and getattr(self, f.name) != f.default:
+                    raise ConfigError(f"{flag_of(f)} needs --tensor-parallel-size N with N > 1")
 
     def rank_link_bytes_per_s(self, link_bytes_per_s: float | None) -> float | None:
         """The throttle of one rank's link: the whole link per rank, or an equal share of one shared link."""

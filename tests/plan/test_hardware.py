@@ -130,6 +130,8 @@ def test_json_errors_name_the_field(tmp_path):
     bad = dict(good, num_layers="32")
     with pytest.raises(ProfileError, match="num_layers"):
         HardwareProfile.from_dict(bad)
+    with pytest.raises(ProfileError, match="num_layers' must be at most"):  # not a 7 TiB allocation later
+        HardwareProfile.from_dict(dict(good, num_layers=10**12))
     with pytest.raises(ProfileError, match="link_bytes_per_s"):
         HardwareProfile.from_dict(dict(good, link_bytes_per_s=0))
     with pytest.raises(ProfileError, match="decode_a"):

@@ -39,6 +39,7 @@ def attention_pairs(cached: int, new: int) -> int:
 
 
 MAX_TABLE_REQUESTS = 1024  # the largest batch a decode_batch_table row may name (the cost model densifies it)
+MAX_LAYERS = 1024  # the deepest model a profile may describe (the largest LLMs have about 128 layers)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ class HardwareProfile:
                  f"must be an integer, got {value!r}")
         for fname in ("num_layers", "kv_bytes_per_token_per_layer", "block_size"):
             need(getattr(self, fname) > 0, fname, f"must be > 0, got {getattr(self, fname)}")
+        # every plan is an [R, num_layers] mask: a typo'd count would die allocating it, not here
+        need(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
         for fname in ("device_kv_blocks", "host_kv_blocks"):
             need(getattr(self, fname) >= 0, fname, f"must be >= 0, got {getattr(self, fname)}")
         need(self.tensor_parallel in VALID_TP, "tensor_parallel",

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 
 from orbitflow.plan import Placement, PlanRequest
-from orbitflow.policies.base import KeptPlacementPolicy
+from orbitflow.policies.base import KeptPlacementPolicy, PlanContext
 
 
 class PlacementError(ValueError):
@@ -57,3 +57,10 @@ class FixedPlacementPolicy(KeptPlacementPolicy):
 
     def placement_name(self) -> str:
         return f"placement {self.spec!r}"
+
+    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
+        kind, value = parse_placement_spec(self.spec)
+        if kind == "distance" and value is not None and value > ctx.num_layers:  # would silently be "none"
+            return (f"--placement {self.spec} offloads no layer of the model's {ctx.num_layers} (D must be at most "
+                    f"{ctx.num_layers}; --placement none keeps every layer on the device)")
+        return super().unservable(request, ctx)
