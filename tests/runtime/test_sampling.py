@@ -72,3 +72,14 @@ def test_seeded_sampling_is_reproducible():
     assert len(set(tokens)) > 1
     other = SamplingParams(temperature=1.0, seed=8)
     assert [sample(LOGITS, other, (), [0] * i).token for i in range(20)] != tokens
+
+
+def test_the_position_may_come_without_the_history():
+    """A tensor-parallel step sends rank 0 no token histories unless a penalty reads them: the seeded draw then takes
+    its position from ``generated`` and must be the draw the whole history gives."""
+    params = SamplingParams(temperature=1.0, seed=7)
+    assert not params.reads_history
+    full = [sample(LOGITS, params, (), [0] * i).token for i in range(20)]
+    assert [sample(LOGITS, params, (), (), generated=i).token for i in range(20)] == full
+    for penalty in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}):
+        assert SamplingParams(**penalty).reads_history

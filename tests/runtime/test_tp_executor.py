@@ -268,3 +268,18 @@ def test_a_rank_that_stops_reading_fails_a_large_send_at_the_deadline(slow_tp2):
     with pytest.raises(TensorParallelFailure, match="did not read its step"):
         ex._send([("step", b"x" * 4_000_000), ("step", b"")])
     assert not any(p.is_alive() for p in ex._procs)
+
+
+def test_step_messages_carry_histories_only_where_a_penalty_reads_them():
+    """Rank 0 gets a request's prompt and output only when its sampling has a penalty, the other ranks never: each
+    step once sent every request's whole history to every rank."""
+    from orbitflow.runtime.outputs import SeqInput
+    from orbitflow.runtime.tp_executor import lead_inputs, silent_inputs
+
+    history = (list(range(5000)), list(range(300)))
+    plain = SeqInput("a", [7], 5300, True, SamplingParams(temperature=1.0, seed=3), 300, *history)
+    penalised = SeqInput("b", [7], 5300, True, SamplingParams(repetition_penalty=1.3), 300, *history)
+    lead = lead_inputs([plain, penalised])
+    assert lead[0].prompt_ids == () and lead[0].output_ids == () and lead[0].generated == 300 and lead[0].sample
+    assert (lead[1].prompt_ids, lead[1].output_ids) == history
+    assert all(s.prompt_ids == () and s.output_ids == () and not s.sample for s in silent_inputs([plain, penalised]))

@@ -228,7 +228,7 @@ class ModelExecutor(Executor):
             sampled = iter(range(len(last)))
             for b, s in enumerate(seqs):
                 if s.sample:
-                    samples[b] = sample(logits[next(sampled)], s.sampling, s.prompt_ids, s.output_ids)
+                    samples[b] = sample(logits[next(sampled)], s.sampling, s.prompt_ids, s.output_ids, s.generated)
         else:  # nothing sampled (a non-final prefill chunk): the step still ends in its one sync, so the clock's
             # CUDA events have completed when `_result` resolves them (and step_s is the GPU's time)
             transfer.clock.mark_gpu_end()

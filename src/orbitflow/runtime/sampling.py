@@ -39,6 +39,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's prompt and output tokens (a penalty is set)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
 
 @dataclass
 class Sample:
@@ -53,10 +58,14 @@ def sample(
     params: SamplingParams,
     prompt_ids: Sequence[int] = (),
     output_ids: Sequence[int] = (),
+    generated: int | None = None,
 ) -> Sample:
-    """The next token of one request from its row of logits; reproducible per (seed, position)."""
+    """The next token of one request from its row of logits; reproducible per (seed, position). ``generated``: the
+    tokens generated so far (the position; default ``len(output_ids)``), so that a caller may leave the histories out
+    when ``params.reads_history`` is False."""
+    step = len(output_ids) if generated is None else generated
     try:  # the logprobs too: a `logprobs` the API would refuse (2.5, say) came through the Python API to the batch
-        token = _draw(_processed(logits.float(), params, prompt_ids, output_ids), params, len(output_ids))
+        token = _draw(_processed(logits.float(), params, prompt_ids, output_ids), params, step)
         if params.logprobs is None:
             return Sample(token)
         logprobs = torch.log_softmax(logits.float(), dim=-1)

@@ -285,6 +285,17 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn, progress) -> None:
 
 
 # ---- the driver -----------------------------------------------------------------------------------------
+def lead_inputs(seqs: list[SeqInput]) -> list[SeqInput]:
+    """Rank 0's batch: it samples, and it gets a request's token histories only when a penalty reads them (a step
+    message once carried every request's whole prompt and output, each step, to each rank)."""
+    return [s if s.sampling.reads_history else replace(s, prompt_ids=(), output_ids=()) for s in seqs]
+
+
+def silent_inputs(seqs: list[SeqInput]) -> list[SeqInput]:
+    """The other ranks' batch: only rank 0 samples, so no sampling inputs and no histories."""
+    return [replace(s, sample=False, prompt_ids=(), output_ids=()) for s in seqs]
+
+
 class TensorParallelExecutor(Executor):
     """The engine's executor over `parallel.tensor_parallel_size` rank processes (see the module docstring)."""
 
@@ -478,10 +489,8 @@ class TensorParallelExecutor(Executor):
         ops = self.kv.take_ops()
         transfer = self.kv.transfer
         schedule = transfer.prefetch_slots, transfer.link, transfer.chunk_s  # every rank runs this depth, link
-        # Only rank 0 samples: the others get the batch without sampling inputs (and without the token histories
-        # that penalties read).
-        silent = [replace(s, sample=False, prompt_ids=(), output_ids=()) for s in seqs]
-        self._send([("step", ops, schedule, seqs)] + [("step", ops, schedule, silent)] * (self.size - 1))
+        self._send([("step", ops, schedule, lead_inputs(seqs))]
+                   + [("step", ops, schedule, silent_inputs(seqs))] * (self.size - 1))
         replies = self._gather()
         results: list[StepResult] = [reply[1] for reply in replies]
         self.rank_stats = [reply[2] for reply in replies]
