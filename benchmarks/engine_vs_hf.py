@@ -264,8 +264,9 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def where_we_lose(rows: list[dict]) -> str:
-    """Every point where ours is behind transformers' best: a median ratio under 1 (and whether its 95% CI is all
-    under 1), a median of at least 1 whose CI or range dips under 1, memory over the bound."""
+    """Every point where ours is behind transformers' best: a loss (a median ratio under 1 whose 95% CI is all under
+    1, or that has no CI), a median under 1 whose CI holds 1 (behind at the median only: no significant difference,
+    by the page's rule), a median of at least 1 whose CI or range dips under 1, memory over the bound."""
     def at(r):
         return f"{r['context']} x {r['batch']}"
 
@@ -275,11 +276,18 @@ def where_we_lose(rows: list[dict]) -> str:
 
     for key, what in (("ratio", "decode"), ("pratio", "prefill")):
         rng, ci = ("range", "ci") if key == "ratio" else ("prange", "pci")
-        behind = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']}{ci_note(r.get(ci))})" for r in rows if r[key] < 1]
+        under = [r for r in rows if r[key] < 1]
+        behind = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']}{ci_note(r.get(ci))})" for r in under
+                  if r.get(ci) is None or r[ci][1] < 1]
+        level = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']}{ci_note(r.get(ci))})" for r in under
+                 if r.get(ci) is not None and r[ci][1] >= 1]
         dips = [f"{at(r)} (range {r[rng]}{ci_note(r.get(ci))})" for r in rows
                 if r[key] >= 1 and (float(r[rng].split("-")[0]) < 1 or (r.get(ci) is not None and r[ci][0] < 1))]
         if behind:
             parts.append(f"{what} at {', '.join(behind)}")
+        if level:
+            parts.append(f"{what} behind at the median only, the CI holding 1 (no significant difference), at "
+                         f"{', '.join(level)}")
         if dips:
             parts.append(f"{what} not shown ahead at {', '.join(dips)} (median at least 1)")
     over = [f"{at(r)} ({r['headroom']:.0f} MiB)" for r in rows if r["headroom"] < 0]

@@ -500,7 +500,7 @@ def _add_simulate_link_args(p) -> None:
                    help="host-to-device link rate in GB/s (default: the profile's); a comma list sweeps it")
     p.add_argument("--prefetch-slots", default="policy", metavar="policy|D[,D...]",
                    help="prefetch depth (KV buffer slots per request): 'policy' = each policy's real one "
-                        "(DeepSpeed 2, others 1), or a comma list of depths for every policy")
+                        "(DeepSpeed, FlexGen and FlexGen+ 2, others 1), or a comma list of depths for every policy")
     p.add_argument("--kv-link", default="edf", metavar="edf|preemptive[,...]",
                    help="link order of the KV prefetches, which the planner plans for (edf: a copy holds the link to "
                         "its end; preemptive: it yields to an earlier layer's; chunk switches free); a comma list "

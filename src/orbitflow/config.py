@@ -186,12 +186,12 @@ class CacheConfig(_Validated):
         None, "throttle host<->device KV copies to this many GB/s (stands in for PCIe)", type=float,
         check="positive?")
     # Prefetch depth: KV buffer slots per request, i.e. how many of its host layers may be in flight at once
-    # (charged by the capacity equation). None: the policy's own (DeepSpeed 2, as it prefetches layer i+1
-    # while layer i runs; every other policy 1).
+    # (charged by the capacity equation). None: the policy's own (DeepSpeed, FlexGen and FlexGen+ 2, as their code
+    # prefetches layer i+1 while layer i runs; every other policy 1).
     prefetch_slots: int | None = option(
-        None, "prefetch depth: KV layers of one request in flight at once (default: the policy's own, DeepSpeed "
-              "2, others 1); the capacity equation charges D layers of buffer per request", type=int,
-        check="count?", metavar="D")
+        None, "prefetch depth: KV layers of one request in flight at once (default: the policy's own: DeepSpeed, "
+              "FlexGen and FlexGen+ 2, others 1); the capacity equation charges D layers of buffer per request",
+        type=int, check="count?", metavar="D")
 
     # The link order of the KV copies, which the planner's cost model also assumes (its `transfer`).
     kv_link: str = option(

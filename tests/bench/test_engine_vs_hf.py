@@ -90,6 +90,11 @@ def test_where_we_lose_names_every_point_behind():
     text = bench.where_we_lose(rows)
     assert "decode not shown ahead at 512 x 1 (range 1.0-1.4, CI [0.98, 1.30])" in text
     assert "decode at 2048 x 4 (0.90 against static, CI [0.85, 0.95] all under 1)" in text
+    # a median behind whose CI holds 1 is no significant difference, not a loss (the page's rule)
+    rows[1]["ci"] = (0.89, 1.01)
+    text = bench.where_we_lose(rows)
+    assert "decode behind at the median only, the CI holding 1 (no significant difference), at 2048 x 4 (0.90" in text
+    assert "decode at 2048 x 4" not in text
 
 
 def test_the_ratio_interval_is_the_geometric_means_t_interval():
