@@ -207,7 +207,9 @@ def test_api_key_required(http, headers):
         error = assert_error(http.post(path, json=GOOD, headers=headers), 401, None)
         assert error["code"] == "invalid_api_key"
     assert_error(http.get("/v1/models", headers=headers), 401, None)
+    assert_error(http.get("/v1/models/tiny", headers=headers), 401, None)
     assert http.get("/health").status_code == 200  # open, for load balancers
+    assert http.get("/metrics").status_code == 200  # open, for Prometheus (as vLLM's)
     assert_still_serving(http)
 
 

@@ -1,5 +1,6 @@
 """The official openai client against a live server: streaming equals non-streaming (greedy), usage."""
 
+import json
 import time
 
 import httpx
@@ -152,3 +153,36 @@ def test_logprobs_of_tokens_that_split_characters(client):
     assert all("\ufffd" not in t.token and t.bytes != [239, 191, 189] for t in content)
     joined = bytes(b for t in content for b in t.bytes).decode("utf-8", "replace")
     assert joined.startswith(chat.message.content) and chat.message.content
+
+
+def test_vllm_chat_options_are_served_or_refused_by_name(client, server):
+    """Found by a review against vLLM: these were accepted and silently ignored (a Qwen3 user turning thinking off
+    still got it). The template options now reach the chat template; the others are refused by name."""
+    messages = [{"role": "user", "content": "Hi"}]
+    usage = {}
+    for extra in ({}, {"add_generation_prompt": False}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0,
+                                               extra_body=extra)
+        usage[str(extra)] = reply.usage.prompt_tokens
+    assert usage["{'add_generation_prompt': False}"] < usage["{}"]  # no assistant prefix rendered
+    assert usage["{'chat_template_kwargs': {'enable_thinking': False}}"] == usage["{}"]  # SmolLM2 reads no such flag
+    for extra, param in (({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                         ({"echo": True}, "echo"), ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+                         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, extra_body=extra)
+        assert param in str(err.value), err.value
+
+
+def test_models_retrieve_and_chat_deltas_without_nulls(client, server):
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+            "temperature": 0}
+    with httpx.Client(timeout=60) as http:
+        lines = [line[6:] for line in http.post(f"{server.url}/v1/chat/completions", json=body).text.splitlines()
+                 if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [c["delta"] for chunk in lines for c in json.loads(chunk)["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}  # OpenAI's: a delta names only what it carries
+    assert all(set(d) <= {"content"} and None not in d.values() for d in deltas[1:]), deltas

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -126,14 +127,15 @@ class OpenAIServer:
             raise bad_request("prompt: the prompt encodes to no tokens", "prompt")
         return ids
 
-    async def chat_prompt_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                              template_kwargs: dict[str, Any] | None = None) -> list[int]:
         # OpenAI's "developer" role is the system role of newer models: chat templates know only "system"
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         for i, turn in enumerate(turns):  # a lone surrogate: the 400 names the message, as encode_text names prompt
             check_unicode(turn["content"], f"messages.{i}.content")
         try:  # off the event loop, as encode_text
             return await asyncio.to_thread(self.tokenizer.apply_chat_template, turns,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except Exception as exc:  # no template, or the template refuses these messages
             raise bad_request(f"messages: cannot apply the chat template: {exc}", "messages") from exc
 
@@ -535,10 +537,18 @@ def _add_service_routes(app: FastAPI, server: OpenAIServer, auth: tuple[int, ...
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> p.ModelCard:
+        return p.ModelCard(id=server.model_name, created=server.created, owned_by="orbitflow",
+                           max_model_len=server.max_len)
+
     @app.get("/v1/models", response_model=p.ModelList, responses=_errors(*auth))
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=server.model_name, created=server.created, owned_by="orbitflow",
-                                             max_model_len=server.max_len)])
+        return p.ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", response_model=p.ModelCard, responses=_errors(*auth, 404))
+    async def model(model: str) -> p.ModelCard:  # the openai client's models.retrieve(name)
+        server.check_model(model)
+        return card()
 
 
 def _add_token_routes(app: FastAPI, server: OpenAIServer, auth: tuple[int, ...]) -> None:
@@ -616,7 +626,7 @@ def _add_chat_routes(app: FastAPI, server: OpenAIServer, generation_errors: dict
               responses={**generation_errors, **_streamed(p.ChatCompletionResponse, p.ChatCompletionChunk)})
     async def chat_completions(req: p.ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
-        prompt_ids = await server.chat_prompt_ids(req.messages)
+        prompt_ids = await server.chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sampling = server.sampling(req, prompt_ids, req.token_limit, logprobs)
         request_id, deltas = server.choices("chatcmpl", prompt_ids, sampling, req.n, req.stop_strings)
@@ -638,8 +648,11 @@ def _add_chat_routes(app: FastAPI, server: OpenAIServer, generation_errors: dict
             return JSONResponse(response.model_dump(mode="json"))
 
         def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> dict:
-            return p.ChatCompletionChunk(id=request_id, created=created, model=server.model_name, choices=choices,
-                                         usage=usage).model_dump(mode="json")
+            out = p.ChatCompletionChunk(id=request_id, created=created, model=server.model_name, choices=choices,
+                                        usage=usage).model_dump(mode="json")
+            for choice in out["choices"]:  # as OpenAI's: a delta names only what it carries ({} at the finish)
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            return out
 
         def chunks(d: Delta) -> list[dict]:
             delta = p.ChatDelta(content=d.text) if d.text or d.finish_reason is None else p.ChatDelta()

@@ -13,7 +13,8 @@ from orbitflow.serve.errors import APIError
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
+    # /health for load balancers, /metrics for Prometheus (vLLM's key, too, guards the /v1 routes only)
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health", "/metrics")) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.open_paths = open_paths

@@ -116,6 +116,15 @@ def _not_nullable(cls: type[BaseModel]) -> frozenset[str]:
 
 class StreamOptions(NullIsDefault):
     include_usage: StrictBool = Field(False, description="send a last chunk with the usage of the request")
+    continuous_usage_stats: StrictBool = Field(False, description="vLLM's usage on every chunk: not supported")
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, value: bool) -> bool:
+        if value:
+            raise _unsupported("stream_options.continuous_usage_stats", "usage on every chunk is not supported "
+                               "(include_usage sends it once, last)")
+        return value
 
 
 # vLLM's sampling and output extensions this server does not implement, each with the value that means "off": a vLLM
@@ -126,8 +135,9 @@ VLLM_UNSUPPORTED: dict[str, Any] = {
     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [],
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
-    "continue_final_message": False, "logits_processors": None, "priority": 0,
+    "continue_final_message": False, "logits_processors": None, "priority": 0, "return_tokens_as_token_ids": False,
 }
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries (each a variable the chat template may read)
 
 
 class SamplingFields(NullIsDefault):
@@ -436,6 +446,29 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: StrictStr | dict[str, Any] | None = Field(None, description="only 'none'")
     functions: list[dict[str, Any]] | None = Field(None, description="not supported (400 when non-empty)")
     function_call: StrictStr | dict[str, Any] | None = Field(None, description="only 'none'")
+    add_generation_prompt: StrictBool = Field(True, description="end the rendered chat with the assistant prefix")
+    chat_template_kwargs: dict[Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")],
+                               Any] | None = Field(
+        None, description=f"extra variables for the chat template (e.g. enable_thinking), at most "
+                          f"{MAX_TEMPLATE_KWARGS}; not messages or add_generation_prompt")
+    echo: StrictBool = Field(False, description="vLLM's echo of the last message: not supported")
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, value: Any) -> Any:
+        value = _too_many(value, dict, MAX_TEMPLATE_KWARGS, f"at most {MAX_TEMPLATE_KWARGS} entries")
+        if isinstance(value, dict):
+            taken = sorted({"messages", "add_generation_prompt"} & set(value))
+            if taken:
+                raise ValueError(f"{', '.join(taken)} cannot be set here (give them as request fields)")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise _unsupported("echo", "echoing the last message is not supported for chat completions")
+        return value
 
     @field_validator("tools", "functions", mode="before")
     @classmethod
