@@ -213,6 +213,15 @@ def test_api_key_required(http, headers):
     assert_still_serving(http)
 
 
+def test_a_body_that_is_not_json_names_the_content_type(http):
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: the 400 said only "Input should be a valid
+    dictionary"."""
+    error = assert_error(http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={
+        **AUTH, "Content-Type": "application/x-www-form-urlencoded"}), 400, None)
+    assert "Content-Type: application/json" in error["message"] and "x-www-form-urlencoded" in error["message"]
+    assert_still_serving(http)
+
+
 def test_unknown_route_is_openai_shaped(http):
     assert_error(http.get("/v1/nothing", headers=AUTH), 404, None)
 

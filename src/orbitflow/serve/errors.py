@@ -42,9 +42,9 @@ def unavailable(message: str, retry_after_s: int = 1) -> APIError:
     return APIError(503, message, "server_busy", code="server_busy", headers={"Retry-After": str(retry_after_s)})
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
     """The error a client should read (``protocol.main_error``), with its location in the body as `param` (e.g.
-    "messages.0.role")."""
+    "messages.0.role"); ``content_type``: the request's, named when a body that is not JSON is the cause."""
     errors = [{**e, "loc": tuple(e.get("loc", ()))[1:]} if tuple(e.get("loc", ()))[:1] == ("body",) else e
               for e in exc.errors()]
     if not errors:
@@ -58,6 +58,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         if err.get("type") == "missing":
             return bad_request("a JSON request body is required")
+        if content_type is not None and "json" not in content_type.lower():  # `curl -d` sends a form
+            return bad_request(f"request body: {message} (the body is sent as {content_type or 'no Content-Type'}; "
+                               "send JSON with 'Content-Type: application/json')")
         return bad_request(f"request body: {message}")
     param = ".".join(loc)
     return bad_request(f"{param}: {message}", param=param)
@@ -70,7 +73,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type", "")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
