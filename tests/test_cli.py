@@ -288,7 +288,7 @@ def _write(path, data: bytes):
     # a third review: planner flags beside a fixed placement, rank flags without ranks
     (["generate", "--prompt", "hi", "--placement", "all", "--alpha", "0.2"], "so --alpha 0.2 would change nothing"),
     (["generate", "--prompt", "hi", "--placement", "none", "--plan-node-limit", "none"],
-     "so --plan-node-limit None would change nothing"),
+     "so --plan-node-limit none would change nothing"),
     (["generate", "--prompt", "hi", "--tp-link", "shared"], "--tp-link needs --tensor-parallel-size N with N > 1"),
     (["generate", "--prompt", "hi", "--collective-timeout", "5"], "--collective-timeout needs --tensor-parallel-size"),
 ])

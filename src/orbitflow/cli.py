@@ -45,9 +45,10 @@ def _check_no_planner_flags(args: argparse.Namespace) -> None:
     """A planner flag beside --placement is a usage error, not silently ignored."""
     defaults = PlannerConfig()
     for f in fields(PlannerConfig):
-        if f.name in NOT_WITH_PLACEMENT and getattr(args, dest_of(f)) != getattr(defaults, f.name):
+        value = getattr(args, dest_of(f))
+        if f.name in NOT_WITH_PLACEMENT and value != getattr(defaults, f.name):
             raise CLIError(f"--placement {args.placement} fixes every request's placement, so {flag_of(f)} "
-                           f"{getattr(args, dest_of(f))} would change nothing: give one of them")
+                           f"{'none' if value is None else value} would change nothing: give one of them")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
