@@ -368,3 +368,49 @@ def test_a_request_with_its_own_slo_is_judged_against_it():
     router = _router()
     a, b = _running("A", _stats("A", headroom=0.5)), _running("B", _stats("B", headroom=0.4))
     assert _route(router, [a, b], slo_s=0.05) in ("A", "B") and router.rule.fallbacks == 1  # neither: by load
+
+
+def test_each_request_gets_the_replica_chosen_for_it_through_serves_matching():
+    """Through Serve's own request matching (its private `_choose_replica_for_request`: no public entry point routes
+    a request without a cluster): a long and a short prompt pending at once, replicas answering Serve's queue-length
+    probes after random delays. A holds short prompts only and has the most headroom for them; B holds anything.
+    With FIFOMixin the replica chosen for one request went to whichever was first in the queue, and the long prompt
+    landed on A in about half the trials."""
+    import random
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from orbitflow.runtime.sampling import SamplingParams
+    from orbitflow.serve.cluster import OrbitflowRequestRouter
+
+    class Replica:  # what Serve reads of a RunningReplica here
+        def __init__(self, name: str, holds_long: bool):
+            stats = _stats(name, headroom=0.1 if holds_long else 0.5, max_len=16384)
+            stats["what_if"] = [(p, o, holds_long or p <= 512, 0.1, h) for p, o, _, _, h in stats["what_if"]]
+            self.replica_id, self.routing_stats = _ID[name], stats
+            self.max_ongoing_requests, self.node_id, self.availability_zone = 100, "node", None
+            self.multiplexed_model_ids: set = set()
+
+        async def get_queue_len(self, *, deadline_s):
+            await asyncio.sleep(random.uniform(0, 0.01))
+            return 0
+
+    def pending(name, prompt):
+        metadata = RequestMetadata(request_id=name, internal_request_id=name, call_method="generate")
+        return PendingRequest(args=[name, [1] * prompt, SamplingParams(max_tokens=64), (), None], kwargs={},
+                              metadata=metadata)
+
+    async def where_the_long_one_goes(seed):
+        random.seed(seed)
+        router = OrbitflowRequestRouter(DeploymentID(name="engine", app_name="orbitflow"),
+                                        DeploymentHandleSource.REPLICA)
+        router.initialize_state(policy="slo-aware", seed=seed)
+        router.update_replicas([Replica("A", holds_long=False), Replica("B", holds_long=True)])
+        long, short = pending("long", 8000), pending("short", 100)
+        got = await asyncio.gather(router._choose_replica_for_request(long), router._choose_replica_for_request(short))
+        return got[0].replica_id.unique_id, got[1].replica_id.unique_id
+
+    outcomes = [asyncio.run(where_the_long_one_goes(seed)) for seed in range(20)]
+    assert all(long == "B" for long, _ in outcomes), outcomes
+    assert any(short == "A" for _, short in outcomes)  # the short one still goes where it has the most headroom

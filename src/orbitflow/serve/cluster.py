@@ -43,7 +43,7 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from orbitflow.config import ClusterConfig, EngineConfig
 from orbitflow.policies import make_policy
@@ -167,8 +167,10 @@ def _stats_state(stats: dict) -> ReplicaState | None:
     return ReplicaState.from_dict(stats["state"]) if stats.get("state") else None
 
 
-class OrbitflowRequestRouter(FIFOMixin, RequestRouter):
-    """Ray Serve request router applying `orbitflow.runtime.routing.Router` to routing stats."""
+class OrbitflowRequestRouter(RequestRouter):
+    """Ray Serve request router applying `orbitflow.runtime.routing.Router` to routing stats. Its choice is for one
+    request (its prompt, max_tokens and SLO), so Serve's default matching, which gives the chosen replica to the very
+    request it was chosen for, applies: FIFOMixin would give it to the oldest request waiting, whatever its size."""
 
     def initialize_state(self, policy: str = DEFAULT_ROUTER, seed: int = 0) -> None:
         self.rule = Router(policy, seed)
