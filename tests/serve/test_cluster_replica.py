@@ -414,3 +414,36 @@ def test_each_request_gets_the_replica_chosen_for_it_through_serves_matching():
     outcomes = [asyncio.run(where_the_long_one_goes(seed)) for seed in range(20)]
     assert all(long == "B" for long, _ in outcomes), outcomes
     assert any(short == "A" for _, short in outcomes)  # the short one still goes where it has the most headroom
+
+
+def test_start_up_mistakes_are_one_line_naming_the_flag(monkeypatch):
+    """From a review of `serve --replicas`: a missing model took 39 s and ~200 lines of every replica's traceback; an
+    unreachable --ray-address was a traceback; more replicas than this machine's Ray can place waited forever while
+    /health answered 200."""
+    import ray
+
+    from orbitflow.config import ConfigError, EngineConfig
+    from orbitflow.model.errors import ModelLoadError
+    from orbitflow.serve import cluster
+
+    connect = cluster.connect
+    connected = []
+    monkeypatch.setattr(cluster, "connect", lambda *args: connected.append(args))
+    with pytest.raises(ModelLoadError, match="model not found: /no/such/model"):
+        cluster.run_cluster(EngineConfig.build(model="/no/such/model"), 2, None, "127.0.0.1", 8000, "slo-aware")
+    assert connected == []  # refused before Ray starts
+
+    def unreachable(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", unreachable)
+    with pytest.raises(ConfigError, match="--ray-address auto: no Ray cluster there \\(Could not find any"):
+        connect("auto")
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    cluster.check_resources(2, 1.0, 0.0)  # fits
+    with pytest.raises(ConfigError, match="--replicas 3 x --replica-cpus 1 needs 3 CPUs; this Ray has 2"):
+        cluster.check_resources(3, 1.0, 0.0)
+    with pytest.raises(ConfigError, match="--replica-gpus 1 needs 2 GPUs; this Ray has 0"):
+        cluster.check_resources(2, 0.5, 1.0)

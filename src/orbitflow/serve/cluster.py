@@ -37,7 +37,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -45,7 +45,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from orbitflow.config import ClusterConfig, EngineConfig
+from orbitflow.config import ClusterConfig, ConfigError, EngineConfig
+from orbitflow.model.registry import resolve_model_path
 from orbitflow.policies import make_policy
 from orbitflow.runtime.engine import QueueFull, RequestRejected
 from orbitflow.runtime.replica_state import ReplicaState, WhatIf, lookup_what_if, replica_state, what_if_table
@@ -384,6 +385,8 @@ class RemoteEngine:
             finally:
                 if item is not None and not item.done():
                     item.cancel()
+                elif item is not None and not item.cancelled():
+                    item.exception()  # read: a stream cancelled under it (a hang-up) raised there, unlogged
                 if not finished and stream is not None:
                     _cancel(stream, started)  # the replica aborts the request and frees its blocks
 
@@ -517,14 +520,38 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
 
 
 def connect(ray_address: str | None = None, num_cpus: float | None = None) -> None:
-    """Join the Ray cluster at ``ray_address``, or start Ray on this machine; nothing when Ray is already up."""
+    """Join the Ray cluster at ``ray_address``, or start Ray on this machine; nothing when Ray is already up. A
+    cluster that cannot be reached is a ConfigError naming --ray-address."""
     import ray
 
     if not ray.is_initialized():
         kwargs = {"address": ray_address} if ray_address else {"num_cpus": num_cpus}
-        ray.init(**kwargs, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
-                 if os.environ.get("PYTHONPATH") else None)
+        try:
+            ray.init(**kwargs, include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+                     if os.environ.get("PYTHONPATH") else None)
+        except ConnectionError as exc:
+            if not ray_address:
+                raise
+            raise ConfigError(f"--ray-address {ray_address}: no Ray cluster there ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_resources(replicas: int, replica_cpus: float, replica_gpus: float) -> None:
+    """A ConfigError naming the flags when this machine's Ray cannot place every replica (Serve would wait for the
+    resources forever, warning every 30 s, while the proxy already answers)."""
+    import ray
+
+    have = ray.cluster_resources()
+    for name, each, flag in (("CPU", replica_cpus, "--replica-cpus"), ("GPU", replica_gpus, "--replica-gpus")):
+        need = replicas * each
+        if need > have.get(name, 0.0) + 1e-9:
+            raise ConfigError(f"--replicas {replicas} x {flag} {each:g} needs {need:g} {name}s; this Ray has "
+                              f"{have.get(name, 0.0):g} (lower {flag} or --replicas)")
 
 
 def start_cluster(app, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
@@ -541,14 +568,27 @@ def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, ho
     requests 503, those in flight finish for `shutdown_timeout` seconds, then end with "abort") and shut the
     application down."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    resolve_model_path(config.model.name)  # a missing model is one line here, not a traceback from every replica
     connect(ray_address)  # first: a replica's GPU reservation reads the cluster's GPUs
     app = build_cluster_app(config, replicas, router, **kwargs)
-    start_cluster(app, host, port, ray_address)
-    log.info("serving %s on %d replicas (router %s) at http://%s:%d/v1", config.model.name, replicas, router,
-             host, port)
+    if ray_address is None:  # Ray on this machine cannot grow (a joined cluster may autoscale)
+        gpus = kwargs.get("replica_gpus")
+        check_resources(replicas, kwargs.get("replica_cpus", 1.0),
+                        replica_gpus_for(config, _cluster_gpus()) if gpus is None else gpus)
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    starting = True
+
+    def on_signal(*_) -> None:
+        if starting:  # interrupt the deployment itself (Serve may wait for resources); `finally` cleans up
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        start_cluster(app, host, port, ray_address)
+        starting = False
+        log.info("serving %s on %d replicas (router %s) at http://%s:%d/v1", config.model.name, replicas, router,
+                 host, port)
         stop.wait()
         log.info("shutting down: finishing requests in flight for up to %g s", shutdown_timeout)
         try:
@@ -556,8 +596,11 @@ def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, ho
         except Exception as exc:  # the ingress is gone or stuck: the deletion below ends what is left
             log.warning("draining the API failed (%s: %s); stopping anyway", type(exc).__name__, exc)
     finally:
+        starting = False
         log.info("shutting down the cluster application")
-        serve.delete(APP_NAME)
-        serve.shutdown()
+        with suppress(Exception):  # a deployment interrupted early may have left nothing to delete
+            serve.delete(APP_NAME)
+        if ray_address is None:  # Serve on a joined cluster may run other applications: only ours is deleted
+            serve.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
