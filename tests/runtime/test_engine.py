@@ -189,6 +189,10 @@ def test_rejects_what_can_never_fit(tiny_llama):
             llm.engine.add_request("x", list(range(3, 100)), SamplingParams(max_tokens=64))
         with pytest.raises(RequestRejected, match="at least one token"):
             llm.engine.add_request("y", [], SamplingParams(max_tokens=4))
+        # through the Python API, 0 generated a token and -59 shrank the KV admission reserves (a review's fuzzer)
+        for bad in (0, -59, 2.5, True):
+            with pytest.raises(RequestRejected, match=f"max_tokens must be an integer >= 1, got {bad!r}"):
+                llm.engine.add_request("z", [5, 6, 7], SamplingParams(max_tokens=bad))
     finally:
         llm.close()
 

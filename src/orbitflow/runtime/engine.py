@@ -168,6 +168,10 @@ class Engine:
     ) -> Request:
         if not prompt_ids:
             raise RequestRejected("prompt must contain at least one token")
+        # (the API and the CLI check it too; through the Python API a max_tokens of 0 still generated one token, and a
+        # negative one shrank the KV the admission checks reserve)
+        if isinstance(sampling.max_tokens, bool) or not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be an integer >= 1, got {sampling.max_tokens!r}")
         # else the embedding lookup fails the whole batch's step, not just this one (min/max: C loops, for long prompts)
         if self.vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):
             bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
