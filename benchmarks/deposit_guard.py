@@ -125,11 +125,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "| missed vs guard 0 |",
         "|---|---|---|---|---|---|---|",
     ]
+    def pct(stat: dict) -> str:  # an arm with no paced gap (a slow machine kept every deposit empty) has no share
+        if stat["mean"] is None:
+            return "-"
+        return f"{100 * stat['mean']:.1f} ± " + ("-" if stat["ci95"] is None else f"{100 * stat['ci95']:.1f}") + "%"
+
+    def num(value, fmt: str) -> str:
+        return "-" if value is None or value != value else format(value, fmt)
+
     for r in rows:
-        ratio = (r["miss"]["mean"] / base["miss"]["mean"]) if base and base["miss"]["mean"] else float("nan")
-        lines.append(f"| {r['guard']} | {1000 * r['guard_s']:.2f} | {r['paced_gaps']} | "
-                     f"{100 * r['miss']['mean']:.1f} ± {100 * r['miss']['ci95']:.1f}% | {r['excess_ms']:.2f} | "
-                     f"{r['paced_gap']['mean']:.1f} | {ratio:.2f} |")
+        ratio = (r["miss"]["mean"] / base["miss"]["mean"]) if base and base["miss"]["mean"] else None
+        lines.append(f"| {r['guard']} | {1000 * r['guard_s']:.2f} | {r['paced_gaps']} | {pct(r['miss'])} | "
+                     f"{num(r['excess_ms'], '.2f')} | {num(r['paced_gap']['mean'], '.1f')} | {num(ratio, '.2f')} |")
     lines.append("")
     return "\n".join(lines)
 

@@ -45,8 +45,10 @@ def _check_no_planner_flags(args: argparse.Namespace) -> None:
     """A planner flag beside --placement is a usage error, not silently ignored."""
     defaults = PlannerConfig()
     for f in fields(PlannerConfig):
+        if f.name not in NOT_WITH_PLACEMENT:
+            continue
         value = getattr(args, dest_of(f))
-        if f.name in NOT_WITH_PLACEMENT and value != getattr(defaults, f.name):
+        if value != getattr(defaults, f.name):
             raise CLIError(f"--placement {args.placement} fixes every request's placement, so {flag_of(f)} "
                            f"{'none' if value is None else value} would change nothing: give one of them")
 

@@ -2,7 +2,7 @@
 
 import re
 
-from benchmark_scripts import run_benchmark
+from benchmark_scripts import load_benchmark, run_benchmark
 
 
 def test_guard_benchmark_runs_every_arm_and_writes_its_table(tmp_path, monkeypatch, capsys):
@@ -16,3 +16,18 @@ def test_guard_benchmark_runs_every_arm_and_writes_its_table(tmp_path, monkeypat
     assert [r[0] for r in rows] == ["0", "auto"]
     assert float(rows[0][1]) == 0 and float(rows[1][1]) == round(min(5.0, slo_ms / 10), 2)
     assert "missed vs guard 0" in capsys.readouterr().out
+
+
+def test_an_arm_without_paced_gaps_is_a_dash_not_a_crash():
+    """On a loaded machine (a 618 ms step) no token of the guard-0 arm was held, so its missed share had no mean and
+    the table's formatting raised a TypeError after the whole run."""
+    bench = load_benchmark("deposit_guard")
+    empty = {"mean": None, "ci95": None, "n": 0}
+    rows = [{"guard": "0", "guard_s": 0.0, "paced_gaps": 0, "miss": empty, "excess_ms": float("nan"),
+             "paced_gap": empty},
+            {"guard": "auto", "guard_s": 0.005, "paced_gaps": 1, "miss": {"mean": 0.0, "ci95": 0.0, "n": 1},
+             "excess_ms": float("nan"), "paced_gap": {"mean": 900.0, "ci95": None, "n": 1}}]
+    meta = {"command": "x", "when": "now", "machine": "m", "load": 2.0, "seed": 0, "streams": 1, "tokens": 10,
+            "step_ms": 618.5, "slo_ms": 927.8, "slo_scale": 1.5, "rounds": 2}
+    text = bench.markdown(rows, meta)
+    assert "| 0 | 0.00 | 0 | - | - | - | - |" in text and "| auto | 5.00 | 1 | 0.0 ± 0.0% | - | 900.0 | - |" in text
