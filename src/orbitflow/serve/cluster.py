@@ -568,7 +568,8 @@ def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, ho
     requests 503, those in flight finish for `shutdown_timeout` seconds, then end with "abort") and shut the
     application down."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    resolve_model_path(config.model.name)  # a missing model is one line here, not a traceback from every replica
+    if ray_address is None:  # one line here, not a traceback from every replica (a joined cluster's nodes may
+        resolve_model_path(config.model.name)  # hold a model path this driver's machine lacks)
     connect(ray_address)  # first: a replica's GPU reservation reads the cluster's GPUs
     app = build_cluster_app(config, replicas, router, **kwargs)
     if ray_address is None:  # Ray on this machine cannot grow (a joined cluster may autoscale)
