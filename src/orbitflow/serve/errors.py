@@ -58,9 +58,9 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
     if not loc:
         if err.get("type") == "missing":
             return bad_request("a JSON request body is required")
-        if content_type is not None and "json" not in content_type.lower():  # `curl -d` sends a form
-            return bad_request(f"request body: {message} (the body is sent as {content_type or 'no Content-Type'}; "
-                               "send JSON with 'Content-Type: application/json')")
+        if content_type and "json" not in content_type.lower():  # `curl -d` sends a form (none: parsed as JSON)
+            return bad_request(f"request body: {message} (the body is sent as {content_type}; send JSON with "
+                               "'Content-Type: application/json')")
         return bad_request(f"request body: {message}")
     param = ".".join(loc)
     return bad_request(f"{param}: {message}", param=param)
