@@ -276,11 +276,10 @@ def where_we_lose(rows: list[dict]) -> str:
 
     for key, what in (("ratio", "decode"), ("pratio", "prefill")):
         rng, ci = ("range", "ci") if key == "ratio" else ("prange", "pci")
-        under = [r for r in rows if r[key] < 1]
-        behind = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']}{ci_note(r.get(ci))})" for r in under
-                  if r.get(ci) is None or r[ci][1] < 1]
-        level = [f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']}{ci_note(r.get(ci))})" for r in under
-                 if r.get(ci) is not None and r[ci][1] >= 1]
+        under = [(f"{at(r)} ({r[key]:.2f} against {r[f'{what}_by']}{ci_note(r.get(ci))})", r.get(ci))
+                 for r in rows if r[key] < 1]
+        behind = [text for text, interval in under if interval is None or interval[1] < 1]
+        level = [text for text, interval in under if interval is not None and interval[1] >= 1]
         dips = [f"{at(r)} (range {r[rng]}{ci_note(r.get(ci))})" for r in rows
                 if r[key] >= 1 and (float(r[rng].split("-")[0]) < 1 or (r.get(ci) is not None and r[ci][0] < 1))]
         if behind:

@@ -463,8 +463,7 @@ def reproduction_md(claims: dict) -> list[str]:
           "method. Differences above 25% whose interval excludes the paper's number are explained below the table; "
           "a row whose interval holds it is consistent with the paper, however far its mean.", "",
           "| claim | paper | ours | ratio |", "|---|---|---|---|"]
-    off: list[str] = []
-    ratios: dict[str, float] = {}
+    off: list[tuple[str, float]] = []  # (claim, ours over the paper's)
     for what, paper, ours, unit in claims["rows"]:
         if ours.get("mean") is None:
             md.append(f"| {what} | {paper} | - | - |")
@@ -482,14 +481,13 @@ def reproduction_md(claims: dict) -> list[str]:
         md.append(f"| {what} | {p_txt} | {o_txt} | {ratio:.2f} |")
         held = abs(ours["mean"] - paper) <= (ours["ci95"] or 0.0)
         if not 0.75 <= ratio <= 1.25 and not held:
-            off.append(what)
-            ratios[what] = ratio
+            off.append((what, ratio))
     md += [""]
     if off:
         md += ["Differences above 25%, grouped by reason:", ""]
         reasons: dict[str, list[str]] = {}
-        for what in off:
-            reasons.setdefault(explain(what, claims["facts"], ratios[what]), []).append(what)
+        for what, ratio in off:
+            reasons.setdefault(explain(what, claims["facts"], ratio), []).append(what)
         for why, whats in reasons.items():
             md.append(f"- {'; '.join(whats)}: {why}")
         md += [""]

@@ -126,6 +126,14 @@ def _check_type(flag: str, kind: Callable | None, value: Any) -> None:
         raise ConfigError(f"{flag} must be true or false, got {value!r}")
 
 
+def _refuse_set_fields(config, gate: str, why: str) -> None:
+    """A ConfigError naming the first field of ``config`` but ``gate`` set away from its default: ``--flag why``
+    (the flags that mean nothing unless ``gate`` is set)."""
+    for f in fields(config):
+        if f.name != gate and getattr(config, f.name) != f.default:
+            raise ConfigError(f"{flag_of(f)} {why}")
+
+
 def check_output_path(path: str | None, flag: str, directory: bool = False) -> None:
     """Raise ConfigError naming ``flag`` unless ``path`` (a file, or with ``directory`` a folder that may not exist
     yet) can be written: checked before a long run, not after it."""
@@ -334,9 +342,7 @@ class ClusterConfig(_Validated):
 
     def _cross_check(self) -> None:
         if self.replicas is None:  # one engine in this process: a replica flag would be ignored without a word
-            for f in fields(self):
-                if f.name != "replicas" and getattr(self, f.name) != f.default:
-                    raise ConfigError(f"{flag_of(f)} needs --replicas N")
+            _refuse_set_fields(self, "replicas", "needs --replicas N")
 
 
 TP_LINK_CHOICES = ("shared", "per-rank")
@@ -366,9 +372,7 @@ class ParallelConfig(_Validated):
         if self.tensor_parallel_size is None:
             raise ConfigError("--tensor-parallel-size must be an integer >= 1, got None")
         if self.tensor_parallel_size == 1:  # no ranks: a rank flag would be ignored without a word
-            for f in fields(self):
-                if f.name != "tensor_parallel_size" and getattr(self, f.name) != f.default:
-                    raise ConfigError(f"{flag_of(f)} needs --tensor-parallel-size N with N > 1")
+            _refuse_set_fields(self, "tensor_parallel_size", "needs --tensor-parallel-size N with N > 1")
 
     def rank_link_bytes_per_s(self, link_bytes_per_s: float | None) -> float | None:
         """The throttle of one rank's link: the whole link per rank, or an equal share of one shared link."""

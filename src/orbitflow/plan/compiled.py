@@ -1055,8 +1055,8 @@ def feasibility_data(counts, hosts_f, lay_ptr, lay, blocks_h, cap, host_cap, alp
     of every window step ``[H, R]``, the budgets (``cap``: the device budget with its tolerance, as
     ``Constraints.first_over``), and per block-constant segment its compute, compute suffix sums, compute total
     and transfer seconds per request; ``fpar[3]`` the extra compute of a layer that reads prefetched KV, ``fpar[4]``
-    the cap on a Token-Deposit balance (:func:`violations`); ``ipar[4]`` 1 on the ``"preemptive"`` link
-    (:func:`_link`)."""
+    the cap on a Token-Deposit balance (:func:`violations`; ``dep``, the starting balances, are at most it, as
+    ``Horizon.deposit``); ``ipar[4]`` 1 on the ``"preemptive"`` link (:func:`_link`)."""
     n_req, n_layers = blocks_h.shape[1], hosts_f.shape[1]
     scratch = (np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
                np.empty(n_layers), np.empty(len(seg_starts)), np.empty(n_layers), np.empty(horizon), np.empty(n_req))
@@ -1139,8 +1139,7 @@ def _window_rule(k_of, lat0, later_lb, cap_max, feas):
             return False
     per_step, bal = scr[7], scr[8]
     per_step[:] = 0.0
-    for r in range(dep.size):
-        bal[r] = min(dep[r], fpar[4])
+    bal[:] = dep  # already at most the cap (Horizon.deposit)
     acc = 0.0
     for i in range(n_seg):
         if i > 0:

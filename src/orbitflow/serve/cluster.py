@@ -502,7 +502,7 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
     how each replica gets its hardware profile ("measure" on its node, "rough", or a HardwareProfile)."""
     ClusterConfig(replicas=replicas, router=router, replica_cpus=replica_cpus, replica_gpus=replica_gpus)  # checks
     make_policy(config.planner.policy)  # a mistyped --policy fails here, not in every replica's constructor
-    gpus = replica_gpus_for(config, _cluster_gpus()) if replica_gpus is None else replica_gpus
+    gpus = _replica_gpus(config, replica_gpus)
     max_ongoing, max_queued = replica_limits(config)
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replicas, max_ongoing_requests=max_ongoing,
@@ -517,6 +517,11 @@ def build_cluster_app(config: EngineConfig, replicas: int, router: str = DEFAULT
                                max_ongoing_requests=1_000_000)
     return ingress.bind(engine.bind(config, watchdog_s, profile), served_model_name or config.model.name, api_key,
                         max_body_bytes, watchdog_s)
+
+
+def _replica_gpus(config: EngineConfig, replica_gpus: float | None) -> float:
+    """The GPUs each replica reserves: --replica-gpus, or by default what its ranks need on this cluster."""
+    return replica_gpus_for(config, _cluster_gpus()) if replica_gpus is None else replica_gpus
 
 
 def connect(ray_address: str | None = None, num_cpus: float | None = None) -> None:
@@ -573,9 +578,7 @@ def run_cluster(config: EngineConfig, replicas: int, ray_address: str | None, ho
     connect(ray_address)  # first: a replica's GPU reservation reads the cluster's GPUs
     app = build_cluster_app(config, replicas, router, **kwargs)
     if ray_address is None:  # Ray on this machine cannot grow (a joined cluster may autoscale)
-        gpus = kwargs.get("replica_gpus")
-        check_resources(replicas, kwargs.get("replica_cpus", 1.0),
-                        replica_gpus_for(config, _cluster_gpus()) if gpus is None else gpus)
+        check_resources(replicas, kwargs.get("replica_cpus", 1.0), _replica_gpus(config, kwargs.get("replica_gpus")))
     stop = threading.Event()
     starting = True
 
