@@ -511,17 +511,19 @@ def write_md(path: str, payload: dict) -> None:
     noise = (f"the simulator's: the mean over {last['sim_seeds']} noise seeds at the measured step jitter, CV "
              f"{last['sim_noise_cv']:.3f}" if last["sim_noise_cv"] else "the simulator's: one noise-free replay")
     lines += [f"Per policy, {last['label']} (TBT attainment ± its standard error and P95 TBT, engine / simulator "
-              f"({noise}); 'stall error, measured compute': signed, the transfer model alone, fed each step's "
-              "measured per-layer compute):", "",
-              "| policy | TBT att | P95 TBT ms | per-step error median | p95 | stall error | stall error, measured "
-              "compute | median step / SLO |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"({noise}); 'stall s': the stalls' total, engine / model, whose gap the stall error is (over a small "
+              "total a few milliseconds make a large error); 'stall error, measured compute': signed, the transfer "
+              "model alone, fed each step's measured per-layer compute):", "",
+              "| policy | TBT att | P95 TBT ms | per-step error median | p95 | stall s | stall error | stall error, "
+              "measured compute | median step / SLO |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for p, v in last["policies"].items():
         e, s = v["engine"], v["simulator"]
         lines.append(f"| {p} | {e['tbt_attainment']:.3f} ± {e['tbt_attainment_se']:.3f} / "
                      f"{s['tbt_attainment']:.3f} ± {s['tbt_attainment_se']:.3f} "
                      f"| {1000 * e['p95_tbt_s']:.0f} / "
                      f"{1000 * s['p95_tbt_s']:.0f} | {pct('step_err_median')(v)} | {pct('step_err_p95')(v)} "
+                     f"| {v['errors']['stall_measured_s']:.3f} / {v['errors']['stall_model_s']:.3f} "
                      f"| {pct('stall_err')(v)} | {100 * v['errors']['stall_err_transfer']:+.1f}% "
                      f"| {v['errors']['measured_median_s'] / last['slo_s']:.2f} |")
     prof = last["profile"]
@@ -578,7 +580,21 @@ def main() -> None:
     parser.add_argument("--title", default="How far to trust the simulator", help="heading of the --md fragment")
     parser.add_argument("--md", default=None, metavar="PATH",
                         help="write the docs fragment (e.g. docs/results/sim_fidelity.md)")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="run nothing: write the --md fragment again from a --json file of an earlier invocation "
+                             "(its numbers as they were measured; for a change in how the page shows them)")
     args = parser.parse_args()
+    if args.render is not None:
+        if args.md is None:
+            parser.error("--render writes the --md fragment: give --md PATH")
+        try:
+            with open(args.render) as fh:
+                payload = json.load(fh)
+            write_md(args.md, payload)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--render {args.render}: not a --json file of this benchmark ({type(exc).__name__}: {exc})")
+        print(f"wrote {args.md} from {args.render} (no run)")
+        return
     if args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.engine_replays < 1:

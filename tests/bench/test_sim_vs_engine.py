@@ -139,3 +139,36 @@ def test_rerun_taus_compare_consecutive_engine_rankings(sve):
     runs = [run("a", "b", "c"), run("a", "b", "c"), run("c", "b", "a")]
     assert sve.rerun_taus(runs) == [pytest.approx(1.0), pytest.approx(-1.0)]
     assert sve.rerun_taus(runs[:1]) == []
+
+
+def test_render_rewrites_the_page_from_its_json_with_each_policy_s_stall_seconds(sve, tmp_path, monkeypatch, capsys):
+    """--render runs nothing: the committed fidelity page's JSON gives the page again, each policy's row carrying the
+    stalls' totals (engine / model) its stall error is made of."""
+    import json
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[2] / "docs" / "results" / "sim_fidelity.json"
+    out = tmp_path / "page.md"
+    monkeypatch.setattr("sys.argv", ["sim_vs_engine.py", "--render", str(source), "--md", str(out)])
+    sve.main()
+    page = out.read_text()
+    last = json.loads(source.read_text())["runs"][-1]
+    assert "| stall s | stall error |" in page
+    for policy, v in last["policies"].items():
+        row = next(line for line in page.splitlines() if line.startswith(f"| {policy} |"))
+        assert f"| {v['errors']['stall_measured_s']:.3f} / {v['errors']['stall_model_s']:.3f} |" in row
+    assert "(no run)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [(["--render", "x.json"], "give --md PATH"),
+                                          (["--render", "{bad}", "--md", "page.md"], "not a --json file")])
+def test_render_refuses_what_it_cannot_render(sve, tmp_path, monkeypatch, capsys, argv, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": []}')
+    argv = [a.replace("{bad}", str(bad)).replace("page.md", str(tmp_path / "page.md")) for a in argv]
+    monkeypatch.setattr("sys.argv", ["sim_vs_engine.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        sve.main()
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "page.md").exists()
