@@ -51,4 +51,3 @@ def test_a_mkl_cbwr_the_user_set_is_kept():
     assert value == "COMPATIBLE"
     if mode != "-1":
         assert mode == "3"  # MKL_CBWR_COMPATIBLE
-
