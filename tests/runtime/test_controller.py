@@ -1,7 +1,10 @@
 import dataclasses
 import math
+import os
 import threading
 import time
+
+import pytest
 
 from orbitflow.plan import CostModel, PlanRequest
 from orbitflow.policies.base import PlanContext
@@ -318,3 +321,70 @@ def test_a_long_running_controller_keeps_its_latest_records_and_counts_every_sol
     assert len(controller.records) == 3 and [r.step for r in controller.records] == [2, 3, 4]
     assert controller.solver_calls == 5 and controller.solver_budget_hits == 0
     assert controller.solver_time_s > sum(r.solve_s for r in controller.records) > 0
+
+
+class HangsInThePlanner(OrbitFlowPolicy):
+    """OrbitFlow's plans, except that a solve ahead never comes back: in a planner process it sleeps for a minute,
+    on a planner thread it waits for ``release`` (set by the test, so that no thread outlives it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pid = os.getpid()
+        self.release = threading.Event()
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "release"}
+
+    def plan(self, requests, ctx):
+        if os.getpid() != self.pid:
+            time.sleep(60)
+        elif threading.current_thread().name.startswith("orbitflow-planner"):
+            self.release.wait(60)
+        return super().plan(requests, ctx)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_step_past_the_window_gives_up_on_a_planner_that_never_answers(monkeypatch, caplog, mode):
+    """A planner that never answers (hung, or its process stopped) held the step past the old plan's window, and with
+    it every request of the batch, for good. The step now waits `ahead_wait_s`, then solves inline and starts the
+    planner afresh."""
+    from orbitflow.runtime import controller as module
+
+    monkeypatch.setattr(module, "AHEAD_WAIT_FLOOR_S", 0.5)
+    policy = HangsInThePlanner()
+    controller = Controller(policy, context(window=(2, 5)), background=mode)
+    try:
+        reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+        controller.solve(reqs, step=0, trigger="batch")
+        controller.plan = dataclasses.replace(controller.plan, expiry_step=4)
+        controller.solve_ahead(reqs, step_next=4)
+        assert controller.trigger(4, ["a"]) is None and controller.trigger(5, ["a"]) == "expiry"
+        hung = controller._background._pool
+        start = time.monotonic()
+        plan = controller.solve(reqs, step=5, trigger="expiry")
+        waited = time.monotonic() - start
+        assert plan.feasible and controller.plan is plan and not controller.records[-1].background
+        assert 0.5 <= waited < 30  # the floor, not the planner's minute
+        assert "gave no plan within 0.5 s" in caplog.text
+        assert controller._background._pool is not hung and controller._background.mode == mode
+        if mode == "process":
+            assert not hung._proc.is_alive()
+    finally:
+        policy.release.set()
+        controller.close()
+
+
+def test_a_solve_without_a_budget_is_waited_for_and_one_with_a_budget_for_long_enough():
+    from orbitflow.runtime import controller as module
+
+    exact = Controller(OrbitFlowPolicy(), dataclasses.replace(context(), node_limit=None), background=False)
+    assert exact.ahead_wait_s() is None  # a proof may take that long; an inline solve would too
+    timed = Controller(OrbitFlowPolicy(), dataclasses.replace(context(), node_limit=None, time_limit_s=0.01),
+                       background=False)
+    assert timed.ahead_wait_s() == module.AHEAD_WAIT_FLOOR_S
+    timed.ctx = dataclasses.replace(timed.ctx, time_limit_s=5.0)
+    assert timed.ahead_wait_s() == module.AHEAD_WAIT_FACTOR * 5.0
+    nodes = Controller(OrbitFlowPolicy(), context(), background=False)  # the default node limit
+    assert nodes.ahead_wait_s() == module.AHEAD_WAIT_FLOOR_S
+    nodes._ahead_solve_s.append(3.0)  # a background solve that took 3 s
+    assert nodes.ahead_wait_s() == module.AHEAD_WAIT_FACTOR * 3.0

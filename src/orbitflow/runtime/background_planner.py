@@ -271,6 +271,12 @@ class BackgroundPlanner:
         self.mode = "thread"
         self._pool = self._start()
 
+    def restart(self) -> None:
+        """After a solve that never came back (hung, or a stopped process): a fresh planner of the same mode. A
+        process is killed; a thread cannot be, and is left to finish its solve on its own, unread."""
+        self.close()
+        self._pool = self._start()
+
     def close(self) -> None:
         if isinstance(self._pool, ThreadPoolExecutor):
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -319,6 +325,9 @@ class ClockedPlanner:
 
     def fall_back_to_thread(self) -> None:
         """Nothing to fall back from: no process is involved."""
+
+    def restart(self) -> None:
+        """Nothing to restart: a solve here is done when it is submitted."""
 
     def close(self) -> None:
         """Nothing to stop."""

@@ -9,7 +9,9 @@ runtime/background_planner.py) while the steps before it run, so the solver's co
 the solve starts one step ahead, or more when the last background solves took longer than a step
 (:meth:`Controller.lead_steps`). If it is still running when the expiry comes and the plan in force still holds
 (inside its window), that plan runs on and the new one is adopted at the first step after it is done, as the
-simulator charges it; only past the window does the step wait for it. Every call is recorded.
+simulator charges it; only past the window does the step wait for it, and for a solve with a budget not past
+:meth:`Controller.ahead_wait_s` (a planner that never answers, hung or stopped, would hold every request of the
+batch for good): then the planner is started afresh and the step solves inline. Every call is recorded.
 
 On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`, by
 the same rules: an expiry is solved ahead (:class:`~orbitflow.runtime.background_planner.ClockedPlanner`: the solve
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 LEAD_MARGIN = 1.25  # a background solve starts when the expiry is this many of its expected durations away ...
 MAX_LEAD_STEPS = 8  # ... but at most this many steps ahead
+AHEAD_WAIT_FLOOR_S = 30.0  # a step past the window waits this long at least for a solve ahead with a budget ...
+AHEAD_WAIT_FACTOR = 20  # ... or this many of its time budget or of the slowest recent solve, if longer
 RECORDS_KEPT = 4096  # the latest solves kept for inspection (`Controller.records`); their totals count every solve
 
 
@@ -196,16 +200,32 @@ class Controller:
         return min(fitting, key=lambda p: (p.predicted_step_s, p.host_blocks), default=plan)
 
     def _ahead_result(self, future: Future) -> tuple[Plan | None, float | None]:
-        """The background solve's plan and seconds, or None (then the caller solves inline) if it failed."""
+        """The background solve's plan and seconds, or None (then the caller solves inline) if it failed or did not
+        come within :meth:`ahead_wait_s`."""
+        wait_s = self.ahead_wait_s()
         try:
-            plan, solve_s = future.result()
+            plan, solve_s = future.result(timeout=wait_s)
             self._ahead_solve_s.append(self._charged(solve_s))
             return plan, solve_s
         except BrokenProcessPool:
             self._background.fall_back_to_thread()
+        except TimeoutError:  # concurrent.futures' too (an alias since Python 3.11)
+            log.error("the background planner (%s) gave no plan within %.1f s of a step that needs it; starting it "
+                      "afresh and solving inline", self._background.mode, wait_s)
+            self._background.restart()
         except Exception:
             log.exception("background plan failed; solving inline")
         return None, None
+
+    def ahead_wait_s(self) -> float | None:
+        """Seconds a step past the old plan's window waits for the solve ahead before giving up on the planner:
+        ``AHEAD_WAIT_FACTOR`` times the solve's time budget or the slowest recent background solve, and
+        ``AHEAD_WAIT_FLOOR_S`` at least. None (wait for good) for a solve without a budget (``--plan-node-limit
+        none`` and no ``--plan-time-limit-ms``): a proof may take that long, and solving it again inline would too."""
+        if self.ctx.node_limit is None and self.ctx.time_limit_s is None:
+            return None
+        longest = max([self.ctx.time_limit_s or 0.0, *self._ahead_solve_s])
+        return max(AHEAD_WAIT_FLOOR_S, AHEAD_WAIT_FACTOR * longest)
 
     def ahead_step(self, step: int) -> int | None:
         """With ``step`` the next step to run: the step whose plan to start solving in the background now, or None.
