@@ -117,12 +117,21 @@ def capture_steps(llm: LLM, cost_model: CostModel, samples: list[StepSample]) ->
             plan = engine.controller.plan
         result = inner(seqs)
         if decode:
-            transfer = sum(cost_model.stalls(~mask, blocks, np.asarray(result.layer_compute_s, dtype=float)))
+            transfer = transfer_stall(cost_model, ~mask, blocks, result.layer_compute_s)
             samples.append(StepSample(result.step_s, float(est.total_s), plan.predicted_step_s if plan else None,
                                       result.stall_s, float(est.stall_s), float(transfer)))
         return result
 
     llm.executor.step = step
+
+
+def transfer_stall(cost_model: CostModel, host_mask: np.ndarray, blocks: list[int], layer_compute_s) -> float:
+    """The stall the model's link schedule gives a step whose per-layer compute was measured: the transfer model
+    alone. The measured compute already holds the extra of the layers that read prefetched KV, which the schedule
+    adds to such layers (``host_layer_s``), so it is taken off first: counted twice, it hid a depth-2 policy's
+    stalls under compute that did not happen (DeepSpeed's by about a quarter)."""
+    comp = np.maximum(np.asarray(layer_compute_s, dtype=float) - cost_model.host_layer_compute(host_mask), 0.0)
+    return float(sum(cost_model.stalls(host_mask, blocks, comp)))
 
 
 def step_model(profile: HardwareProfile, llm: LLM) -> CostModel:
@@ -368,7 +377,8 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
 
     per_policy = {p: {"engine": mean_row([metrics_row(r.metrics) for r in real[p]]), "simulator": sim[p],
                       "errors": step_errors([s for r in real[p] for s in r.steps]),
-                      "engine_overhead_s_per_step": float(np.mean([r.overhead_s for r in real[p]]))}
+                      "engine_overhead_s_per_step": float(np.mean([r.overhead_s for r in real[p]])),
+                      "engine_stall_s_replays": [sum(s.measured_stall_s for s in r.steps) for r in real[p]]}
                   for p in policies}
     run = {"label": label, "profile": profile.to_dict(), "slo_s": slo_s, "policies": per_policy,
            "sim_noise_cv": noise_cv, "sim_seeds": sim_seeds, "engine_replays": engine_replays,
@@ -512,8 +522,10 @@ def write_md(path: str, payload: dict) -> None:
              f"{last['sim_noise_cv']:.3f}" if last["sim_noise_cv"] else "the simulator's: one noise-free replay")
     lines += [f"Per policy, {last['label']} (TBT attainment ± its standard error and P95 TBT, engine / simulator "
               f"({noise}); 'stall s': the stalls' total, engine / model, whose gap the stall error is (over a small "
-              "total a few milliseconds make a large error); 'stall error, measured compute': signed, the transfer "
-              "model alone, fed each step's measured per-layer compute):", "",
+              "total a few milliseconds make a large error), the engine's over all its replays and, in brackets, the "
+              "least and the most of one replay times the number of replays (the engine's own spread); 'stall error, "
+              "measured compute': signed, the transfer model alone, fed each step's measured per-layer compute (less "
+              "the profile's extra for a layer that reads prefetched KV, which the model adds to such layers)):", "",
               "| policy | TBT att | P95 TBT ms | per-step error median | p95 | stall s | stall error | stall error, "
               "measured compute | median step / SLO |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -523,7 +535,7 @@ def write_md(path: str, payload: dict) -> None:
                      f"{s['tbt_attainment']:.3f} ± {s['tbt_attainment_se']:.3f} "
                      f"| {1000 * e['p95_tbt_s']:.0f} / "
                      f"{1000 * s['p95_tbt_s']:.0f} | {pct('step_err_median')(v)} | {pct('step_err_p95')(v)} "
-                     f"| {v['errors']['stall_measured_s']:.3f} / {v['errors']['stall_model_s']:.3f} "
+                     f"| {v['errors']['stall_measured_s']:.3f}{_replay_range(v)} / {v['errors']['stall_model_s']:.3f} "
                      f"| {pct('stall_err')(v)} | {100 * v['errors']['stall_err_transfer']:+.1f}% "
                      f"| {v['errors']['measured_median_s'] / last['slo_s']:.2f} |")
     prof = last["profile"]
@@ -539,6 +551,15 @@ def write_md(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         fh.write("\n".join(lines))
+
+
+def _replay_range(v: dict) -> str:
+    """`` (a-b)``: the least and the most stall of one engine replay, each times the number of replays (so it reads
+    beside the total over all of them); empty for one replay or a --json file from before replays were kept."""
+    per = v.get("engine_stall_s_replays") or []
+    if len(per) < 2:
+        return ""
+    return f" ({len(per) * min(per):.2f}-{len(per) * max(per):.2f})"
 
 
 def _load_previous(path: str) -> dict:

@@ -25,6 +25,23 @@ def test_step_errors_split_the_stall_error(sve):
     assert math.isnan(sve.step_errors([])["stall_err_transfer"])
 
 
+def test_the_transfer_model_alone_does_not_count_the_host_layers_extra_twice(sve):
+    """Fed the very compute the model predicts for a step (its host layers' extra included), the transfer model
+    alone must give the model's own stall; it gave less at depth 2, where that extra overlaps the link."""
+    import numpy as np
+
+    from orbitflow.plan import CostModel, Placement
+
+    model = CostModel([2e-3] * 8, 100.0, prefetch_slots=2, transfer_latency_s=2e-4, host_layer_s=4e-4)
+    placement = Placement.from_distances(8, [1, 2])
+    est = model.step(placement, [30, 20])
+    assert est.stall_s > 0 and (est.compute_per_layer_s > 2e-3).any()
+    assert sve.transfer_stall(model, placement.host, [30, 20], est.compute_per_layer_s) == pytest.approx(est.stall_s)
+    plain = CostModel([2e-3] * 8, 100.0, prefetch_slots=2, transfer_latency_s=2e-4)  # no extra: nothing taken off
+    est = plain.step(placement, [30, 20])
+    assert sve.transfer_stall(plain, placement.host, [30, 20], np.full(8, 2e-3)) == pytest.approx(est.stall_s)
+
+
 def keys(*order):
     return {p: (i, 0.0) for i, p in enumerate(order)}
 
@@ -156,8 +173,15 @@ def test_render_rewrites_the_page_from_its_json_with_each_policy_s_stall_seconds
     assert "| stall s | stall error |" in page
     for policy, v in last["policies"].items():
         row = next(line for line in page.splitlines() if line.startswith(f"| {policy} |"))
-        assert f"| {v['errors']['stall_measured_s']:.3f} / {v['errors']['stall_model_s']:.3f} |" in row
+        engine, model = v["errors"]["stall_measured_s"], v["errors"]["stall_model_s"]
+        assert f"| {engine:.3f}{sve._replay_range(v)} / {model:.3f} |" in row
     assert "(no run)" in capsys.readouterr().out
+
+
+def test_each_policy_s_row_shows_the_engine_s_spread_over_its_replays(sve):
+    v = {"engine_stall_s_replays": [1.0, 1.5, 1.2]}
+    assert sve._replay_range(v) == " (3.00-4.50)"  # beside the total over the three, 3.7
+    assert sve._replay_range({"engine_stall_s_replays": [1.0]}) == "" == sve._replay_range({})
 
 
 @pytest.mark.parametrize("argv,message", [(["--render", "x.json"], "give --md PATH"),
