@@ -275,6 +275,48 @@ def test_an_expiry_is_solved_ahead_for_the_batch_as_it_will_be_then():
         controller.close()
 
 
+@pytest.mark.parametrize("step_s", [0.010, 0.014])  # faster than the pace (banks), slower (spends the bank)
+def test_a_solve_ahead_sees_the_deposit_its_step_will_have(step_s):
+    """A solve started 3 steps before its expiry planned with the Token-Deposit balance of its start. Over steps
+    that take the plan in force's predicted time, the balance it sees must be the one its step then has."""
+    from orbitflow.plan import Placement, Plan
+
+    class Expiring(CapPolicy):
+        replan_on = frozenset({"batch", "expiry"})
+
+        def plan(self, requests, ctx):
+            ids = tuple(r.request_id for r in requests)
+            return Plan(ids, Placement.from_distances(self.layers, [None] * len(ids)), (None,) * len(ids), True, 8,
+                        None, step_s)
+
+    clock = VirtualClock()
+    sched = make_scheduler(Expiring(cap=4))
+    sched.now = clock.now
+    sched.controller = controller = Controller(Expiring(cap=4), sched.controller.ctx, background="thread")
+    try:
+        controller.lead_steps = lambda: 3
+        seen, actual = [], {}
+        real = controller.solve_ahead
+        controller.solve_ahead = lambda reqs, step_next: seen.append((step_next, reqs[0].deposit)) or real(reqs,
+                                                                                                             step_next)
+        req = Request("a", list(range(1, 21)), SamplingParams(max_tokens=40), 0.0, 0.012, TokenDeposit(0.012))
+        sched.add_request(req)
+        for _ in range(6):  # 5 paces banked before the first step
+            req.deposit.push(7, clock.now())
+        for _ in range(12):
+            actual[sched.step] = sched.plan_inputs(sched.running)[0][0].deposit if sched.running else None
+            out = sched.schedule()
+            clock.advance(step_s)  # the step takes what the plan predicts
+            req.deposit.push(7, clock.now())
+            run(sched, out)
+        step_next, deposit = seen[0]
+        assert step_next == 8 and actual[8] > 0
+        assert deposit == pytest.approx(actual[8], abs=1e-9)  # was actual[5]
+        assert (deposit > actual[5]) == (step_s < 0.012)
+    finally:
+        controller.close()
+
+
 def serve_alone(sched: Scheduler, req: Request, steps: int = 200) -> list:
     """Run the scheduler until `req` ends, finishing it at `max_tokens` as the engine's stop check would; the
     outputs of the steps it ran in."""

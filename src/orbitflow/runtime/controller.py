@@ -247,7 +247,8 @@ class Controller:
 
     def solve_ahead(self, requests_next: list[PlanRequest], step_next: int) -> None:
         """Start solving the plan for step ``step_next`` now, in the background (the caller passes the batch as
-        it will be then: every request that many tokens longer). The solve gets the current snapshot of the planning
+        it will be then: every request that many tokens longer, its Token-Deposit balance moved on by the plan in
+        force's predicted steps, ``scheduler.deposit_ahead``). The solve gets the current snapshot of the planning
         inputs; later changes replace ``self.ctx`` and leave that snapshot alone."""
         try:
             future = self._background.submit(requests_next, self.ctx)

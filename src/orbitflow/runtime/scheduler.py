@@ -41,6 +41,7 @@ import numpy as np
 from orbitflow.config import EngineConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.plan import Plan, PlanRequest
+from orbitflow.plan.deposit import balance_after
 from orbitflow.plan.placement import capacity_terms, memory_blocks, most_blocks
 from orbitflow.runtime.controller import Controller
 from orbitflow.runtime.outputs import ScheduleOutput, SeqInput, StepResult
@@ -57,6 +58,18 @@ NO_FIT = "request's KV does not fit the device KV budget and the host pool left 
 # it, it keeps its place (the newcomer that would have paused it waits), so no request starves under steady load.
 # Without the bound, simulator runs at SLO scale 1 paused one request up to 5 times in a row before it moved on.
 MAX_IDLE_PAUSES = 2
+
+
+def deposit_ahead(balance: float, pace_s: float, step_s: float | None, ahead: int) -> float:
+    """A request's Token-Deposit balance ``ahead`` decode steps on, for a solve started that early: ``balance`` now,
+    moved by the planner's fluid model (plan/deposit.py: each step of ``step_s`` seconds, the plan in force's
+    predicted step, adds ``1 - step_s / pace_s``, clamped at 0). Without a prediction (no plan in force) or for
+    ``ahead`` 0, the balance now. A solve ahead took the balance of its start: over steps slower than the pace that
+    is more than the steps before its plan leave it, so the plan spent margin it would not have."""
+    balance = float(balance)
+    if not ahead or step_s is None or not math.isfinite(step_s):
+        return balance
+    return balance_after(balance, pace_s, [step_s], [0], [ahead], ahead)
 
 
 class Scheduler:
@@ -420,8 +433,10 @@ class Scheduler:
                 held += table.host_blocks()
         host_capacity = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
         deposits = self.config.planner.token_deposit
-        return [r.plan_request(self.block_size, ahead, float(r.deposit.balance(now)) if deposits else 0.0)
-                for r in reqs], host_capacity
+        plan = self.controller.plan
+        step_s = plan.predicted_step_s if ahead and plan is not None and plan.feasible else None
+        return [r.plan_request(self.block_size, ahead, deposit_ahead(r.deposit.balance(now), r.pace_s, step_s, ahead)
+                               if deposits else 0.0) for r in reqs], host_capacity
 
     # ---- the batch (phase 3) ----------------------------------------------------------------------
     def _schedule_batch(self, out: ScheduleOutput) -> None:
