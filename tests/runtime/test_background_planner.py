@@ -15,7 +15,7 @@ from orbitflow.plan import CostModel, PlanRequest
 from orbitflow.policies.base import PlanContext, Policy
 from orbitflow.policies.orbitflow import OrbitFlowPolicy
 from orbitflow.runtime import background_planner
-from orbitflow.runtime.background_planner import BackgroundPlanner, resolve_mode
+from orbitflow.runtime.background_planner import BackgroundPlanner, ClockedPlanner, resolve_mode
 from orbitflow.runtime.controller import Controller
 
 
@@ -314,3 +314,20 @@ def test_close_does_not_wait_for_a_solve_in_flight():
     start = time.monotonic()
     planner.close()
     assert time.monotonic() - start < 3 and not pool._proc.is_alive()
+
+
+def test_a_simulated_solve_charged_past_the_wait_times_out_on_the_clock_as_in_the_engine():
+    """The simulator's planner answers at once but is ready only once the clock reaches its charged end: a step that
+    waits less than that must give up after the wait, on the clock, as a step of the engine gives up on its planner;
+    the planner is free again once restarted."""
+    from orbitflow.runtime.clock import VirtualClock
+
+    clock = VirtualClock()
+    planner = ClockedPlanner(OrbitFlowPolicy(), clock, lambda wall_s: 40.0)  # every solve charged 40 s
+    future = planner.submit(batch(), context())
+    with pytest.raises(TimeoutError):
+        future.result(timeout=30.0)
+    assert clock.now() == pytest.approx(30.0)
+    planner.restart()
+    plan, _ = planner.submit(batch(), context()).result(timeout=None)  # not queued behind the one given up on
+    assert plan.feasible and clock.now() == pytest.approx(70.0)

@@ -278,7 +278,8 @@ def test_an_expiry_is_solved_ahead_for_the_batch_as_it_will_be_then():
 @pytest.mark.parametrize("step_s", [0.010, 0.014])  # faster than the pace (banks), slower (spends the bank)
 def test_a_solve_ahead_sees_the_deposit_its_step_will_have(step_s):
     """A solve started 3 steps before its expiry planned with the Token-Deposit balance of its start. Over steps
-    that take the plan in force's predicted time, the balance it sees must be the one its step then has."""
+    that take what the plan in force predicts for each (longer as the KV grows), the balance it sees must be the one
+    its step then has."""
     from orbitflow.plan import Placement, Plan
 
     class Expiring(CapPolicy):
@@ -287,7 +288,7 @@ def test_a_solve_ahead_sees_the_deposit_its_step_will_have(step_s):
         def plan(self, requests, ctx):
             ids = tuple(r.request_id for r in requests)
             return Plan(ids, Placement.from_distances(self.layers, [None] * len(ids)), (None,) * len(ids), True, 8,
-                        None, step_s)
+                        None, step_s, step_latencies_s=tuple(step_s + 2e-4 * k for k in range(8)))
 
     clock = VirtualClock()
     sched = make_scheduler(Expiring(cap=4))
@@ -306,7 +307,7 @@ def test_a_solve_ahead_sees_the_deposit_its_step_will_have(step_s):
         for _ in range(12):
             actual[sched.step] = sched.plan_inputs(sched.running)[0][0].deposit if sched.running else None
             out = sched.schedule()
-            clock.advance(step_s)  # the step takes what the plan predicts
+            clock.advance(controller.plan.step_latencies_s[sched.step - controller.plan_step])  # as predicted
             req.deposit.push(7, clock.now())
             run(sched, out)
         step_next, deposit = seen[0]

@@ -273,7 +273,8 @@ class BackgroundPlanner:
 
     def restart(self) -> None:
         """After a solve that never came back (hung, or a stopped process): a fresh planner of the same mode. A
-        process is killed; a thread cannot be, and is left to finish its solve on its own, unread."""
+        process is killed; a thread cannot be, and is left to finish its solve on its own, unread (the interpreter
+        waits for it at exit, as for every executor thread)."""
         self.close()
         self._pool = self._start()
 
@@ -296,7 +297,13 @@ class _ClockedFuture(Future):
         return self._clock.now() + 1e-12 >= self._ready_at
 
     def result(self, timeout: float | None = None):
-        self._clock.advance(max(0.0, self._ready_at - self._clock.now()))
+        """Wait on the clock until the solve is ready, or ``timeout`` seconds of it (then TimeoutError, as a
+        planner that has not answered raises in the engine)."""
+        left = max(0.0, self._ready_at - self._clock.now())
+        if timeout is not None and left > timeout:
+            self._clock.advance(timeout)
+            raise TimeoutError(f"the solve ahead is charged {left:.3f} s more than the {timeout:g} s waited")
+        self._clock.advance(left)
         return self._value
 
 
@@ -327,7 +334,8 @@ class ClockedPlanner:
         """Nothing to fall back from: no process is involved."""
 
     def restart(self) -> None:
-        """Nothing to restart: a solve here is done when it is submitted."""
+        """A fresh planner, free now: the solve given up on no longer holds it."""
+        self._free_at = -math.inf
 
     def close(self) -> None:
         """Nothing to stop."""

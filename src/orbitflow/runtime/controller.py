@@ -16,7 +16,8 @@ batch for good): then the planner is started afresh and the step solves inline. 
 On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`, by
 the same rules: an expiry is solved ahead (:class:`~orbitflow.runtime.background_planner.ClockedPlanner`: the solve
 runs at once and its plan is ready once the clock has moved on by its charged seconds), so the steps before it hide
-it, the old plan runs on inside its window while it is not ready and the step waits for it past the window; every
+it, the old plan runs on inside its window while it is not ready and the step waits for it past the window (at
+most :meth:`Controller.ahead_wait_s` of the clock, then the step solves inline as in the engine); every
 other solve (a batch change, a profile mismatch, every step, an expiry not solved ahead) is made while the step
 waits, as the engine makes it, so the clock advances by its charged seconds.
 """
@@ -166,7 +167,7 @@ class Controller:
             ahead_step, ahead_ids, future = self._ahead
             self._ahead = None
             if ahead_step <= step and ahead_ids == ids and trigger == "expiry":
-                plan, ahead_s = self._ahead_result(future)
+                plan, ahead_s = self._ahead_result(future, step)
                 if plan is not None and ahead_step < step:  # it finished while the old plan ran on (trigger)
                     if plan.feasible and step < ahead_step + plan.replan_step:
                         self.adopted_late += 1
@@ -199,9 +200,9 @@ class Controller:
         fitting = [p for _, p in counts if p.feasible]
         return min(fitting, key=lambda p: (p.predicted_step_s, p.host_blocks), default=plan)
 
-    def _ahead_result(self, future: Future) -> tuple[Plan | None, float | None]:
-        """The background solve's plan and seconds, or None (then the caller solves inline) if it failed or did not
-        come within :meth:`ahead_wait_s`."""
+    def _ahead_result(self, future: Future, step: int) -> tuple[Plan | None, float | None]:
+        """The background solve's plan and seconds, or None (then the caller solves inline for ``step``) if it
+        failed or did not come within :meth:`ahead_wait_s`."""
         wait_s = self.ahead_wait_s()
         try:
             plan, solve_s = future.result(timeout=wait_s)
@@ -210,12 +211,18 @@ class Controller:
         except BrokenProcessPool:
             self._background.fall_back_to_thread()
         except TimeoutError:  # concurrent.futures' too (an alias since Python 3.11)
-            log.error("the background planner (%s) gave no plan within %.1f s of a step that needs it; starting it "
-                      "afresh and solving inline", self._background.mode, wait_s)
+            log.error("step %d waited %.1f s for the plan solved ahead on the planner %s (budget: %s); starting "
+                      "the planner afresh and solving inline", step, wait_s, getattr(self._background, "mode", "clock"),
+                      self._budget_text())
             self._background.restart()
         except Exception:
             log.exception("background plan failed; solving inline")
         return None, None
+
+    def _budget_text(self) -> str:
+        nodes, secs = self.ctx.node_limit, self.ctx.time_limit_s
+        return ", ".join(([f"{nodes} nodes"] if nodes is not None else [])
+                         + ([f"{1000 * secs:g} ms"] if secs is not None else [])) or "none"
 
     def ahead_wait_s(self) -> float | None:
         """Seconds a step past the old plan's window waits for the solve ahead before giving up on the planner:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -60,16 +60,17 @@ NO_FIT = "request's KV does not fit the device KV budget and the host pool left 
 MAX_IDLE_PAUSES = 2
 
 
-def deposit_ahead(balance: float, pace_s: float, step_s: float | None, ahead: int) -> float:
-    """A request's Token-Deposit balance ``ahead`` decode steps on, for a solve started that early: ``balance`` now,
-    moved by the planner's fluid model (plan/deposit.py: each step of ``step_s`` seconds, the plan in force's
-    predicted step, adds ``1 - step_s / pace_s``, clamped at 0). Without a prediction (no plan in force) or for
-    ``ahead`` 0, the balance now. A solve ahead took the balance of its start: over steps slower than the pace that
-    is more than the steps before its plan leave it, so the plan spent margin it would not have."""
+def deposit_ahead(balance: float, pace_s: float, steps_s: Sequence[float]) -> float:
+    """A request's Token-Deposit balance after steps of ``steps_s`` seconds, for a solve started that many steps before
+    its own: ``balance`` now, moved by the planner's fluid model (plan/deposit.py: a step of ``T`` seconds adds
+    ``1 - T / pace_s``, clamped at 0). A solve ahead took the balance of its start: over steps slower than the pace
+    that is more than the steps before its plan leave it, so the plan spent margin it would not have."""
     balance = float(balance)
-    if not ahead or step_s is None or not math.isfinite(step_s):
+    steps = [float(t) for t in steps_s]
+    if not steps or not all(math.isfinite(t) for t in steps):
         return balance
-    return balance_after(balance, pace_s, [step_s], [0], [ahead], ahead)
+    n = len(steps)
+    return balance_after(balance, pace_s, steps, list(range(n)), list(range(1, n + 1)), n)
 
 
 class Scheduler:
@@ -433,10 +434,19 @@ class Scheduler:
                 held += table.host_blocks()
         host_capacity = self.kv.host_pool.num_blocks - (self.kv.host_pool.num_used - held)
         deposits = self.config.planner.token_deposit
-        plan = self.controller.plan
-        step_s = plan.predicted_step_s if ahead and plan is not None and plan.feasible else None
-        return [r.plan_request(self.block_size, ahead, deposit_ahead(r.deposit.balance(now), r.pace_s, step_s, ahead)
+        steps_s = self._steps_ahead_s(ahead)
+        return [r.plan_request(self.block_size, ahead, deposit_ahead(r.deposit.balance(now), r.pace_s, steps_s)
                                if deposits else 0.0) for r in reqs], host_capacity
+
+    def _steps_ahead_s(self, ahead: int) -> list[float]:
+        """What the plan in force predicts the ``ahead`` steps from this one take (per step of its window, its last
+        for steps past it); none without a feasible plan in force."""
+        plan = self.controller.plan
+        if not ahead or plan is None or not plan.feasible:
+            return []
+        latencies = plan.step_latencies_s or (plan.predicted_step_s,)
+        first = self.step - self.controller.plan_step
+        return [latencies[min(max(k, 0), len(latencies) - 1)] for k in range(first, first + ahead)]
 
     # ---- the batch (phase 3) ----------------------------------------------------------------------
     def _schedule_batch(self, out: ScheduleOutput) -> None:
