@@ -67,6 +67,10 @@ from orbitflow.sim.sweep import noise_cv_for  # noqa: E402
 MODEL = "smollm2-135m"
 POLICIES = ["orbitflow", "flexgen+", "slo-aware", "dynamic", "deepspeed"]
 TARGETS = {"step_err_median": 0.10, "step_err_p95": 0.20, "stall_err": 0.15, "kendall_tau": 0.9}
+# A profile whose repeated steps spread more than this (step_noise_cv) was measured on a machine too noisy for the
+# wall-clock side: quiet runs on the project's 2-core machine measured 0.015-0.038, noisy ones (no other process,
+# its speed drifting 10-25% within a minute) 0.062-0.099.
+NOISY_STEP_CV = 0.05
 
 
 @dataclass
@@ -357,6 +361,10 @@ def compare_once(config: EngineConfig, loaded: LoadedModel, trace: Trace, polici
           f"mixed-step overhead {1e3 * profile.mixed_step_overhead_s:.1f} ms, tail {profile.decode_tail_fraction:.0%} "
           f"of a step, step jitter (CV) {profile.step_noise_cv or 0.0:.3f}; SLO {1000 * slo_s:.0f} ms "
           f"(measured in {time.perf_counter() - t0:.1f} s)", flush=True)
+    if (profile.step_noise_cv or 0.0) > NOISY_STEP_CV:
+        print(f"[{label}] WARNING: the profile's steps spread by a CV of {profile.step_noise_cv:.3f} (quiet: "
+              f"under {NOISY_STEP_CV}); this machine is noisy now, and the comparison will mostly measure that",
+              file=sys.stderr, flush=True)
     noise_cv = noise_cv_for(sim_noise_cv, profile)
     sim_seeds = sim_seeds if noise_cv else 1  # without noise every seed replays the same
     sim = {name: simulate_mean(profile, trace, config.replace(policy=name), noise_cv, sim_seeds) for name in policies}
@@ -480,6 +488,12 @@ def write_md(path: str, payload: dict) -> None:
                   "the engine's wall-clock steps were slowed by other processes, differently while the profile was "
                   "measured and while each policy ran, so these errors measure the contention, not the simulator. "
                   "Re-run the command on a quiet machine.", ""]
+    jitter = [r["profile"].get("step_noise_cv") or 0.0 for r in runs]
+    if max(jitter) > NOISY_STEP_CV:
+        lines += [f"**Taken while this machine was noisy**: the profiles' repeated steps spread by a CV of "
+                  f"{', '.join(f'{cv:.3f}' for cv in jitter)} (quiet runs: under {NOISY_STEP_CV}), with no other "
+                  "process running: the machine's own speed drifted between the profile and the replays, so these "
+                  "errors measure that drift more than the simulator. Re-run the command when it is quiet.", ""]
     lines += [
         "| run | decode steps | per-step error median | p95 | stall error | Kendall tau | Kendall tau, strict "
         "| engine ranking | simulator ranking |",

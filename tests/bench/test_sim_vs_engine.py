@@ -184,6 +184,23 @@ def test_each_policy_s_row_shows_the_engine_s_spread_over_its_replays(sve):
     assert sve._replay_range({"engine_stall_s_replays": [1.0]}) == "" == sve._replay_range({})
 
 
+def test_a_page_measured_on_a_noisy_machine_says_so(sve, tmp_path, monkeypatch):
+    """The profiles' step jitter tells a noisy machine (its speed drifting under the runs) from a quiet one: the page
+    says so above its numbers, and a quiet page does not."""
+    import json
+    from pathlib import Path
+
+    payload = json.loads((Path(__file__).resolve().parents[2] / "docs" / "results" / "sim_fidelity.json").read_text())
+    for cv, noisy in ((0.02, False), (0.09, True)):
+        for run in payload["runs"]:
+            run["profile"]["step_noise_cv"] = cv
+        source, out = tmp_path / f"{cv}.json", tmp_path / f"{cv}.md"
+        source.write_text(json.dumps(payload))
+        monkeypatch.setattr("sys.argv", ["sim_vs_engine.py", "--render", str(source), "--md", str(out)])
+        sve.main()
+        assert ("**Taken while this machine was noisy**" in out.read_text()) == noisy
+
+
 @pytest.mark.parametrize("argv,message", [(["--render", "x.json"], "give --md PATH"),
                                           (["--render", "{bad}", "--md", "page.md"], "not a --json file")])
 def test_render_refuses_what_it_cannot_render(sve, tmp_path, monkeypatch, capsys, argv, message):
