@@ -491,9 +491,10 @@ def write_md(path: str, payload: dict) -> None:
     jitter = [r["profile"].get("step_noise_cv") or 0.0 for r in runs]
     if max(jitter) > NOISY_STEP_CV:
         lines += [f"**Taken while this machine was noisy**: the profiles' repeated steps spread by a CV of "
-                  f"{', '.join(f'{cv:.3f}' for cv in jitter)} (quiet runs: under {NOISY_STEP_CV}), with no other "
-                  "process running: the machine's own speed drifted between the profile and the replays, so these "
-                  "errors measure that drift more than the simulator. Re-run the command when it is quiet.", ""]
+                  f"{', '.join(f'{cv:.3f}' for cv in jitter)} (quiet runs: under {NOISY_STEP_CV}; the load average "
+                  "above says whether other processes ran): the machine's speed drifted between the profile and the "
+                  "replays, so these errors measure that drift more than the simulator. Re-run the command when it "
+                  "is quiet.", ""]
     lines += [
         "| run | decode steps | per-step error median | p95 | stall error | Kendall tau | Kendall tau, strict "
         "| engine ranking | simulator ranking |",
