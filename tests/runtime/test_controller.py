@@ -388,3 +388,29 @@ def test_a_solve_without_a_budget_is_waited_for_and_one_with_a_budget_for_long_e
     assert nodes.ahead_wait_s() == module.AHEAD_WAIT_FLOOR_S
     nodes._ahead_solve_s.append(3.0)  # a background solve that took 3 s
     assert nodes.ahead_wait_s() == module.AHEAD_WAIT_FACTOR * 3.0
+
+
+def test_a_planner_that_hangs_again_and_again_is_given_up_for_inline_solves(monkeypatch, caplog):
+    """Each hang costs its step the wait: after AHEAD_GIVE_UPS of them nothing is solved ahead any more."""
+    from orbitflow.runtime import controller as module
+
+    monkeypatch.setattr(module, "AHEAD_WAIT_FLOOR_S", 0.3)
+    policy = HangsInThePlanner()
+    controller = Controller(policy, context(window=(2, 5)), background="thread")
+    try:
+        reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+        controller.solve(reqs, step=0, trigger="batch")
+        for _ in range(module.AHEAD_GIVE_UPS):
+            due = controller.plan_step + controller.plan.replan_step
+            assert controller.ahead_step(due - 1) == due
+            controller.solve_ahead(reqs, step_next=due)
+            late = due + controller.plan.window  # past the window: the step waits, then gives up
+            assert controller.trigger(late, ["a"]) == "expiry"
+            assert controller.solve(reqs, step=late, trigger="expiry").feasible
+        assert "solving every plan inline from now on" in caplog.text
+        due = controller.plan_step + controller.plan.replan_step
+        assert controller.ahead_step(due - 1) is None and controller._background is None
+        assert controller.solve(reqs, step=due, trigger="expiry").feasible  # inline, at once
+    finally:
+        policy.release.set()
+        controller.close()

@@ -11,7 +11,8 @@ the solve starts one step ahead, or more when the last background solves took lo
 (inside its window), that plan runs on and the new one is adopted at the first step after it is done, as the
 simulator charges it; only past the window does the step wait for it, and for a solve with a budget not past
 :meth:`Controller.ahead_wait_s` (a planner that never answers, hung or stopped, would hold every request of the
-batch for good): then the planner is started afresh and the step solves inline. Every call is recorded.
+batch for good): then the planner is started afresh and the step solves inline (after ``AHEAD_GIVE_UPS`` such
+waits, every plan is solved inline). Every call is recorded.
 
 On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`, by
 the same rules: an expiry is solved ahead (:class:`~orbitflow.runtime.background_planner.ClockedPlanner`: the solve
@@ -47,6 +48,7 @@ LEAD_MARGIN = 1.25  # a background solve starts when the expiry is this many of 
 MAX_LEAD_STEPS = 8  # ... but at most this many steps ahead
 AHEAD_WAIT_FLOOR_S = 30.0  # a step past the window waits this long at least for a solve ahead with a budget ...
 AHEAD_WAIT_FACTOR = 20  # ... or this many of its time budget or of the slowest recent solve, if longer
+AHEAD_GIVE_UPS = 2  # after this many such waits given up, every plan is solved inline (none ahead)
 RECORDS_KEPT = 4096  # the latest solves kept for inspection (`Controller.records`); their totals count every solve
 
 
@@ -104,6 +106,7 @@ class Controller:
         mode = resolve_mode(background)
         self._background = BackgroundPlanner(policy, mode) if mode != "off" else None
         self._ahead: tuple[int, list, Future] | None = None
+        self._give_ups = 0  # waits for a solve ahead given up (ahead_wait_s)
         self._clock = None  # set by charge_solve_time (simulator)
         self._solve_time: Callable[[float], float] | None = None
         self.adopted_late = 0  # re-plans adopted after the old plan ran on while they solved
@@ -211,10 +214,17 @@ class Controller:
         except BrokenProcessPool:
             self._background.fall_back_to_thread()
         except TimeoutError:  # concurrent.futures' too (an alias since Python 3.11)
-            log.error("step %d waited %.1f s for the plan solved ahead on the planner %s (budget: %s); starting "
-                      "the planner afresh and solving inline", step, wait_s, getattr(self._background, "mode", "clock"),
-                      self._budget_text())
-            self._background.restart()
+            self._give_ups += 1
+            last = self._give_ups >= AHEAD_GIVE_UPS
+            log.error("step %d waited %.1f s for the plan solved ahead on the planner %s (budget: %s); %s", step,
+                      wait_s, getattr(self._background, "mode", "clock"), self._budget_text(),
+                      f"that is {self._give_ups} times: solving every plan inline from now on" if last
+                      else "starting the planner afresh and solving inline")
+            if last:
+                self._background.close()
+                self._background = None  # ahead_step: nothing is solved ahead any more
+            else:
+                self._background.restart()
         except Exception:
             log.exception("background plan failed; solving inline")
         return None, None
