@@ -331,6 +331,7 @@ class HangsInThePlanner(OrbitFlowPolicy):
         super().__init__()
         self.pid = os.getpid()
         self.release = threading.Event()
+        self.hang = True  # a planner thread's solves hang while this is set
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "release"}
@@ -338,7 +339,7 @@ class HangsInThePlanner(OrbitFlowPolicy):
     def plan(self, requests, ctx):
         if os.getpid() != self.pid:
             time.sleep(60)
-        elif threading.current_thread().name.startswith("orbitflow-planner"):
+        elif self.hang and threading.current_thread().name.startswith("orbitflow-planner"):
             self.release.wait(60)
         return super().plan(requests, ctx)
 
@@ -411,6 +412,31 @@ def test_a_planner_that_hangs_again_and_again_is_given_up_for_inline_solves(monk
         due = controller.plan_step + controller.plan.replan_step
         assert controller.ahead_step(due - 1) is None and controller._background is None
         assert controller.solve(reqs, step=due, trigger="expiry").feasible  # inline, at once
+    finally:
+        policy.release.set()
+        controller.close()
+
+
+def test_a_solve_ahead_that_comes_back_clears_the_count_of_waits_given_up(monkeypatch):
+    """Hangs far apart, each followed by solves that come back, never stop the solving ahead: the count is of waits
+    given up in a row."""
+    from orbitflow.runtime import controller as module
+
+    monkeypatch.setattr(module, "AHEAD_WAIT_FLOOR_S", 0.3)
+    policy = HangsInThePlanner()
+    controller = Controller(policy, context(window=(2, 5)), background="thread")
+    try:
+        reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+        controller.solve(reqs, step=0, trigger="batch")
+        for hang in [True, False] * module.AHEAD_GIVE_UPS:
+            policy.hang = hang
+            due = controller.plan_step + controller.plan.replan_step
+            controller.solve_ahead(reqs, step_next=due)
+            step = due + controller.plan.window if hang else due  # a hung solve is waited for past the window
+            assert controller.solve(reqs, step=step, trigger="expiry").feasible
+            assert controller.records[-1].background != hang  # the hung one solved inline, the other came back
+        assert controller._background is not None and controller.ahead_step(
+            controller.plan_step + controller.plan.replan_step - 1) is not None
     finally:
         policy.release.set()
         controller.close()

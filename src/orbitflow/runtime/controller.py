@@ -12,7 +12,7 @@ the solve starts one step ahead, or more when the last background solves took lo
 simulator charges it; only past the window does the step wait for it, and for a solve with a budget not past
 :meth:`Controller.ahead_wait_s` (a planner that never answers, hung or stopped, would hold every request of the
 batch for good): then the planner is started afresh and the step solves inline (after ``AHEAD_GIVE_UPS`` such
-waits, every plan is solved inline). Every call is recorded.
+waits in a row, every plan is solved inline). Every call is recorded.
 
 On a virtual clock (the simulator) the solver's time is charged with :meth:`Controller.charge_solve_time`, by
 the same rules: an expiry is solved ahead (:class:`~orbitflow.runtime.background_planner.ClockedPlanner`: the solve
@@ -48,7 +48,7 @@ LEAD_MARGIN = 1.25  # a background solve starts when the expiry is this many of 
 MAX_LEAD_STEPS = 8  # ... but at most this many steps ahead
 AHEAD_WAIT_FLOOR_S = 30.0  # a step past the window waits this long at least for a solve ahead with a budget ...
 AHEAD_WAIT_FACTOR = 20  # ... or this many of its time budget or of the slowest recent solve, if longer
-AHEAD_GIVE_UPS = 2  # after this many such waits given up, every plan is solved inline (none ahead)
+AHEAD_GIVE_UPS = 2  # after this many such waits given up in a row, every plan is solved inline (none ahead)
 RECORDS_KEPT = 4096  # the latest solves kept for inspection (`Controller.records`); their totals count every solve
 
 
@@ -106,7 +106,7 @@ class Controller:
         mode = resolve_mode(background)
         self._background = BackgroundPlanner(policy, mode) if mode != "off" else None
         self._ahead: tuple[int, list, Future] | None = None
-        self._give_ups = 0  # waits for a solve ahead given up (ahead_wait_s)
+        self._give_ups = 0  # waits for a solve ahead given up in a row (ahead_wait_s)
         self._clock = None  # set by charge_solve_time (simulator)
         self._solve_time: Callable[[float], float] | None = None
         self.adopted_late = 0  # re-plans adopted after the old plan ran on while they solved
@@ -210,6 +210,7 @@ class Controller:
         try:
             plan, solve_s = future.result(timeout=wait_s)
             self._ahead_solve_s.append(self._charged(solve_s))
+            self._give_ups = 0
             return plan, solve_s
         except BrokenProcessPool:
             self._background.fall_back_to_thread()
