@@ -171,11 +171,20 @@ def test_render_rewrites_the_page_from_its_json_with_each_policy_s_stall_seconds
     page = out.read_text()
     last = json.loads(source.read_text())["runs"][-1]
     assert "| stall s | stall error |" in page
+    assert "counted twice" in page  # the committed runs predate transfer_stall's fix
     for policy, v in last["policies"].items():
         row = next(line for line in page.splitlines() if line.startswith(f"| {policy} |"))
         engine, model = v["errors"]["stall_measured_s"], v["errors"]["stall_model_s"]
         assert f"| {engine:.3f}{sve._replay_range(v)} / {model:.3f} |" in row
     assert "(no run)" in capsys.readouterr().out
+
+
+def test_a_page_says_which_split_of_the_stall_error_its_runs_made(sve):
+    """Runs made before transfer_stall's fix counted a host layer's extra twice: a page rendered from them says so."""
+    old = {"policies": {"deepspeed": {}}}
+    assert not sve._host_layer_once(old)
+    assert sve._host_layer_once({"policies": {"deepspeed": {"engine_stall_s_replays": [1.0]}}})
+    assert sve._host_layer_once({"transfer_alone_host_layer_once": True, **old})
 
 
 def test_each_policy_s_row_shows_the_engine_s_spread_over_its_replays(sve):
