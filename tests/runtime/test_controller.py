@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 import math
 import os
@@ -391,8 +392,10 @@ def test_a_solve_without_a_budget_is_waited_for_and_one_with_a_budget_for_long_e
     assert nodes.ahead_wait_s() == module.AHEAD_WAIT_FACTOR * 3.0
 
 
-def test_a_planner_that_hangs_again_and_again_is_given_up_for_inline_solves(monkeypatch, caplog):
-    """Each hang costs its step the wait: after AHEAD_GIVE_UPS of them nothing is solved ahead any more."""
+@contextlib.contextmanager
+def planner_thread_that_hangs(monkeypatch):
+    """A controller whose planner thread hangs (``policy.hang``), waiting 0.3 s for it, with a plan in force from step
+    0 for one request: yields ``(policy, controller, reqs)``."""
     from orbitflow.runtime import controller as module
 
     monkeypatch.setattr(module, "AHEAD_WAIT_FLOOR_S", 0.3)
@@ -401,6 +404,17 @@ def test_a_planner_that_hangs_again_and_again_is_given_up_for_inline_solves(monk
     try:
         reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
         controller.solve(reqs, step=0, trigger="batch")
+        yield policy, controller, reqs
+    finally:
+        policy.release.set()
+        controller.close()
+
+
+def test_a_planner_that_hangs_again_and_again_is_given_up_for_inline_solves(monkeypatch, caplog):
+    """Each hang costs its step the wait: after AHEAD_GIVE_UPS of them nothing is solved ahead any more."""
+    from orbitflow.runtime import controller as module
+
+    with planner_thread_that_hangs(monkeypatch) as (_, controller, reqs):
         for _ in range(module.AHEAD_GIVE_UPS):
             due = controller.plan_step + controller.plan.replan_step
             assert controller.ahead_step(due - 1) == due
@@ -412,9 +426,6 @@ def test_a_planner_that_hangs_again_and_again_is_given_up_for_inline_solves(monk
         due = controller.plan_step + controller.plan.replan_step
         assert controller.ahead_step(due - 1) is None and controller._background is None
         assert controller.solve(reqs, step=due, trigger="expiry").feasible  # inline, at once
-    finally:
-        policy.release.set()
-        controller.close()
 
 
 def test_a_solve_ahead_that_comes_back_clears_the_count_of_waits_given_up(monkeypatch):
@@ -422,12 +433,7 @@ def test_a_solve_ahead_that_comes_back_clears_the_count_of_waits_given_up(monkey
     given up in a row."""
     from orbitflow.runtime import controller as module
 
-    monkeypatch.setattr(module, "AHEAD_WAIT_FLOOR_S", 0.3)
-    policy = HangsInThePlanner()
-    controller = Controller(policy, context(window=(2, 5)), background="thread")
-    try:
-        reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
-        controller.solve(reqs, step=0, trigger="batch")
+    with planner_thread_that_hangs(monkeypatch) as (policy, controller, reqs):
         for hang in [True, False] * module.AHEAD_GIVE_UPS:
             policy.hang = hang
             due = controller.plan_step + controller.plan.replan_step
@@ -437,6 +443,3 @@ def test_a_solve_ahead_that_comes_back_clears_the_count_of_waits_given_up(monkey
             assert controller.records[-1].background != hang  # the hung one solved inline, the other came back
         assert controller._background is not None and controller.ahead_step(
             controller.plan_step + controller.plan.replan_step - 1) is not None
-    finally:
-        policy.release.set()
-        controller.close()
