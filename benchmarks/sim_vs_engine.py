@@ -68,8 +68,8 @@ MODEL = "smollm2-135m"
 POLICIES = ["orbitflow", "flexgen+", "slo-aware", "dynamic", "deepspeed"]
 TARGETS = {"step_err_median": 0.10, "step_err_p95": 0.20, "stall_err": 0.15, "kendall_tau": 0.9}
 # A profile whose repeated steps spread more than this (step_noise_cv) was measured on a machine too noisy for the
-# wall-clock side: quiet runs on the project's 2-core machine measured 0.015-0.038, noisy ones (no other process,
-# its speed drifting 10-25% within a minute) 0.062-0.099.
+# wall-clock side: quiet runs on the project's 2-core machine measured 0.015-0.038, the profiles of a noisy hour (no
+# other process, the machine's speed drifting 10-25% within a minute) 0.044-0.099, so one profile may miss it.
 NOISY_STEP_CV = 0.05
 
 
