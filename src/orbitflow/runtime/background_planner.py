@@ -315,6 +315,8 @@ class ClockedPlanner:
     one still running (a solve the controller dropped runs to its end there too). The steps that run meanwhile
     hide it."""
 
+    mode = "clock"  # as BackgroundPlanner.mode says where its solves run
+
     def __init__(self, policy: Policy, clock, solve_time):
         self.policy, self._clock, self._solve_time = policy, clock, solve_time
         self._free_at = -math.inf  # when the solve submitted last is done, on the clock

@@ -218,7 +218,7 @@ class Controller:
             self._give_ups += 1
             last = self._give_ups >= AHEAD_GIVE_UPS
             log.error("step %d waited %.1f s for the plan solved ahead on the planner %s (budget: %s); %s", step,
-                      wait_s, getattr(self._background, "mode", "clock"), self._budget_text(),
+                      wait_s, self._background.mode, self._budget_text(),
                       f"that is {self._give_ups} times: solving every plan inline from now on" if last
                       else "starting the planner afresh and solving inline")
             if last:
