@@ -134,7 +134,7 @@ def transfer_stall(cost_model: CostModel, host_mask: np.ndarray, blocks: list[in
     alone. The measured compute already holds the extra of the layers that read prefetched KV, which the schedule
     adds to such layers (``host_layer_s``), so it is taken off first: counted twice, it hid a depth-2 policy's
     stalls under compute that did not happen (DeepSpeed's by about a quarter)."""
-    comp = np.maximum(np.asarray(layer_compute_s, dtype=float) - cost_model.host_layer_compute(host_mask), 0.0)
+    comp = cost_model.base_layer_compute(layer_compute_s, np.asarray(host_mask, dtype=bool).any(axis=0))
     return float(sum(cost_model.stalls(host_mask, blocks, comp)))
 
 

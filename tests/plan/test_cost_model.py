@@ -384,6 +384,18 @@ def test_host_layer_compute_is_compute_that_a_busy_link_hides():
     with pytest.raises(ValueError, match="host_layer_s"):
         CostModel([1.0], 1.0, host_layer_s=-1.0)
 
+def test_base_layer_compute_takes_off_the_extra_that_host_layer_compute_adds():
+    """Measured compute fed back into the model (the controller's EWMA, the fidelity benchmark's transfer split)
+    holds the host layers' extra; taking it off gives the model's own compute back, never below zero."""
+    half = Placement.from_mask(np.array([[True, False, True, False], [True, True, True, False]]))
+    cm = CostModel([1.0, 2.0, 3.0, 4.0], 1e9, host_layer_s=0.25)
+    measured = cm.step(half, [2, 2]).compute_per_layer_s
+    assert np.allclose(measured, [1.0, 2.25, 3.0, 4.25])
+    assert np.allclose(cm.base_layer_compute(measured, half.host.any(axis=0)), [1.0, 2.0, 3.0, 4.0])
+    assert np.allclose(cm.base_layer_compute([0.1, 0.1], [True, False]), [0.0, 0.1])
+    assert np.allclose(CostModel([1.0, 1.0], 1.0).base_layer_compute([1.5, 1.5], [True, True]), [1.5, 1.5])
+
+
 
 def test_prefetch_slots_validated_and_carried_by_updates():
     with pytest.raises(ValueError, match="prefetch_slots"):

@@ -548,6 +548,15 @@ class CostModel:
         host, else 0."""
         return np.asarray(host_mask, dtype=bool).any(axis=0) * self._host_layer
 
+    def base_layer_compute(self, layer_compute_s: Sequence[float] | np.ndarray,
+                           host_layers: Sequence[bool] | np.ndarray) -> np.ndarray:
+        """Measured per-layer compute less the extra this model charges a layer that reads prefetched KV
+        (``host_layer_s`` where ``host_layers[l]``; at least 0): what the model's own ``comp`` would be. Whatever
+        feeds measured compute back into the model (the EWMA's compute scale, a schedule fed measured compute) takes
+        it off first, or the extra is counted twice."""
+        measured = np.asarray(layer_compute_s, dtype=float)
+        return np.maximum(measured - self._host_layer * np.asarray(host_layers, dtype=float), 0.0)
+
     def added_s(self, host_mask: np.ndarray, blocks_per_layer: Sequence[float] | np.ndarray, comp: np.ndarray) -> float:
         """What a host mask adds to the step's base compute ``comp``: its stalls and its layers' extra compute."""
         stall = float(sum(self.stalls(host_mask, blocks_per_layer, comp)))

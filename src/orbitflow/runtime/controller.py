@@ -338,8 +338,8 @@ class Controller:
         base = np.asarray(cm.compute(total_tokens if cm.depends_on_tokens else None, num_requests))
         base = base / cm.layer_compute_scale
         measured = np.asarray(layer_compute_s, dtype=float)
-        if host_layers is not None and cm.host_layer_s:
-            measured = np.maximum(measured - cm.host_layer_s * np.asarray(host_layers, dtype=float), 0.0)
+        if host_layers is not None:
+            measured = cm.base_layer_compute(measured, host_layers)
         observed_scale = np.clip(measured / np.maximum(base, 1e-12), 0.05, 20.0)
         scale = (1 - self.ewma) * cm.layer_compute_scale + self.ewma * observed_scale
         link = None
