@@ -443,3 +443,19 @@ def test_a_solve_ahead_that_comes_back_clears_the_count_of_waits_given_up(monkey
             assert controller.records[-1].background != hang  # the hung one solved inline, the other came back
         assert controller._background is not None and controller.ahead_step(
             controller.plan_step + controller.plan.replan_step - 1) is not None
+
+
+def test_the_wait_for_a_solve_ahead_follows_the_budget_it_was_submitted_with(monkeypatch, caplog):
+    """The inputs changing after the submit (here the budget dropped) leave the solve ahead as it was sent: it had a
+    budget, so a step past the window still gives up on it after the wait, and the log names that budget."""
+    with planner_thread_that_hangs(monkeypatch) as (_, controller, reqs):
+        sent = controller.ctx
+        due = controller.plan_step + controller.plan.replan_step
+        controller.solve_ahead(reqs, step_next=due)
+        controller.ctx = dataclasses.replace(sent, node_limit=None, time_limit_s=None)
+        assert controller.ahead_wait_s() is None and controller.ahead_wait_s(sent) is not None
+        start = time.perf_counter()
+        plan = controller.solve(reqs, step=due + controller.plan.window, trigger="expiry")
+        assert plan.feasible and not controller.records[-1].background  # solved inline after the wait
+        assert time.perf_counter() - start < 30  # the 0.3 s wait, not the hung policy's minute
+        assert f"(budget: {sent.node_limit} nodes)" in caplog.text

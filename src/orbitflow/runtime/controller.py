@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,6 +59,21 @@ def lead_steps(solve_s: Sequence[float], step_s: float | None) -> int:
     if not solve_s or not step_s:
         return 1
     return int(min(MAX_LEAD_STEPS, max(1, math.ceil(LEAD_MARGIN * max(solve_s) / step_s))))
+
+
+class _Ahead(NamedTuple):
+    """The solve started ahead: for which step and batch, its future, and the planning inputs it was given."""
+
+    step: int
+    ids: list
+    future: Future
+    ctx: PlanContext
+
+
+def _budget_text(ctx: PlanContext) -> str:
+    nodes, secs = ctx.node_limit, ctx.time_limit_s
+    return ", ".join(([f"{nodes} nodes"] if nodes is not None else [])
+                     + ([f"{1000 * secs:g} ms"] if secs is not None else [])) or "none"
 
 
 @dataclass
@@ -105,7 +121,7 @@ class Controller:
         self.solver_charged_s = 0.0  # seconds of virtual clock the solves were charged (simulator only)
         mode = resolve_mode(background)
         self._background = BackgroundPlanner(policy, mode) if mode != "off" else None
-        self._ahead: tuple[int, list, Future] | None = None
+        self._ahead: _Ahead | None = None
         self._give_ups = 0  # waits for a solve ahead given up in a row (ahead_wait_s)
         self._clock = None  # set by charge_solve_time (simulator)
         self._solve_time: Callable[[float], float] | None = None
@@ -152,8 +168,8 @@ class Controller:
         put its remaining time into this step."""
         if self._ahead is None:
             return False
-        ahead_step, ahead_ids, future = self._ahead
-        return (ahead_step <= step and ahead_ids == batch_ids and not future.done()
+        ahead = self._ahead
+        return (ahead.step <= step and ahead.ids == batch_ids and not ahead.future.done()
                 and step < self.plan_step + self.plan.window)
 
     # ---- solving ----------------------------------------------------------------------------------
@@ -167,14 +183,14 @@ class Controller:
         ids = [r.request_id for r in requests]
         plan, ahead_s = None, None  # ahead_s: seconds of the background solve whose result this step took
         if self._ahead is not None:
-            ahead_step, ahead_ids, future = self._ahead
+            ahead = self._ahead
             self._ahead = None
-            if ahead_step <= step and ahead_ids == ids and trigger == "expiry":
-                plan, ahead_s = self._ahead_result(future, step)
-                if plan is not None and ahead_step < step:  # it finished while the old plan ran on (trigger)
-                    if plan.feasible and step < ahead_step + plan.replan_step:
+            if ahead.step <= step and ahead.ids == ids and trigger == "expiry":
+                plan, ahead_s = self._ahead_result(ahead, step)
+                if plan is not None and ahead.step < step:  # it finished while the old plan ran on (trigger)
+                    if plan.feasible and step < ahead.step + plan.replan_step:
                         self.adopted_late += 1
-                        return self._install(plan, ids, ahead_step, trigger, ahead_s, None, background=True)
+                        return self._install(plan, ids, ahead.step, trigger, ahead_s, None, background=True)
                     plan = None  # already expired, or infeasible: solve for this step (ahead_s stays counted)
         background = plan is not None
         start, inline = time.perf_counter(), plan is None
@@ -203,12 +219,12 @@ class Controller:
         fitting = [p for _, p in counts if p.feasible]
         return min(fitting, key=lambda p: (p.predicted_step_s, p.host_blocks), default=plan)
 
-    def _ahead_result(self, future: Future, step: int) -> tuple[Plan | None, float | None]:
+    def _ahead_result(self, ahead: _Ahead, step: int) -> tuple[Plan | None, float | None]:
         """The background solve's plan and seconds, or None (then the caller solves inline for ``step``) if it
-        failed or did not come within :meth:`ahead_wait_s`."""
-        wait_s = self.ahead_wait_s()
+        failed or did not come within :meth:`ahead_wait_s` of the budget it was submitted with."""
+        wait_s = self.ahead_wait_s(ahead.ctx)
         try:
-            plan, solve_s = future.result(timeout=wait_s)
+            plan, solve_s = ahead.future.result(timeout=wait_s)
             self._ahead_solve_s.append(self._charged(solve_s))
             self._give_ups = 0
             return plan, solve_s
@@ -218,7 +234,7 @@ class Controller:
             self._give_ups += 1
             last = self._give_ups >= AHEAD_GIVE_UPS
             log.error("step %d waited %.1f s for the plan solved ahead on the planner %s (budget: %s); %s", step,
-                      wait_s, self._background.mode, self._budget_text(),
+                      wait_s, self._background.mode, _budget_text(ahead.ctx),
                       f"that is {self._give_ups} times: solving every plan inline from now on" if last
                       else "starting the planner afresh and solving inline")
             if last:
@@ -230,19 +246,16 @@ class Controller:
             log.exception("background plan failed; solving inline")
         return None, None
 
-    def _budget_text(self) -> str:
-        nodes, secs = self.ctx.node_limit, self.ctx.time_limit_s
-        return ", ".join(([f"{nodes} nodes"] if nodes is not None else [])
-                         + ([f"{1000 * secs:g} ms"] if secs is not None else [])) or "none"
-
-    def ahead_wait_s(self) -> float | None:
+    def ahead_wait_s(self, ctx: PlanContext | None = None) -> float | None:
         """Seconds a step past the old plan's window waits for the solve ahead before giving up on the planner:
         ``AHEAD_WAIT_FACTOR`` times the solve's time budget or the slowest recent background solve, and
         ``AHEAD_WAIT_FLOOR_S`` at least. None (wait for good) for a solve without a budget (``--plan-node-limit
-        none`` and no ``--plan-time-limit-ms``): a proof may take that long, and solving it again inline would too."""
-        if self.ctx.node_limit is None and self.ctx.time_limit_s is None:
+        none`` and no ``--plan-time-limit-ms``): a proof may take that long, and solving it again inline would too.
+        ``ctx``: the planning inputs the solve was submitted with (default: those now)."""
+        ctx = ctx or self.ctx
+        if ctx.node_limit is None and ctx.time_limit_s is None:
             return None
-        longest = max([self.ctx.time_limit_s or 0.0, *self._ahead_solve_s])
+        longest = max([ctx.time_limit_s or 0.0, *self._ahead_solve_s])
         return max(AHEAD_WAIT_FLOOR_S, AHEAD_WAIT_FACTOR * longest)
 
     def ahead_step(self, step: int) -> int | None:
@@ -273,7 +286,7 @@ class Controller:
         except BrokenProcessPool:  # the planner process died between solves
             self._background.fall_back_to_thread()
             future = self._background.submit(requests_next, self.ctx)
-        self._ahead = (step_next, [r.request_id for r in requests_next], future)
+        self._ahead = _Ahead(step_next, [r.request_id for r in requests_next], future, self.ctx)
 
     def _install(self, plan: Plan, ids: list, step: int, trigger: str, ahead_s: float | None,
                  inline_s: float | None, background: bool) -> Plan:
