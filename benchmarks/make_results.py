@@ -16,13 +16,15 @@ the preemptive link on the engine), engine_vs_hf (benchmarks/engine_vs_hf.py), h
 of them with --stages all (OTHER_STAGES has each one's command). The GPU and planner-beside-the-engine fragments
 come from the runs they name.
 The page always includes whichever fragments exist. Every simulator run is appended to a cache
-(docs/results/sim_runs.jsonl); --resume reuses the cached runs of the same setup, so an interrupted
-regeneration picks up where it stopped.
+(docs/results/sim_runs.jsonl) with a hash of the code that made it; --resume reuses the cached runs of the same setup
+and the same code, so an interrupted regeneration picks up where it stopped (--resume-any-code also reuses runs of
+other code, and the page names their commits).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import subprocess
@@ -136,6 +138,25 @@ def sim_points(rates=RATE_SCALES) -> dict[str, list[Point]]:
     # the reference points of the studies above (in the headline grid unless --reduced drops their rate)
     studies["reference"] = grid(POLICIES, **sens) + grid(POLICIES, [2.5], [SENS_RATE])
     return studies
+
+
+def code_version(src: Path = ROOT / "src" / "orbitflow") -> str:
+    """A hash of the code a simulator run executes (every file under src/orbitflow), so a cached run made by other
+    code, another commit or uncommitted edits, is told from this checkout's (a commit hash misses the edits)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def cached_runs(path: Path, code: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The runs of ``path`` (sim_runs.jsonl) by key, the last of each key kept: those ``code`` made, and those other
+    code made (runs cached before the hash was kept count as other code)."""
+    mine, other = {}, {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        (mine if rec.get("code") == code else other)[rec["key"]] = rec
+    return mine, other
 
 
 def _key(point: Point, seed: int, setup: SimSetup) -> str:
@@ -594,28 +615,34 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
     cache_path = out_dir / "sim_runs.jsonl"
     done: dict = {}
     made_by: dict[str, set[str]] = {}  # commit -> the runs it made that were reused (each cached run records its own)
+    code = code_version()
+    other_code = 0  # cached runs of this setup made by other code: re-run, or reused under --resume-any-code
     if args.resume and cache_path.exists():
-        by_key = {}
-        for line in cache_path.read_text().splitlines():
-            rec = json.loads(line)
-            by_key[rec["key"]] = rec
+        mine, other = cached_runs(cache_path, code)
+        by_key = {**other, **mine} if args.resume_any_code else mine
         for p in points:
             for s in range(setup.first_seed, setup.first_seed + setup.seeds):
                 k = _key(p, s, setup)
+                other_code += k in other and k not in mine
                 if k in by_key:
                     done[(p, s)] = by_key[k]["metrics"]
                     what = p.policy if p.token_deposit else f"{p.policy} without Token-Deposit"
                     made_by.setdefault(by_key[k].get("commit", "unknown"), set()).add(what)
+        if other_code and not args.resume_any_code:
+            print(f"[make_results] --resume: {other_code} cached run(s) were made by other code than this checkout's "
+                  f"(another commit or uncommitted edits under src/orbitflow); running them again "
+                  f"(--resume-any-code reuses them)", file=sys.stderr)
     elif cache_path.exists():
         cache_path.unlink()
     reused = len(done)
     total = len(points) * setup.seeds
     seeds = range(setup.first_seed, setup.first_seed + setup.seeds)
     bar = tqdm(total=total, initial=len(done), desc="simulate", unit="run")
-    commit = _commit()
+    commit, dirty = _commit(), _src_edited()  # at the start: the code the runs ran
     with cache_path.open("a") as cache:
         def on_result(p, s, metrics):
-            cache.write(json.dumps({"key": _key(p, s, setup), "metrics": metrics, "commit": commit}) + "\n")
+            cache.write(json.dumps({"key": _key(p, s, setup), "metrics": metrics, "commit": commit, "code": code})
+                        + "\n")
             cache.flush()
 
         # the points a --reduced page needs first, so that an interrupted run can still be assembled from the cache
@@ -650,6 +677,7 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
                    "runs": [{k: v for k, v in r.items() if k != "_point"} | {"point": r["_point"]} for r in runs]},
                   fh, indent=None)
     info = {"runs": len(runs), "points": len(points), "reused": reused,
+            "reused_other_code": other_code if args.resume_any_code else 0, "dirty": dirty,
             "made_by": {c: sorted(w) for c, w in sorted(made_by.items())},
             "run_s": sum(r.get("wall_s") or 0.0 for r in runs), "commit": commit}
     return md + reproduction_md(claims) + losses_md(res, rates), info
@@ -666,12 +694,19 @@ def main() -> None:
     ap.add_argument("--reduced-requests", type=int, default=64, help="requests per run under --reduced")
     ap.add_argument("--reduced-rates", default="1,5", help="rate scales of the headline grid under --reduced")
     ap.add_argument("--seeds", type=int, default=None, help=argparse.SUPPRESS)  # smoke tests of this script
-    ap.add_argument("--resume", action="store_true", help="reuse cached runs of an interrupted regeneration")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse cached runs of an interrupted regeneration (docs/results/sim_runs.jsonl), those made "
+                         "by this checkout's code only")
+    ap.add_argument("--resume-any-code", action="store_true",
+                    help="with --resume: also reuse cached runs made by other code (another commit, other edits); the "
+                         "page names the commits that made them")
     ap.add_argument("--workers", type=int, default=None, help="simulator worker processes (default: one per core)")
     ap.add_argument("--docs", default=str(ROOT / "docs"), help="docs directory")
     ap.add_argument("--shared", action="store_true", help="say in the page that the machine was shared (timing)")
     args = ap.parse_args()
     args.reduced = args.reduced or args.seeds is not None
+    if args.resume_any_code and not args.resume:
+        ap.error("--resume-any-code goes with --resume (it says which cached runs --resume may reuse)")
     stages = (["sim", *OTHER_STAGES] if args.stages == "all" else [] if args.stages == "none"
               else [s.strip() for s in args.stages.split(",") if s])
     bad = [s for s in stages if s != "sim" and s not in OTHER_STAGES]
@@ -697,7 +732,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     cmd = "python benchmarks/make_results.py" + ("" if args.stages == "sim" else f" --stages {args.stages}")
     if args.resume and "sim" in stages:  # without it the runs are all made again, at this commit
-        cmd += " --resume"
+        cmd += " --resume" + (" --resume-any-code" if args.resume_any_code else "")
     if args.reduced:
         cmd += f" --reduced --reduced-requests {args.reduced_requests} --reduced-rates {args.reduced_rates}"
     if set(stages) >= {"sim", *OTHER_STAGES}:
@@ -746,12 +781,16 @@ def _provenance(info: dict, elapsed_s: float) -> str:
     still says so."""
     reused = info.get("reused", 0)
     # the commit the runs started at (a commit made while they ran is not the code that ran)
+    other = info.get("reused_other_code", 0)
     return (f"> **Which code made the simulator section.** `python benchmarks/make_results.py` at commit "
-            f"{info.get('commit') or _commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
-            f"{info.get('runs', '?')} runs in "
+            f"{info.get('commit') or _commit()}"
+            + (" with uncommitted edits under src/orbitflow" if info.get("dirty") else "")
+            + f", {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {info.get('runs', '?')} runs in "
             f"{elapsed_s / 60:.1f} min"
             + (f"; {reused} of them reused from `docs/results/sim_runs.jsonl` (`--resume`) as the code at these "
-               f"commits ran them: {_made_by(info.get('made_by'))}." if reused else "."))
+               f"commits ran them: {_made_by(info.get('made_by'))}" if reused else "")
+            + (f" ({other} of them by code other than this checkout's, `--resume-any-code`)" if other else "")
+            + ".")
 
 
 def _made_by(made_by: dict[str, list[str]] | None) -> str:
@@ -768,6 +807,15 @@ def _commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _src_edited() -> bool:
+    """Whether src/orbitflow differs from the commit checked out (then the commit alone does not name the code)."""
+    try:
+        return bool(subprocess.run(["git", "status", "--porcelain", "--", "src/orbitflow"], cwd=ROOT,
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return False
 
 
 def _cpus() -> int:
