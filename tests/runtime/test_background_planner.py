@@ -223,14 +223,18 @@ def test_replies_nobody_reads_do_not_fill_the_pipe():
 
 
 class _Scripted(Policy):
-    """A policy for the planner process's failure paths: sleeps, then raises ``_TwoArgError`` if told to, or
-    plans."""
+    """A policy for the planner process's failure paths: sleeps (first creating ``started``, a file the test can wait
+    for, if given), then raises ``_TwoArgError`` if told to, or plans."""
 
-    def __init__(self, sleep_s: float = 0.0, unreadable_error: bool = False, only_for: str | None = None):
+    def __init__(self, sleep_s: float = 0.0, unreadable_error: bool = False, only_for: str | None = None,
+                 started: str | None = None):
         self.sleep_s, self.unreadable_error, self.only_for = sleep_s, unreadable_error, only_for
+        self.started = started
 
     def plan(self, requests, ctx):
         if self.only_for is None or any(q.request_id == self.only_for for q in requests):
+            if self.started is not None:
+                open(self.started, "w").close()
             time.sleep(self.sleep_s)
         if self.unreadable_error:
             raise _TwoArgError(1, 2)
@@ -305,12 +309,16 @@ def test_cancel_and_a_second_thread_leave_the_pipe_in_step():
         planner.close()
 
 
-def test_close_does_not_wait_for_a_solve_in_flight():
-    planner = BackgroundPlanner(_Scripted(sleep_s=30, only_for="slow"), "process")
+def test_close_does_not_wait_for_a_solve_in_flight(tmp_path):
+    started = tmp_path / "solving"
+    planner = BackgroundPlanner(_Scripted(sleep_s=30, only_for="slow", started=str(started)), "process")
     pool = planner._pool
     assert planner.submit(batch(), context()).result(timeout=60)[0].feasible  # the process is up
     planner.submit([PlanRequest("slow", 2, 30, None, 0.0, 0.02)], context())
-    time.sleep(0.5)  # solving it now
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started.exists()  # solving it now (a fixed sleep could close before the solve began)
     start = time.monotonic()
     planner.close()
     assert time.monotonic() - start < 3 and not pool._proc.is_alive()
