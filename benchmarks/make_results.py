@@ -653,6 +653,13 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
             done.update({(p, s): r for (p, s), r in zip([(p, s) for p in part for s in seeds], got)})
         runs = [done[(p, s)] for p in points for s in seeds]
     bar.close()
+    # A worker pool started later (the second part) imports the code on disk then: edits made while the sweep ran
+    # would mix two versions of the code in one page (a stale module beside a new one can also crash a run).
+    changed = code_version() != code
+    if changed:
+        print("[make_results] WARNING: src/orbitflow changed while the runs ran; the runs of later workers may have "
+              "run the edited code (run again without editing src/orbitflow, --resume keeps the runs of this code)",
+              file=sys.stderr)
     keyed = [(p, s) for p in points for s in seeds]
     for (p, _), r in zip(keyed, runs):
         r["_point"] = asdict(p)
@@ -678,6 +685,7 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
                   fh, indent=None)
     info = {"runs": len(runs), "points": len(points), "reused": reused,
             "reused_other_code": other_code if args.resume_any_code else 0, "dirty": dirty,
+            "changed_while_running": changed,
             "made_by": {c: sorted(w) for c, w in sorted(made_by.items())},
             "run_s": sum(r.get("wall_s") or 0.0 for r in runs), "commit": commit}
     return md + reproduction_md(claims) + losses_md(res, rates), info
@@ -790,6 +798,8 @@ def _provenance(info: dict, elapsed_s: float) -> str:
             + (f"; {reused} of them reused from `docs/results/sim_runs.jsonl` (`--resume`) as the code at these "
                f"commits ran them: {_made_by(info.get('made_by'))}" if reused else "")
             + (f" ({other} of them by code other than this checkout's, `--resume-any-code`)" if other else "")
+            + ("; **src/orbitflow was edited while the runs ran**, so some may have run the edited code"
+               if info.get("changed_while_running") else "")
             + ".")
 
 

@@ -71,3 +71,6 @@ def test_the_provenance_line_says_when_runs_were_not_made_by_the_commit_alone():
     assert "4 of them reused" in line and "0ld (orbitflow)" in line and "4 of them by code other than" in line
     clean = mr._provenance({"commit": "abc1234", "runs": 10, "reused": 0}, 60.0)
     assert "uncommitted" not in clean and "reused" not in clean and clean.endswith("1.0 min.")
+    assert "edited while the runs ran" not in clean
+    assert "edited while the runs ran" in mr._provenance({"commit": "abc1234", "runs": 10,
+                                                          "changed_while_running": True}, 60.0)
