@@ -647,19 +647,16 @@ def run_sim(args, profile, out_dir: Path) -> tuple[list[str], dict]:
 
         # the points a --reduced page needs first, so that an interrupted run can still be assembled from the cache
         first = [p for p in points if p.rate_scale != 3.0 or p not in studies["headline"] or p.slo_scale == SENS_SLO]
-        for part in (first, [p for p in points if p not in first]):
-            got = run_points(profile, setup, part, workers=args.workers, done=done, on_result=on_result,
-                             progress=lambda *_: bar.update(1))
-            done.update({(p, s): r for (p, s), r in zip([(p, s) for p in part for s in seeds], got)})
-        runs = [done[(p, s)] for p in points for s in seeds]
+        runs = run_points(profile, setup, points, workers=args.workers, done=done, on_result=on_result,
+                          progress=lambda *_: bar.update(1), first=first)
     bar.close()
-    # A worker pool started later (the second part) imports the code on disk then: edits made while the sweep ran
-    # would mix two versions of the code in one page (a stale module beside a new one can also crash a run).
+    # One pool runs every point, forked with the simulator loaded, so edits made while the sweep runs should not reach
+    # it; a module imported later from disk still could, and a page from two versions of the code must say so.
     changed = code_version() != code
     if changed:
-        print("[make_results] WARNING: src/orbitflow changed while the runs ran; the runs of later workers may have "
-              "run the edited code (run again without editing src/orbitflow, --resume keeps the runs of this code)",
-              file=sys.stderr)
+        print("[make_results] WARNING: src/orbitflow changed while the runs ran; a module the workers imported late "
+              "may have been the edited one (run again without editing src/orbitflow; --resume keeps the runs of this "
+              "code)", file=sys.stderr)
     keyed = [(p, s) for p in points for s in seeds]
     for (p, _), r in zip(keyed, runs):
         r["_point"] = asdict(p)

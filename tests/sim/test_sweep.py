@@ -90,3 +90,20 @@ def test_a_points_device_fraction_is_checked_as_the_setups(fraction):
     """A point's own fraction bypassed SimSetup's range: -0.5 ran with a one-block budget and rejected everything."""
     with pytest.raises(ValueError, match="device_kv_fraction must be in"):
         Point("flexgen", 1.0, 1.0, device_kv_fraction=fraction)
+
+
+def test_run_points_starts_the_first_group_first_and_slow_policies_first_within_each(monkeypatch):
+    """An interrupted sweep has the runs of ``first`` (make_results' reduced page needs them); inside each group the
+    slow policies start first so a pool drains evenly. The results come back in point then seed order regardless."""
+    from orbitflow.sim import sweep
+
+    ran = []
+    monkeypatch.setattr(sweep, "run_one", lambda profile, setup, point, seed: ran.append((point.policy, seed))
+                        or {"policy": point.policy, "seed": seed})
+    setup = sweep.SimSetup(seeds=2)
+    pts = [sweep.Point(name, 1.0, 1.0) for name in ("flexgen", "orbitflow", "deepspeed", "dynamic")]
+    out = sweep.run_points(load_preset("a5000-llama3-8b"), setup, pts, workers=1, first=[pts[0], pts[2]],
+                           done={(pts[1], 1): {"policy": "orbitflow", "seed": 1}})
+    assert ran == [("flexgen", 0), ("flexgen", 1), ("deepspeed", 0), ("deepspeed", 1), ("orbitflow", 0),
+                   ("dynamic", 0), ("dynamic", 1)]  # orbitflow seed 1 was done already
+    assert [(r["policy"], r["seed"]) for r in out] == [(p.policy, s) for p in pts for s in (0, 1)]

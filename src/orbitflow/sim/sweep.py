@@ -223,17 +223,24 @@ def run_points(
     progress: Callable[[Point, int], None] | None = None,
     done: dict | None = None,
     on_result: Callable[[Point, int, dict], None] | None = None,
+    first: Sequence[Point] = (),
 ) -> list[dict]:
     """Every point under every seed of ``setup``; one flat dict per run, in point then seed order.
 
     ``done``: results already known, keyed by (point, seed) (they are not re-run); ``on_result`` sees each new
-    one as it lands (for a cache). Slow points (OrbitFlow, Dynamic) are started first so the pool drains evenly.
+    one as it lands (for a cache). The runs of ``first`` are started before the others (so an interrupted sweep
+    has them); within each group slow points (OrbitFlow, Dynamic) are started first so the pool drains evenly.
+    One pool runs them all, its workers forked once the simulator's modules are loaded here: a sweep whose source
+    is edited while it runs keeps running the code it started with (a pool started later would import the edits).
     """
+    from orbitflow.sim import runner  # noqa: F401  (loaded before the workers fork: see above)
+
     seeds = range(setup.first_seed, setup.first_seed + setup.seeds)
     results: dict[tuple[Point, int], dict] = dict(done or {})
     jobs = [(profile, setup, pt, s) for pt in points for s in seeds if (pt, s) not in results]
+    early = set(first)
     slow = {"orbitflow": 0, "dynamic": 1, "slo-aware": 2}
-    jobs.sort(key=lambda j: slow.get(j[2].policy.partition("@")[0], 3))
+    jobs.sort(key=lambda j: (j[2] not in early, slow.get(j[2].policy.partition("@")[0], 3)))
     workers = workers or min(len(jobs), os.cpu_count() or 1) or 1
 
     def land(point: Point, seed: int, metrics: dict) -> None:
