@@ -231,7 +231,8 @@ def run_points(
     one as it lands (for a cache). The runs of ``first`` are started before the others (so an interrupted sweep
     has them); within each group slow points (OrbitFlow, Dynamic) are started first so the pool drains evenly.
     One pool runs them all, its workers forked once the simulator's modules are loaded here: a sweep whose source
-    is edited while it runs keeps running the code it started with (a pool started later would import the edits).
+    is edited while it runs keeps the modules loaded by then (a pool started later imported the edits; a module
+    first imported later still comes from disk).
     """
     from orbitflow.sim import runner  # noqa: F401  (loaded before the workers fork: see above)
 
