@@ -267,7 +267,10 @@ def test_a_reply_that_does_not_unpickle_fails_its_own_solve_only():
         with pytest.raises(RuntimeError, match="could not be read"):
             planner.submit(batch(), context()).result(timeout=60)
         planner.submit(batch(), context())  # dropped: its reply is read by the next submission
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while not planner._pool._conn.poll(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert planner._pool._conn.poll(0)  # the dropped reply is waiting: the next submission reads it first
         nxt = planner.submit(batch(), context())  # raised the unpickling error before the fix
         with pytest.raises(RuntimeError, match="could not be read"):
             nxt.result(timeout=60)
@@ -287,6 +290,14 @@ def test_inputs_that_do_not_pickle_fail_their_own_solve_only():
         planner.close()
 
 
+def _lock_is_free(lock) -> bool:
+    """Whether no other thread holds ``lock`` (taken and given back at once if so)."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return True
+    return False
+
+
 def test_cancel_and_a_second_thread_leave_the_pipe_in_step():
     """A submitted solve runs: cancel() says no. A thread waiting on a slow solve does not hold back another
     thread's submission, and each gets its own plan."""
@@ -298,7 +309,10 @@ def test_cancel_and_a_second_thread_leave_the_pipe_in_step():
         assert not first.cancel()
         waiter = threading.Thread(target=first.result, kwargs={"timeout": 60})
         waiter.start()
-        time.sleep(0.2)  # the waiter is reading now
+        deadline = time.monotonic() + 60
+        while _lock_is_free(planner._pool._recv_lock) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _lock_is_free(planner._pool._recv_lock)  # the waiter is reading now
         start = time.monotonic()
         second = planner.submit([PlanRequest("c", 2, 30, None, 0.0, 0.02)], context())
         assert time.monotonic() - start < 0.5  # not behind the solve in flight
