@@ -19,6 +19,17 @@ from orbitflow.runtime.background_planner import BackgroundPlanner, ClockedPlann
 from orbitflow.runtime.controller import Controller
 
 
+def wait_until(condition, timeout_s: float = 60.0) -> bool:
+    """Poll ``condition`` every 10 ms until it holds (True) or ``timeout_s`` passed (False): tests wait on the
+    event they need, not for a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def context(**kw):
     return PlanContext(num_layers=8, block_size=16, capacity_blocks=60, cost_model=CostModel([1e-3] * 8, 2e4),
                        window=(2, 6), **kw)
@@ -59,10 +70,7 @@ def test_a_reply_that_has_arrived_makes_its_future_done_without_a_read():
     planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
     try:
         future = planner.submit(batch(), context())
-        deadline = time.monotonic() + 60
-        while not future.done() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert future.done() and future.result(timeout=0)[0].feasible
+        assert wait_until(future.done) and future.result(timeout=0)[0].feasible
     finally:
         planner.close()
 
@@ -166,7 +174,6 @@ def test_a_dropped_planner_does_not_leave_its_process_behind():
     the pipe and the process exits on its own; this guards against anything that would keep the planner alive)."""
     import gc
     import multiprocessing
-    import time
 
     planner = BackgroundPlanner(OrbitFlowPolicy(), "process")
     planner.submit(batch(), context()).result()
@@ -174,10 +181,7 @@ def test_a_dropped_planner_does_not_leave_its_process_behind():
     assert None not in pids
     del planner
     gc.collect()
-    deadline = time.monotonic() + 30
-    while pids & {p.pid for p in multiprocessing.active_children()} and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pids & {p.pid for p in multiprocessing.active_children()}
+    assert wait_until(lambda: not pids & {p.pid for p in multiprocessing.active_children()}, 30)
 
 
 def test_a_process_that_died_between_solves_costs_no_step():
@@ -267,10 +271,8 @@ def test_a_reply_that_does_not_unpickle_fails_its_own_solve_only():
         with pytest.raises(RuntimeError, match="could not be read"):
             planner.submit(batch(), context()).result(timeout=60)
         planner.submit(batch(), context())  # dropped: its reply is read by the next submission
-        deadline = time.monotonic() + 60
-        while not planner._pool._conn.poll(0) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert planner._pool._conn.poll(0)  # the dropped reply is waiting: the next submission reads it first
+        # the dropped reply is waiting in the pipe: the next submission reads it first
+        assert wait_until(lambda: planner._pool._conn.poll(0))
         nxt = planner.submit(batch(), context())  # raised the unpickling error before the fix
         with pytest.raises(RuntimeError, match="could not be read"):
             nxt.result(timeout=60)
@@ -309,10 +311,7 @@ def test_cancel_and_a_second_thread_leave_the_pipe_in_step():
         assert not first.cancel()
         waiter = threading.Thread(target=first.result, kwargs={"timeout": 60})
         waiter.start()
-        deadline = time.monotonic() + 60
-        while _lock_is_free(planner._pool._recv_lock) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not _lock_is_free(planner._pool._recv_lock)  # the waiter is reading now
+        assert wait_until(lambda: not _lock_is_free(planner._pool._recv_lock))  # the waiter is reading now
         start = time.monotonic()
         second = planner.submit([PlanRequest("c", 2, 30, None, 0.0, 0.02)], context())
         assert time.monotonic() - start < 0.5  # not behind the solve in flight
@@ -329,10 +328,7 @@ def test_close_does_not_wait_for_a_solve_in_flight(tmp_path):
     pool = planner._pool
     assert planner.submit(batch(), context()).result(timeout=60)[0].feasible  # the process is up
     planner.submit([PlanRequest("slow", 2, 30, None, 0.0, 0.02)], context())
-    deadline = time.monotonic() + 30
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert started.exists()  # solving it now (a fixed sleep could close before the solve began)
+    assert wait_until(started.exists, 30)  # solving it now (a fixed sleep could close before the solve began)
     start = time.monotonic()
     planner.close()
     assert time.monotonic() - start < 3 and not pool._proc.is_alive()
