@@ -704,8 +704,10 @@ def bench_uniform(sizes, calls: int, seed: int) -> None:
 
 
 ENGINE_MODES = ("thread", "process")  # runtime/background_planner.py: where the engine solves ahead
-# "paced": the engine's own pattern: one solve in flight, read at the step it is due (Controller.lead_steps ahead)
-PACED = "paced process"
+# "paced": the engine's own pattern: one solve in flight, read at the step it is due (Controller.lead_steps ahead),
+# on either background planner (`auto` picks the thread below 4 cores)
+PACED = "paced"
+PACED_MODES = tuple(f"{PACED} {mode}" for mode in ENGINE_MODES)
 # "pool": the planner process as it was before the pipe (a one-worker ProcessPoolExecutor), for the same-run A/B
 POOL = "pool process"
 # "busy": a planner process solving on its own, with no round trip to the engine: the interference of a busy
@@ -736,7 +738,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
     engine = llm.engine
     rng = np.random.default_rng(seed)
     vocab = llm.loaded.config.vocab_size
-    modes = (*ENGINE_MODES, POOL, PACED, BUSY)
+    modes = (*ENGINE_MODES, POOL, *PACED_MODES, BUSY)
     conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in modes]
     for i in range(4):
         engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
@@ -779,7 +781,7 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                 t = time.perf_counter()
                 lead = lead_steps(paced_solve_s[cond], paced_step_s[cond])
                 if paced is not None and ahead is None and i + lead <= block:  # as Controller.ahead_step/solve_ahead
-                    ahead = [planners["process"].submit(*paced[solves[cond][0] % len(paced)]), lead]
+                    ahead = [planners[cond.split(" ")[1]].submit(*paced[solves[cond][0] % len(paced)]), lead]
                 engine.step()
                 if ahead is not None:
                     ahead[1] -= 1
@@ -810,15 +812,14 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                f"(OrbitFlow policy, compiled planner, the engine's default node limit; 16 random batches of the "
                f"size shown, round robin), each solve a round trip from a thread of the engine's process; pool "
                f"process: the same, through a one-worker ProcessPoolExecutor (the planner process before it got "
-               f"its pipe); paced process: the engine's own pattern, one solve in flight, submitted by the step loop "
-               f"before a step and read after the step it is due, inside the timed step (waiting if it is not "
-               f"done), due as many steps ahead as the controller would start it (Controller.lead_steps: the last "
-               f"solves and the steps' EWMA); busy "
-               f"process: a planner process solving the same batches on its own, with no round trip; burner: a "
-               f"thread that keeps a core busy without the GIL (CPU "
-               f"contention alone; per second: SHA-256 of 1 MiB); idle: the engine alone. {rounds} rounds x "
-               f"{block} steps per condition, conditions interleaved. slowdown: median step time over idle's, "
-               f"with a 95% bootstrap interval.\n")
+               f"its pipe); paced thread, paced process: the engine's own pattern on that planner, one solve in "
+               f"flight, submitted by the step loop before a step and read after the step it is due, inside the "
+               f"timed step (waiting if it is not done), due as many steps ahead as the controller would start it "
+               f"(Controller.lead_steps: the last solves and the steps' EWMA); busy process: a planner process "
+               f"solving the same batches on its own, with no round trip; burner: a thread that keeps a core busy "
+               f"without the GIL (CPU contention alone; per second: SHA-256 of 1 MiB); idle: the engine alone. "
+               f"{rounds} rounds x {block} steps per condition, conditions interleaved. slowdown: median step time "
+               f"over idle's, with a 95% bootstrap interval.\n")
     _engine_table(conditions, steps, solves, busy_s, seed, out)
 
 

@@ -27,7 +27,10 @@ its window, wait past it) run as in the engine. What it leaves out is the planne
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
-back. An engine on 2 cores that re-plans often should say ``--background-planner process``.
+back. In the engine's own pattern (one solve in flight, due at the step that reads it: a solve per step at 4 x 32)
+both cost little on 2 cores: 40 interleaved rounds gave a planner thread +2.1% [-0.3%, +4.8%] at 4 x 32 and +0.5% at
+16 x 80, a planner process -0.8% and -0.1% (docs/results/planner_engine_cpu2.md); a thread fails only a caller that
+solves back to back (+70%). An engine on 2 cores that re-plans often should say ``--background-planner process``.
 """
 
 from __future__ import annotations
