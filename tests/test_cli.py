@@ -459,3 +459,17 @@ def test_commands_that_load_a_model_say_what_they_are_doing(caplog):
         assert any(r.levelno == logging.INFO and "loading" in r.getMessage() for r in caplog.records)
     finally:
         logger.setLevel(level)
+
+
+def test_plan_stops_within_the_plan_gap(capsys):
+    """--plan-gap: the plan is proven within that relative gap of the best possible (what the search says)."""
+    argv = ["plan", "--json", "--device-kv-blocks", "20000", "--slo-ms", "300", "--plan-node-limit", "none",
+            "--request", "tokens=12000,left=500", "--request", "tokens=900,left=800"]
+    assert main(argv) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert exact["feasible"] and exact["search"] == "complete" and exact["optimality_gap"] == 0
+    assert main([*argv, "--plan-gap", "0.05"]) == 0
+    near = json.loads(capsys.readouterr().out)
+    assert near["feasible"] and near["search"] in ("complete", "within --plan-gap 0.05")
+    assert 0 <= near["optimality_gap"] <= 0.05 + 1e-12
+    assert exact["predicted_step_s"] <= near["predicted_step_s"] <= exact["predicted_step_s"] / (1 - 0.05)

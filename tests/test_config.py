@@ -43,6 +43,7 @@ def test_build_routes_flat_names_to_their_concern():
     ({"seed": -1}, "--seed"),  # the random victim rule seeds numpy with it (it raised inside every overloaded step)
     ({"deposit_guard_ms": -1.0}, "--deposit-guard-ms"), ({"slo_ms": 10.0, "deposit_guard_ms": 10.0}, "--deposit-guard"),
     ({"window_max": 100_000}, "--window-max"),  # a one-request plan ran for minutes
+    ({"plan_gap": -1e-4}, "--plan-gap must be >= 0"), ({"plan_gap": 1.0}, "--plan-gap must be under 1"),
     ({"slo_ms": 50.0, "slo_scale": 2.0}, "--slo-ms and --slo-scale are exclusive"),  # slo_scale was dropped unsaid
 ])
 def test_a_bad_value_names_its_flag(flat, flag):
@@ -53,7 +54,7 @@ def test_a_bad_value_names_its_flag(flat, flag):
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("flat, flag", [
     ("link_gbps", "--link-gbps"), ("alpha", "--alpha"), ("slo_ms", "--slo-ms"), ("slo_scale", "--slo-scale"),
-    ("plan_time_limit_ms", "--plan-time-limit-ms"), ("ewma", "--ewma"),
+    ("plan_time_limit_ms", "--plan-time-limit-ms"), ("ewma", "--ewma"), ("plan_gap", "--plan-gap"),
 ])
 def test_a_value_that_is_not_finite_names_its_flag(flat, flag, bad):
     """NaN passes every `<= 0` check (it compares False), so it got through and failed deep inside the run."""

@@ -37,7 +37,7 @@ class CLIError(Exception):
 # ---- generate ------------------------------------------------------------------------------------------
 # Planner flags a fixed --placement makes meaningless (it plans nothing and pauses no one); the SLO, Token-Deposit and
 # the window (how often the placement is re-checked against the device budget) still apply.
-NOT_WITH_PLACEMENT = ("policy", "alpha", "victim", "plan_node_limit", "plan_time_limit_ms", "plan_threads",
+NOT_WITH_PLACEMENT = ("policy", "alpha", "victim", "plan_node_limit", "plan_time_limit_ms", "plan_gap", "plan_threads",
                       "background_planner")
 
 
@@ -205,7 +205,7 @@ def simulate_points(args: argparse.Namespace, profile) -> list:
                               prefetch_slots=d, kv_link=order)]
 
 
-SIMULATE_PLANNER_FLAGS = ("alpha", "window_min", "window_max", "plan_node_limit", "plan_time_limit_ms")
+SIMULATE_PLANNER_FLAGS = ("alpha", "window_min", "window_max", "plan_node_limit", "plan_time_limit_ms", "plan_gap")
 SIMULATE_SCHEDULER_FLAGS = ("scheduling", "chunked_prefill")
 
 
@@ -392,7 +392,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.cache.device_kv_blocks,
         "victims": list(plan.victims), "solve_s": plan.stats.solve_s, "slo_s": slo_s,
         "search": "local search, no proof" if args.space == "full" else (
-            "complete" if plan.stats.exact else "budget reached"),
+            "complete" if plan.stats.exact else
+            f"within --plan-gap {planner.gap:g}" if plan.stats.proven(planner.gap) else "budget reached"),
         "optimality_gap": plan.stats.gap,
     }
     if args.json:
@@ -535,7 +536,7 @@ def _add_plan_parser(sub) -> None:
                     helps={"device_kv_blocks": "override the device KV budget (default: the profile's)"})
     add_config_args(p, PlannerConfig, "planner", helps={"slo_ms": "TBT SLO (default: --slo-scale x the base SLO)"},
                     only=("slo_ms", "slo_scale", "alpha", "window_min", "window_max", "victim", "plan_node_limit",
-                          "plan_time_limit_ms", "plan_threads", "deposit_guard_ms"))
+                          "plan_time_limit_ms", "plan_gap", "plan_threads", "deposit_guard_ms"))
     p.add_argument("--space", choices=("pruned", "uniform", "full"), default="pruned", help="search space")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)

@@ -226,3 +226,16 @@ def test_dynamics_reused_decision_follows_the_host_pool_and_the_cost_model():
     assert not no_host.feasible  # with no host KV left its offload cannot run (the reused decision said feasible)
     refreshed = engine_ctx.cost_model.with_updates(layer_compute_scale=10.0)
     assert policy.plan(batch, replace(engine_ctx, cost_model=refreshed)).predicted_step_s > first.predicted_step_s
+
+
+def test_the_plan_gap_reaches_the_planner():
+    """--plan-gap is the planner's relative gap (a MIP solver's MIPGap), carried by the context to every solve."""
+    from orbitflow.config import EngineConfig
+    from orbitflow.plan.hardware import HardwareProfile
+
+    profile = HardwareProfile(name="p", num_layers=L, kv_bytes_per_token_per_layer=256, decode_a=2e-6, decode_b=0.012,
+                              link_bytes_per_s=2e6, device_kv_blocks=40, host_kv_blocks=4000, block_size=16)
+    for gap in (0.0, 1e-4, 0.05):
+        config = EngineConfig.build(model="p", plan_gap=gap, device_kv_blocks=40, block_size=16)
+        ctx = PlanContext.from_profile(config, profile)
+        assert ctx.gap == gap and ctx.planner().gap == gap

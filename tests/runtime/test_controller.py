@@ -459,3 +459,20 @@ def test_the_wait_for_a_solve_ahead_follows_the_budget_it_was_submitted_with(mon
         assert plan.feasible and not controller.records[-1].background  # solved inline after the wait
         assert time.perf_counter() - start < 30  # the 0.3 s wait, not the hung policy's minute
         assert f"(budget: {sent.node_limit} nodes)" in caplog.text
+
+
+def test_a_solve_proven_within_the_plan_gap_is_not_a_budget_hit():
+    """orbitflow:solver_budget_reached counts solves cut short unproven; one that ended within --plan-gap (its
+    certified gap no wider) is proven for that gap, though not exact."""
+    from orbitflow.plan.types import PlanStats
+
+    class Near(OrbitFlowPolicy):
+        def plan(self, requests, ctx):
+            got = super().plan(requests, ctx)
+            return dataclasses.replace(got, stats=PlanStats(exact=False, gap=0.004))
+
+    reqs = [PlanRequest("a", 1, 10, None, 0.0, math.inf)]
+    for gap, hits in ((0.0, 1), (0.001, 1), (0.01, 0)):
+        controller = Controller(Near(), dataclasses.replace(context(), gap=gap), background=False)
+        controller.solve(reqs, step=0, trigger="batch")
+        assert controller.solver_budget_hits == hits and controller.records[-1].proven == (not hits)

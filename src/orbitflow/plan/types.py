@@ -84,6 +84,11 @@ class PlanStats:
     full_evals: int | None = None  # space="full": exact evaluations of the local search
     solve_s: float | None = None  # wall seconds of the solve (set for plan(), not for evaluate())
 
+    def proven(self, gap: float = 0.0) -> bool:
+        """Whether the solve proved its plan optimal or, for a relative ``gap`` > 0 (``Planner(gap=...)``), within
+        that gap of the best possible plan (its certified gap is no wider)."""
+        return self.exact or (gap > 0 and self.gap is not None and self.gap <= gap * (1 + 1e-9))
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -38,6 +38,7 @@ class PlanContext:
     host_capacity_blocks: float = math.inf  # host blocks the batch may use (the engine sets it per solve)
     node_limit: int | None = 2000  # planner budget per solve
     time_limit_s: float | None = None
+    gap: float = 0.0  # relative: a solve stops once its plan is proven within it (0: exact)
     threads: int = 1  # threads of a solve without a node limit
     token_deposit: bool = True  # False: the planner lets no step bank margin for a later one
     # offload distance per request id of the plan in place (the search's first try); read-only
@@ -61,6 +62,7 @@ class PlanContext:
             max_batch_tokens=config.scheduler.max_num_batched_tokens,
             node_limit=config.planner.plan_node_limit,
             time_limit_s=config.planner.plan_time_limit_s,
+            gap=config.planner.plan_gap,
             threads=config.planner.plan_threads,
             token_deposit=config.planner.token_deposit,
         )
@@ -78,6 +80,7 @@ class PlanContext:
             host_capacity_blocks=self.host_capacity_blocks,
             node_limit=self.node_limit,
             time_limit_s=self.time_limit_s,
+            gap=self.gap,
             threads=self.threads,
             token_deposit=self.token_deposit,
         )

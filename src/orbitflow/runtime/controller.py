@@ -88,7 +88,7 @@ class PlanRecord:
     feasible: bool
     predicted_step_s: float
     background: bool = False
-    proven: bool = True  # False when the planner's budget ran out before optimality was proven
+    proven: bool = True  # False when the planner's budget ran out before optimality (within --plan-gap) was proven
     gap: float = 0.0  # the planner's certified relative gap to the best possible plan
     charged_s: float | None = None  # seconds of virtual clock charged for this solve (simulator only)
 
@@ -304,7 +304,7 @@ class Controller:
             distances=list(plan.distances) if plan.distances is not None else None,
             window=plan.window, expiry_step=plan.expiry_step, feasible=plan.feasible,
             predicted_step_s=float(plan.predicted_step_s), background=background,
-            proven=plan.stats.exact, gap=float(plan.stats.gap or 0.0), charged_s=charged,
+            proven=plan.stats.proven(self.ctx.gap), gap=float(plan.stats.gap or 0.0), charged_s=charged,
         )
         self.records.append(record)
         self.solver_calls += 1
