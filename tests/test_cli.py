@@ -470,6 +470,6 @@ def test_plan_stops_within_the_plan_gap(capsys):
     assert exact["feasible"] and exact["search"] == "complete" and exact["optimality_gap"] == 0
     assert main([*argv, "--plan-gap", "0.05"]) == 0
     near = json.loads(capsys.readouterr().out)
-    assert near["feasible"] and near["search"] in ("complete", "within --plan-gap 0.05")
+    assert near["feasible"] and near["search"] == "within --plan-gap 0.05"  # the gap cut it short
     assert 0 <= near["optimality_gap"] <= 0.05 + 1e-12
     assert exact["predicted_step_s"] <= near["predicted_step_s"] <= exact["predicted_step_s"] / (1 - 0.05)

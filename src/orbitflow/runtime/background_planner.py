@@ -5,8 +5,9 @@ the engine's step is a long run of short torch calls, each of which must take th
 benchmarks/planner.py --sections engine (SmolLM2-135M shape, 4 requests, batches of 4 requests x 32 layers
 solved back to back, each a round trip from a thread of the engine's process): on a 16-core H100 machine a
 planner thread slowed decode steps by +402% on the GPU and +178% on the CPU, a planner process by +2.3% and
-+0.1% (both with the ProcessPoolExecutor below). On this project's 2-core CPU machine (docs/results.md) a
-planner thread costs +108% to +141%, a planner process solving on its own without round trips within 2%.
++0.1% (both with the ProcessPoolExecutor below). On this project's 2-core CPU machine
+(docs/results/planner_engine_cpu2.md, 40 interleaved rounds) a planner thread solving back to back costs +70% at
+4 x 32, a planner process solving on its own without round trips +0.1% (-1.1% at 16 x 80).
 
 The planner process (:class:`PlannerProcess`) is one spawned process on a pipe (spawn: no fork of a process
 running torch threads), started with the engine and its compiled planner loaded then, not at the first solve.
@@ -15,9 +16,8 @@ whichever thread asks for the plan: no helper thread. It replaced a one-worker P
 queue feeder and manager threads both wake in the engine's process per solve: on 2 cores, in three interleaved
 runs at ~380-500 round trips/s from a thread of the engine's process, +6.6% to +9.2% for the pipe against
 +14.2% to +16.2% for the pool (with empty replies the pipe still cost +12%: the wake-ups, not the pickles). The
-engine itself makes at most one round trip per step: one solve per step from the step loop (4 x 32) cost +0.3%
-and +0.6% (95% intervals within +-4.4%). The planning context is sent again only when the controller has
-replaced it (it never mutates it), and a plan crosses as its placement's bits.
+engine itself makes at most one round trip per step (below). The planning context is sent again only when the
+controller has replaced it (it never mutates it), and a plan crosses as its placement's bits.
 
 A simulated engine solves ahead on its virtual clock instead (:class:`ClockedPlanner`): the solve runs at once,
 and its plan is ready once the clock has moved on by the solve's charged seconds (after the solves submitted before
@@ -28,9 +28,9 @@ its window, wait past it) run as in the engine. What it leaves out is the planne
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
 back. In the engine's own pattern (one solve in flight, due at the step that reads it: a solve per step at 4 x 32)
-both cost little on 2 cores: 40 interleaved rounds gave a planner thread +2.1% [-0.3%, +4.8%] at 4 x 32 and +0.5% at
-16 x 80, a planner process -0.8% and -0.1% (docs/results/planner_engine_cpu2.md); a thread fails only a caller that
-solves back to back (+70%). An engine on 2 cores that re-plans often should say ``--background-planner process``.
+both cost little on 2 cores: a planner thread +2.1% [-0.3%, +4.8%] at 4 x 32 and +0.5% at 16 x 80, a planner process
+-0.8% and -0.1% (the same 40 rounds). Only a caller that solves back to back from the engine's process (a library
+user's loop; the engine never does) should run the process on 2 cores: ``--background-planner process``.
 """
 
 from __future__ import annotations

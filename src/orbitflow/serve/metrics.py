@@ -48,7 +48,8 @@ class _EngineCollector:
             ("orbitflow:solver_calls", "Placement solver calls", engine.controller.solver_calls),
             ("orbitflow:solver_seconds", "Time spent in the placement solver",
              engine.controller.solver_time_s),
-            ("orbitflow:solver_budget_reached", "Solves stopped by the planner budget before proving optimality",
+            ("orbitflow:solver_budget_reached", "Solves stopped by the planner budget before proving optimality "
+                                                "(within --plan-gap)",
              engine.controller.solver_budget_hits),
             ("orbitflow:slo_violations_scheduled", "Token gaps over the SLO in Token-Deposit's delivery schedule",
              stats.delivered_violations),
