@@ -67,6 +67,11 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
+def batches_of(calls: int, n_layers: int) -> int:
+    """Batches per size of the speed table and the sections that re-solve them: a tenth at L=80 (3 at least)."""
+    return calls if n_layers < 80 else max(3, calls // 10)
+
+
 def _solve(cm, cap, reqs, compiled: bool, cpu=time.thread_time, **kwargs):
     """One plan() call: (wall seconds, CPU seconds by ``cpu``: this thread's, or every thread's with
     ``time.process_time``, plan)."""
@@ -74,6 +79,12 @@ def _solve(cm, cap, reqs, compiled: bool, cpu=time.thread_time, **kwargs):
     w, c = time.perf_counter(), cpu()
     p = pl.plan(reqs)
     return time.perf_counter() - w, cpu() - c, p
+
+
+def _load_compiled(sizes, seed: int) -> None:
+    """Load the compiled code (numba's on-disk cache) for each size before timing."""
+    for n_req, n_layers in sizes:
+        _solve(*random_instance(np.random.default_rng(seed), n_req, n_layers), compiled=True, time_limit_s=0.05)
 
 
 IMPLS = {"compiled": True, "reference": False}
@@ -121,10 +132,9 @@ def bench_speed(sizes, calls: int, seed: int, budget_s: float, exact_cap_s: floa
                "budget p50 ms | budget p99 ms | budget p99 cpu ms | excess mean | excess max | budget unproven | "
                "same opt |" + (" vs baseline |" if baseline is not None else ""))
     out.append("|---" * (16 if baseline is not None else 15) + "|")
-    for n_req, n_layers in sizes:  # load the compiled code (numba's on-disk cache) before timing
-        _solve(*random_instance(np.random.default_rng(seed), n_req, n_layers), compiled=True, time_limit_s=0.05)
+    _load_compiled(sizes, seed)
     for n_req, n_layers in sizes:
-        n_calls = calls if n_layers < 80 else max(3, calls // 10)
+        n_calls = batches_of(calls, n_layers)
         cases = speed_cases(seed, n_req, n_layers, n_calls)
         rec = {name: {"ew": [], "ec": [], "bw": [], "bc": [], "opt": [], "excess": [], "lost": 0, "cut": 0, "open": 0,
                       "lat": []} for name in IMPLS}
@@ -588,12 +598,11 @@ def bench_gap(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str], 
     out.append("| R | L | batches | gap | p50 ms | p99 ms | proven | nodes | certified gap of the rest p50 / max | "
                "over the exact mean / max |")
     out.append("|---" * 10 + "|")
-    for n_req, n_layers in sizes:
-        _solve(*random_instance(np.random.default_rng(seed), n_req, n_layers), compiled=True, time_limit_s=0.05)
+    _load_compiled(sizes, seed)
     notes = []
     for n_req, n_layers in sizes:
-        n_calls = calls if n_layers < 80 else max(3, calls // 10)
-        rec = {g: {"t": [], "proven": 0, "nodes": 0, "open_gap": [], "lat": []} for g in gaps}
+        n_calls = batches_of(calls, n_layers)
+        rec = {g: {"t": [], "nodes": 0, "open_gap": [], "lat": []} for g in gaps}
         for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, n_calls),
                                                  desc=f"gap R={n_req} L={n_layers}", leave=False)):
             for g in gaps[i % len(gaps):] + gaps[: i % len(gaps)]:
@@ -602,7 +611,6 @@ def bench_gap(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str], 
                 r["t"].append(w)
                 r["nodes"] += p.stats.nodes
                 done = p.stats.proven(g)
-                r["proven"] += done
                 if not done and p.stats.gap is not None:
                     r["open_gap"].append(p.stats.gap)
                 r["lat"].append((p.predicted_step_s if p.feasible else math.inf, done))
@@ -614,7 +622,8 @@ def bench_gap(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str], 
                     if done and ex_done and math.isfinite(ex) and math.isfinite(lat)]
             versus = f"{100 * float(np.mean(over)):.4f}% / {100 * max(over):.4f}%" if over and g else "-"
             out.append(f"| {n_req} | {n_layers} | {n_calls} | {g:g} | {1e3 * pct(r['t'], 50):.2f} | "
-                       f"{1e3 * pct(r['t'], 99):.2f} | {r['proven']}/{n_calls} | {r['nodes']} | {opened} | {versus} |")
+                       f"{1e3 * pct(r['t'], 99):.2f} | {sum(done for _, done in r['lat'])}/{n_calls} | {r['nodes']} | "
+                       f"{opened} | {versus} |")
         print("\n".join(out[-len(gaps):]), flush=True)
         exact_done = [done for _, done in rec[gaps[0]]["lat"]]
         extra = {g: sum(done and not ex for (_, done), ex in zip(rec[g]["lat"], exact_done)) for g in gaps[1:]}
@@ -650,7 +659,7 @@ def bench_link(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str])
         for link in LINKS:
             _solve(cm.with_updates(transfer=link), cap, reqs, compiled=True, time_limit_s=0.05)
     for n_req, n_layers in sizes:
-        n_calls = calls if n_layers < 80 else max(3, calls // 10)
+        n_calls = batches_of(calls, n_layers)
         rec = {link: {"t": [], "cut": 0, "leaves": 0, "nodes": [], "lat": []} for link in LINKS}
         for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, n_calls),
                                                  desc=f"link {n_req}x{n_layers}", leave=False)):
@@ -1028,6 +1037,9 @@ def _numba_version() -> str:
         return "missing"
 
 
+SECTIONS = ("speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof", "link", "gap")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer calls (smoke run)")
@@ -1039,10 +1051,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="speed: also time the compiled exact solve on this many threads (1: not)")
     ap.add_argument("--sections", default="speed,budget_seeds,engine,bruteforce,floor,uniform,full",
-                    help="comma-separated subset of speed,budget_seeds,engine,bruteforce,floor,uniform,full,proof,"
-                         "link,gap (proof: not by default, ~5 min; link: not by default, the same batches planned for "
-                         "a preemptive link, ~3 min; gap: not by default, the same batches solved within relative "
-                         "gaps 0, 1e-4 and 1e-3, ~3 min)")
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (proof: not by default, ~5 min; link: not "
+                         "by default, the same batches planned for a preemptive link, ~3 min; gap: not by default, the "
+                         "same batches solved within relative gaps 0, 1e-4 and 1e-3, ~3 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
                     help="proof: wall-clock cap of the search that knows its best plan (default %(default)s)")
     ap.add_argument("--leaf-cap-s", type=float, default=5.0,
@@ -1065,8 +1076,7 @@ def main() -> None:
                     "(docs/results/planner.md)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof", "link",
-                          "gap"}
+    unknown = sections - set(SECTIONS)
     if unknown:
         ap.error(f"--sections: unknown {sorted(unknown)}")
     if args.order_leaves < 0:
