@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances, search, warm_up  # noqa: E402
 from orbitflow.plan.bounds import dp_bound  # noqa: E402
+from orbitflow.plan.types import PlanStats  # noqa: E402
 
 
 def random_instance(rng: np.random.Generator, n_req: int, n_layers: int, slo_scale: float | None = None):
@@ -463,7 +464,6 @@ def bench_proof(calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, l
     ``order_leaves`` of those below the best plan and for the first solve's plan, the best link order a local search
     finds (:func:`improve_order`): is the gap the link's non-preemption, or EDF's order?"""
     from orbitflow.plan.search import BranchAndBound
-    from orbitflow.plan.types import PlanStats
 
     out.append(f"\n### Why ({n_req}, {n_layers}) is not proven within 100 ms\n")
     out.append(f"{calls} batches of the speed table. Each is solved exactly (capped at {exact_cap_s:g} s), then "
@@ -629,6 +629,143 @@ def bench_gap(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str], 
         extra = {g: sum(done and not ex for (_, done), ex in zip(rec[g]["lat"], exact_done)) for g in gaps[1:]}
         notes.append(f"({n_req}, {n_layers}) " + ", ".join(f"{n} within {g:g}" for g, n in extra.items()))
     out.append("\nBatches proven within a gap that the exact search left unproven: " + "; ".join(notes) + ".")
+
+
+def traced_children(rules, reqs, upper: float, cap_s: float) -> tuple[LeafGaps, dict[bytes, float], list[np.ndarray]]:
+    """A traced reference search of ``reqs`` against ``upper`` from the start, for ``cap_s`` seconds: the search, the
+    latency bound of every child it evaluated that capacity kept alive, and the partial plan of every node it
+    expanded. A partial plan is the candidate per request, -1 where unassigned (the children's keys: its int16
+    bytes), so the same key in two batches is the same partial plan whatever order each searched in."""
+    tree = LeafGaps(rules, rules.horizon(reqs), PlanStats(), upper=upper, deadline=time.perf_counter() + cap_s)
+    tree.trace = []
+    tree.run()
+    kids: dict[bytes, float] = {}
+    nodes = []
+    order = np.asarray(tree.order)
+    for prefix, lat_lb, alive in tree.trace:
+        a = np.full(tree.n_req, -1, dtype=np.int16)
+        a[order[:len(prefix)]] = prefix
+        nodes.append(a.copy())
+        r = order[len(prefix)]
+        for k in np.flatnonzero(alive).tolist():
+            a[r] = k
+            kids[a.tobytes()] = float(lat_lb[k])
+    return tree, kids, nodes
+
+
+def under_cut(node: np.ndarray, order: list[int], cut: set[bytes]) -> bool:
+    """Whether the partial plan ``node`` is, or lies under, a partial plan in ``cut`` that assigned the first requests
+    of ``order`` (another search's order)."""
+    a = np.full(node.size, -1, dtype=np.int16)
+    for r in order:
+        if node[r] < 0:
+            return False
+        a[r] = node[r]
+        if a.tobytes() in cut:
+            return True
+    return False
+
+
+def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, trace_cap_s: float,
+                 out: list[str], steps: int | None = None) -> None:
+    """Would a re-plan's exact proof be cheap if it reused the last solve's search (its cut subtrees and their
+    bounds)? Each batch B and the same batch ``steps`` decode steps later (B1, ``PlanRequest.after``; None: at the
+    step B's plan asks to be re-planned, ``Plan.replan_step``, as the controller re-plans) are solved exactly.
+    B1's proof alone (the search knowing B1's optimum from the start) expands every node whose bound is below that
+    optimum; reuse can spare such a node only where B's bound for the same partial plan was higher than B1's and
+    still holds for B1. The table measures both conditions: how often a bound falls when the blocks grow, how many
+    of B1's nodes lie under such a cut of B's, and whether B's plans can step faster in B1 (then a bound of B's need
+    not hold for B1)."""
+    out.append("\n### Re-planning: what reusing the last proof could save\n")
+    later = (f"{steps} decode step(s) later" if steps else "at the step B's plan asks to be re-planned "
+             "(`Plan.replan_step`, its expiry or the end of its window, when the controller re-plans it)")
+    out.append(
+        f"Batches of the speed table (B) and the same batch {later} (B1, `PlanRequest.after`; 'after': the "
+        f"steps), each solved exactly (capped at {exact_cap_s:g} s). 'optimum moved': B1's best plan over B's. "
+        f"'oracle proof of B1': the compiled search of B1 knowing B1's best plan from the start (capped at "
+        f"{proof_cap_s:g} s): the proof alone, which expands every node whose bound is below B1's optimum. Then "
+        f"both batches are searched traced (the reference search, {trace_cap_s:g} s each) against their own best "
+        "plans. 'B's cuts': the children B's search cut by bound; 'to re-open': the share of those whose bound is "
+        "below B1's optimum (a re-plan must bound them again). 'bounds compared': partial plans both searches "
+        "bounded; 'lower in B1': how many of them B1 bounds lower than B (where any is, the bounds are not "
+        "monotone in the blocks), and the least ratio minus 1. 'B1 nodes under a B cut': the share of B1's traced "
+        "nodes that are, or lie under, a child B cut with a bound at or above B1's optimum: the most reuse could "
+        "spare, if B's bounds held for B1 (a lower count where B's traced search did not finish: 'B traced in "
+        "part'). 'B plans faster in B1': of the plans B's traced search scheduled "
+        "exactly, how many step faster in B1, with more blocks (where any does, the step is not monotone in the "
+        "blocks, and a bound proven for B does not carry over to B1 by itself).\n")
+    out.append("| R | L | batch | after | requests with a new block | optimum moved | both proven | "
+               "oracle proof of B1 ms | nodes | done | B's cuts | to re-open | bounds compared | lower in B1 (least) | "
+               "B1 nodes under a B cut | B plans faster in B1 |")
+    out.append("|---" * 16 + "|")
+    _load_compiled(sizes, seed)
+    summary = []
+    for n_req, n_layers in sizes:
+        rec = []  # per feasible batch: both optima proven, proof ms, nodes, proof done, a bound fell, a plan
+        # stepped faster, share of B1's traced nodes under a B cut, B's traced search finished
+        for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls),
+                                                 desc=f"replan R={n_req} L={n_layers}", leave=False)):
+            planner = Planner(cm, cap, alpha=1.0, window=(4, 16), time_limit_s=exact_cap_s, **EXACT)
+            p0 = planner.plan(reqs)
+            if not p0.feasible:
+                continue
+            n_steps = steps or p0.replan_step
+            reqs1 = [q.after(n_steps, q.deposit) for q in reqs]
+            p1 = planner.plan(reqs1)
+            if not p1.feasible:
+                continue
+            rules = planner.constraints
+            best0, best1 = p0.predicted_step_s, p1.predicted_step_s
+            crossed = int((rules.horizon(reqs1).blocks[0] != rules.horizon(reqs).blocks[0]).sum())
+            up0, kept = best0 * (1 + 1e-9), (best1 * (1 + 1e-9), math.inf)
+            oracle = search.BranchAndBound(rules, rules.horizon(reqs1), PlanStats(), upper=kept[0],
+                                           deadline=time.perf_counter() + proof_cap_s)
+            t = time.perf_counter()
+            oracle.run()
+            proof_s = time.perf_counter() - t
+            tree0, kids0, _ = traced_children(rules, reqs, up0, trace_cap_s)
+            tree1, kids1, nodes1 = traced_children(rules, reqs1, kept[0], trace_cap_s)
+            cuts = {key: lb for key, lb in kids0.items() if search.prunable(lb, 0.0, (up0, math.inf))}
+            reopen = sum(not search.prunable(lb, 0.0, kept) for lb in cuts.values())
+            common = [(kids1[key], lb) for key, lb in kids0.items() if key in kids1]
+            n_lower = sum(lb1 < lb * (1 - 1e-9) for lb1, lb in common)
+            least = min((lb1 / lb - 1 for lb1, lb in common if lb > 0), default=math.nan)
+            strong = {key for key, lb in cuts.items() if search.prunable(lb, 0.0, kept)}
+            n_under = sum(under_cut(a, tree0.order, strong) for a in nodes1)
+            lat1 = [tree1._lat0(k_of) for k_of in tree0.plans]
+            n_faster = sum(l1 < l0 * (1 - 1e-9) for l1, (_, l0) in zip(lat1, tree0.seen))
+            both = p0.stats.exact and p1.stats.exact
+            rec.append((both, 1e3 * proof_s, oracle.stats.nodes, not oracle.timed_out, n_lower > 0, n_faster > 0,
+                        n_under / max(len(nodes1), 1), not tree0.timed_out))
+            out.append(f"| {n_req} | {n_layers} | {i} | {n_steps} | {crossed} | {100 * (best1 / best0 - 1):+.3f}% | "
+                       f"{both} | {1e3 * proof_s:.1f} | {oracle.stats.nodes} | {not oracle.timed_out} | {len(cuts)} | "
+                       f"{100 * reopen / max(len(cuts), 1):.1f}% | {len(common)} | {n_lower} ({least:+.2e}) | "
+                       f"{100 * n_under / max(len(nodes1), 1):.1f}% of {len(nodes1)}"
+                       f"{' (B traced in part)' if tree0.timed_out else ''} | {n_faster} of "
+                       f"{len(lat1)} |")
+            print(out[-1], flush=True)
+        if rec:
+            proven = [r for r in rec if r[0]]
+            ms = [r[1] for r in proven]
+            text = f"({n_req}, {n_layers}), {len(rec)} of {calls} batches feasible at both steps"
+            if proven:
+                text += (f"; in the {len(proven)} with both optima proven, B1's proof alone takes p50 "
+                         f"{pct(ms, 50):.1f} ms and p99 {pct(ms, 99):.1f} ms ({sum(m > 100 for m in ms)} over 100 ms; "
+                         f"nodes p50 {pct([r[2] for r in proven], 50):.0f})")
+            text += (f". Over all {len(rec)}: B1's proof alone done within {proof_cap_s:g} s in "
+                     f"{sum(r[3] for r in rec)}, within 100 ms in {sum(r[3] and r[1] <= 100 for r in rec)}; a bound "
+                     f"fell as the blocks grew in {sum(r[4] for r in rec)}; B's plans stepped faster in B1 in "
+                     f"{sum(r[5] for r in rec)}.")
+            for whole, what in ((True, "where B's traced search finished"),
+                                (False, "where it did not (counting the cuts its traced part found)")):
+                share = [r[6] for r in rec if r[7] == whole]
+                if share:
+                    text += (f" Reuse could spare at most {100 * pct(share, 50):.1f}% of B1's traced nodes at the "
+                             f"median and {100 * max(share):.1f}% at most {what} ({len(share)} "
+                             f"batch{'es' if len(share) > 1 else ''}).")
+            summary.append(text + " All of it only if B's bounds held for B1.")
+    out.append("")
+    out += summary
 
 
 def bench_link(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str]) -> None:
@@ -1037,7 +1174,8 @@ def _numba_version() -> str:
         return "missing"
 
 
-SECTIONS = ("speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof", "link", "gap")
+SECTIONS = ("speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof", "link", "gap",
+            "replan")
 
 
 def main() -> None:
@@ -1053,13 +1191,22 @@ def main() -> None:
     ap.add_argument("--sections", default="speed,budget_seeds,engine,bruteforce,floor,uniform,full",
                     help=f"comma-separated subset of {','.join(SECTIONS)} (proof: not by default, ~5 min; link: not "
                          "by default, the same batches planned for a preemptive link, ~3 min; gap: not by default, the "
-                         "same batches solved within relative gaps 0, 1e-4 and 1e-3, ~3 min)")
+                         "same batches solved within relative gaps 0, 1e-4 and 1e-3, ~3 min; replan: not by default, "
+                         "what a re-plan a step later could reuse of the last search, ~10 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
-                    help="proof: wall-clock cap of the search that knows its best plan (default %(default)s)")
+                    help="proof, replan: wall-clock cap of the search that knows its best plan (default "
+                         "%(default)s)")
     ap.add_argument("--leaf-cap-s", type=float, default=5.0,
                     help="proof: seconds the reference search records the plans it schedules (default %(default)s)")
     ap.add_argument("--order-leaves", type=int, default=6,
                     help="proof: leaves per batch whose best link order is searched (default %(default)s)")
+    ap.add_argument("--replan-batches", type=int, default=None,
+                    help="replan: batches per size, the speed table's first ones (default 20, quick 2)")
+    ap.add_argument("--replan-steps", type=int, default=None,
+                    help="replan: decode steps between a batch and its re-plan (default: the step its plan asks to "
+                         "be re-planned, Plan.replan_step, as the controller does)")
+    ap.add_argument("--trace-cap-s", type=float, default=2.0,
+                    help="replan: seconds each traced search records its bounds (default %(default)s)")
     ap.add_argument("--budget-seeds", type=int, default=4,
                     help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
     ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
@@ -1125,6 +1272,11 @@ def main() -> None:
         bench_link(sizes, calls, args.seed, args.exact_cap_s, out)
     if "gap" in sections:
         bench_gap(sizes, calls, args.seed, args.exact_cap_s, out)
+    if "replan" in sections:
+        if args.replan_steps is not None and args.replan_steps < 1:
+            ap.error(f"--replan-steps must be >= 1, got {args.replan_steps}")
+        bench_replan(sizes, args.replan_batches or (2 if args.quick else 20), args.seed, args.exact_cap_s,
+                     args.proof_cap_s, args.trace_cap_s, out, steps=args.replan_steps)
     if "uniform" in sections:
         bench_uniform(sizes, 5 if args.quick else 50, args.seed)
     if "full" in sections:
@@ -1139,6 +1291,8 @@ def main() -> None:
             title = "Planner: the executor's link vs a preemptive one"
         elif sections == {"gap"}:
             title = "Planner: exact, or within a gap"
+        elif sections == {"replan"}:
+            title = "Planner: what a re-plan could reuse"
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
         about = (f"seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` (8-1024 blocks per "

@@ -27,6 +27,15 @@ def _batches(bench, n):
     return bench.speed_cases(3, 5, 16, n)
 
 
+def _solved(bench, n):
+    """The feasible ones of those batches, each with its exact planner and plan: (planner, requests, plan)."""
+    for cm, cap, reqs in _batches(bench, n):
+        planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False)
+        plan = planner.plan(reqs)
+        if plan.feasible:
+            yield planner, reqs, plan
+
+
 def test_leaf_recorder_changes_no_plan_and_every_leaf_bound_holds():
     """LeafGaps is the reference search with a recorder: the same optimum as the planner's exact solve, the
     release/need bound it records never exceeds the exact latency of the same plan (the bound is valid), and the plan
@@ -77,11 +86,7 @@ def test_depth_profile_counts_every_node_once_and_each_comes_from_a_surviving_ch
     bound is never above the best plan."""
     bench = load_benchmark("planner")
     checked = 0
-    for cm, cap, reqs in _batches(bench, 6):
-        planner = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False)
-        plan = planner.plan(reqs)
-        if not plan.feasible:
-            continue
+    for planner, reqs, plan in _solved(bench, 6):
         rules = planner.constraints
         upper = plan.predicted_step_s * (1 + 1e-9)
         gaps = bench.LeafGaps(rules, rules.horizon(reqs), PlanStats(), upper=upper)
@@ -190,3 +195,60 @@ def test_gap_table_proves_small_batches_within_each_gap():
             assert 0 <= mean <= most <= 100 * g / (1 - g)  # the certified gap is over the plan, not the optimum
     assert out[-1].strip() == ("Batches proven within a gap that the exact search left unproven: (5, 16) 0 within "
                                "0.001, 0 within 0.05.")
+
+
+def test_traced_children_keys_each_child_by_its_partial_plan():
+    """traced_children: a node per trace entry, each child that capacity kept alive under its own partial plan (its
+    node's plan plus one more request, in the search's order), with the bound the trace gave it."""
+    bench = load_benchmark("planner")
+    checked = 0
+    for planner, reqs, plan in _solved(bench, 4):
+        tree, kids, nodes = bench.traced_children(planner.constraints, reqs, plan.predicted_step_s * (1 + 1e-9), 5.0)
+        assert not tree.timed_out and len(nodes) == len(tree.trace) > 0
+        expected = {}
+        for (prefix, lat_lb, alive), node in zip(tree.trace, nodes):
+            depth = len(prefix)
+            assert sorted(np.flatnonzero(node >= 0).tolist()) == sorted(tree.order[:depth])
+            for k in np.flatnonzero(alive).tolist():
+                child = node.copy()
+                child[tree.order[depth]] = k
+                expected[child.tobytes()] = float(lat_lb[k])
+        assert kids == expected and kids
+        checked += 1
+    assert checked > 0
+
+
+def test_under_cut_finds_a_cut_ancestor_in_another_order():
+    bench = load_benchmark("planner")
+    cut_plan = np.array([-1, 3, -1, 2], dtype=np.int16)  # requests 3 then 1 assigned, in the other search's order
+    cut = {cut_plan.tobytes()}
+    assert bench.under_cut(np.array([0, 3, -1, 2], dtype=np.int16), [3, 1, 0, 2], cut)  # below it
+    assert bench.under_cut(cut_plan, [3, 1, 0, 2], cut)  # the cut child itself
+    assert not bench.under_cut(np.array([0, 3, -1, 1], dtype=np.int16), [3, 1, 0, 2], cut)  # another candidate
+    assert not bench.under_cut(np.array([0, 3, 1, -1], dtype=np.int16), [3, 1, 0, 2], cut)  # request 3 unassigned
+    assert not bench.under_cut(np.array([0, 3, -1, 2], dtype=np.int16), [1, 0, 3, 2], cut)  # never that prefix
+
+
+def test_replan_table_reads_right_on_small_batches():
+    """The replan section at 5 x 16, where every solve and traced search finishes: a row per batch, every proof
+    done; a cut of B stays cut where B1's optimum did not rise; and no node of B1 lies under a cut of B's where no
+    bound fell (in one search order, B1 would have cut it too)."""
+    bench = load_benchmark("planner")
+    out: list[str] = []
+    bench.bench_replan([(5, 16)], 8, 3, 5.0, 5.0, 5.0, out)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out if line.startswith("| 5 |")]
+    assert len(rows) >= 4 and all(len(r) == 16 for r in rows)
+    assert all(int(r[3]) >= 1 for r in rows)  # each re-planned at its plan's own step
+    for r in rows:
+        assert r[6] == "True" and r[9] == "True"
+        assert "in part" not in r[14]
+        if float(r[5].rstrip("%")) <= 0:
+            assert r[11] == "0.0%"
+        if r[13].startswith("0 "):
+            assert r[14].startswith("0.0% of ")
+    fell = sum(not r[13].startswith("0 ") for r in rows)
+    faster = sum(not r[15].startswith("0 of") for r in rows)
+    assert out[-1].startswith(f"(5, 16), {len(rows)} of 8 batches feasible at both steps; in the {len(rows)} with "
+                              "both optima proven, B1's proof alone takes p50 ")
+    assert (f"done within 5 s in {len(rows)}, within 100 ms in {len(rows)}; a bound fell as the blocks grew in {fell}; "
+            f"B's plans stepped faster in B1 in {faster}.") in out[-1]

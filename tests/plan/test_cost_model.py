@@ -436,6 +436,19 @@ def test_edf_is_not_monotone_in_added_copies():
     assert (before, after) == (13.0, 12.0)
 
 
+
+def test_edf_is_not_monotone_in_copy_sizes():
+    """A longer copy can shorten the executor's step too, so a plan's step can fall as a request's blocks grow, and
+    a bound a search proved for a batch does not carry over to the same batch a few tokens later by itself
+    (benchmarks/planner.py --sections replan). Request 2's copy for layer 0 runs until t=3 and layer 0 until t=6,
+    when request 2's copy for layer 1 is released. Request 1's 2 s copy ends at t=5, so the link takes request 0's
+    3 s copy for layer 2 and request 2's urgent one waits behind it until t=8; a 3 s copy ends at t=6, just as the
+    urgent one is released, and EDF takes it first."""
+    comp, hosts = [3.0, 2.0, 1.0], [[2], [1], [0, 1]]
+    short = sum(comp) + sum(edf_stalls(comp, hosts, [3.0, 2.0, 3.0]))
+    longer = sum(comp) + sum(edf_stalls(comp, hosts, [3.0, 3.0, 3.0]))
+    assert (short, longer) == (14.0, 13.0)
+
 def preemptive_latency(comp, hosts, xfer, slots=1, host_layer_s=0.0):
     """Continuous-time simulation of a PREEMPTIVE earliest-need-first link under the executor's other rules (a
     request's first ``slots`` transfers are released at t=0, its next one when the host layer ``slots`` before it
