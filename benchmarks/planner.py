@@ -672,10 +672,10 @@ def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: 
     bounds)? Each batch B and the same batch ``steps`` decode steps later (B1, ``PlanRequest.after``; None: at the
     step B's plan asks to be re-planned, ``Plan.replan_step``, as the controller re-plans) are solved exactly.
     B1's proof alone (the search knowing B1's optimum from the start) expands every node whose bound is below that
-    optimum; reuse can spare such a node only where B's bound for the same partial plan was higher than B1's and
-    still holds for B1. The table measures both conditions: how often a bound falls when the blocks grow, how many
-    of B1's nodes lie under such a cut of B's, and whether B's plans can step faster in B1 (then a bound of B's need
-    not hold for B1)."""
+    optimum (bar those the SLO prefilter or the symmetry rule cuts); reuse can spare such a node only where B's
+    bound for the same partial plan was higher than B1's and still holds for B1. The table measures both
+    conditions: how often a bound falls when the blocks grow, how many of B1's nodes lie under such a cut of B's,
+    and whether B's plans can step faster in B1 (then a bound of B's need not hold for B1)."""
     out.append("\n### Re-planning: what reusing the last proof could save\n")
     later = (f"{steps} decode step(s) later" if steps else "at the step B's plan asks to be re-planned "
              "(`Plan.replan_step`, its expiry or the end of its window, when the controller re-plans it)")
@@ -683,7 +683,9 @@ def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: 
         f"Batches of the speed table (B) and the same batch {later} (B1, `PlanRequest.after`; 'after': the "
         f"steps), each solved exactly (capped at {exact_cap_s:g} s). 'optimum moved': B1's best plan over B's. "
         f"'oracle proof of B1': the compiled search of B1 knowing B1's best plan from the start (capped at "
-        f"{proof_cap_s:g} s): the proof alone, which expands every node whose bound is below B1's optimum. Then "
+        f"{proof_cap_s:g} s): the proof alone, which expands every node whose bound is below B1's optimum (bar "
+        "those the SLO prefilter or the symmetry rule cuts); where it is done it proved that plan optimal, so any "
+        "exact re-plan with these bounds expands at least its nodes. Then "
         f"both batches are searched traced (the reference search, {trace_cap_s:g} s each) against their own best "
         "plans. 'B's cuts': the children B's search cut by bound; 'to re-open': the share of those whose bound is "
         "below B1's optimum (a re-plan must bound them again). 'bounds compared': partial plans both searches "
@@ -691,9 +693,9 @@ def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: 
         "monotone in the blocks), and the least ratio minus 1. 'B1 nodes under a B cut': the share of B1's traced "
         "nodes that are, or lie under, a child B cut with a bound at or above B1's optimum: the most reuse could "
         "spare, if B's bounds held for B1 (a lower count where B's traced search did not finish: 'B traced in "
-        "part'). 'B plans faster in B1': of the plans B's traced search scheduled "
-        "exactly, how many step faster in B1, with more blocks (where any does, the step is not monotone in the "
-        "blocks, and a bound proven for B does not carry over to B1 by itself).\n")
+        "part'). 'B plans faster in B1': of the plans B's traced search scheduled exactly, how many step faster "
+        "in B1, with more blocks (where any does, the step is not monotone in the blocks, and a bound proven for B "
+        "does not carry over to B1 by itself).\n")
     out.append("| R | L | batch | after | requests with a new block | optimum moved | both proven | "
                "oracle proof of B1 ms | nodes | done | B's cuts | to re-open | bounds compared | lower in B1 (least) | "
                "B1 nodes under a B cut | B plans faster in B1 |")
