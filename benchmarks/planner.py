@@ -1194,7 +1194,7 @@ def main() -> None:
                     help=f"comma-separated subset of {','.join(SECTIONS)} (proof: not by default, ~5 min; link: not "
                          "by default, the same batches planned for a preemptive link, ~3 min; gap: not by default, the "
                          "same batches solved within relative gaps 0, 1e-4 and 1e-3, ~3 min; replan: not by default, "
-                         "what a re-plan a step later could reuse of the last search, ~10 min)")
+                         "what a re-plan at the plan's expiry could reuse of the last search, ~3 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
                     help="proof, replan: wall-clock cap of the search that knows its best plan (default "
                          "%(default)s)")
@@ -1277,6 +1277,10 @@ def main() -> None:
     if "replan" in sections:
         if args.replan_steps is not None and args.replan_steps < 1:
             ap.error(f"--replan-steps must be >= 1, got {args.replan_steps}")
+        if args.replan_batches is not None and args.replan_batches < 1:
+            ap.error(f"--replan-batches must be >= 1, got {args.replan_batches}")
+        if not args.trace_cap_s > 0:
+            ap.error(f"--trace-cap-s must be > 0, got {args.trace_cap_s}")
         bench_replan(sizes, args.replan_batches or (2 if args.quick else 20), args.seed, args.exact_cap_s,
                      args.proof_cap_s, args.trace_cap_s, out, steps=args.replan_steps)
     if "uniform" in sections:
