@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - the link-order search then runs interp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, pruned_distances, search, warm_up  # noqa: E402
-from orbitflow.plan.bounds import dp_bound  # noqa: E402
+from orbitflow.plan.bounds import TAIL_MIN, dp_bound  # noqa: E402
 from orbitflow.plan.types import PlanStats  # noqa: E402
 
 
@@ -631,12 +631,34 @@ def bench_gap(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str], 
     out.append("\nBatches proven within a gap that the exact search left unproven: " + "; ".join(notes) + ".")
 
 
-def traced_children(rules, reqs, upper: float, cap_s: float) -> tuple[LeafGaps, dict[bytes, float], list[np.ndarray]]:
-    """A traced reference search of ``reqs`` against ``upper`` from the start, for ``cap_s`` seconds: the search, the
-    latency bound of every child it evaluated that capacity kept alive, and the partial plan of every node it
-    expanded. A partial plan is the candidate per request, -1 where unassigned (the children's keys: its int16
-    bytes), so the same key in two batches is the same partial plan whatever order each searched in."""
-    tree = LeafGaps(rules, rules.horizon(reqs), PlanStats(), upper=upper, deadline=time.perf_counter() + cap_s)
+class FixedBounds(LeafGaps):
+    """The reference search with every bound at every node: each child gets the propagated bound and, where
+    :data:`~orbitflow.plan.bounds.TAIL_MIN` requests are left, the tail bound, whatever the incumbent, the first dive
+    and the moving average the search reads to skip them where they seldom pay. Its children's bounds are then a
+    function of the partial plan and the batch alone (the replan section compares two batches' bounds), and no
+    lower than the search's; with the same incumbent it prunes at least as much."""
+
+    def _propagate_at(self, depth: int) -> bool:
+        return True
+
+    def _tail_at(self, depth: int) -> bool:
+        return self.n_req - 1 - depth >= TAIL_MIN
+
+    def _bound_children(self, *args):
+        best, self.best_key = self.best_key, (math.inf, math.inf)  # no child skips a bound for being cut already
+        try:
+            return super()._bound_children(*args)
+        finally:
+            self.best_key = best
+
+
+def traced_children(rules, reqs, upper: float, cap_s: float) -> tuple[FixedBounds, dict[bytes, float],
+                                                                      list[np.ndarray]]:
+    """A traced :class:`FixedBounds` search of ``reqs`` against ``upper`` from the start, for ``cap_s`` seconds: the
+    search, the latency bound of every child it evaluated that capacity kept alive, and the partial plan of every
+    node it expanded. A partial plan is the candidate per request, -1 where unassigned (the children's keys: its
+    int16 bytes), so the same key in two batches is the same partial plan whatever order each searched in."""
+    tree = FixedBounds(rules, rules.horizon(reqs), PlanStats(), upper=upper, deadline=time.perf_counter() + cap_s)
     tree.trace = []
     tree.run()
     kids: dict[bytes, float] = {}
@@ -666,6 +688,44 @@ def under_cut(node: np.ndarray, order: list[int], cut: set[bytes]) -> bool:
     return False
 
 
+def replan_case(planner: Planner, reqs, steps: int | None, proof_cap_s: float, trace_cap_s: float) -> dict | None:
+    """One batch of the replan section (:func:`bench_replan`): B (``reqs``) and B1 (the same batch ``steps`` decode
+    steps later; None: at B's plan's ``replan_step``), what the table prints of them. None: either is infeasible."""
+    p0 = planner.plan(reqs)
+    if not p0.feasible:
+        return None
+    n_steps = steps or p0.replan_step
+    reqs1 = [q.after(n_steps, q.deposit) for q in reqs]
+    p1 = planner.plan(reqs1)
+    if not p1.feasible:
+        return None
+    rules = planner.constraints
+    best0, best1 = p0.predicted_step_s, p1.predicted_step_s
+    up0, kept = best0 * (1 + 1e-9), (best1 * (1 + 1e-9), math.inf)
+    oracle = search.BranchAndBound(rules, rules.horizon(reqs1), PlanStats(), upper=kept[0],
+                                   deadline=time.perf_counter() + proof_cap_s)
+    t = time.perf_counter()
+    oracle.run()
+    proof_s = time.perf_counter() - t
+    tree0, kids0, _ = traced_children(rules, reqs, up0, trace_cap_s)
+    tree1, kids1, nodes1 = traced_children(rules, reqs1, kept[0], trace_cap_s)
+    cuts = {key: lb for key, lb in kids0.items() if search.prunable(lb, 0.0, (up0, math.inf))}
+    strong = {key for key, lb in cuts.items() if search.prunable(lb, 0.0, kept)}
+    common = [(kids1[key], lb) for key, lb in kids0.items() if key in kids1]
+    plans = {tuple(k_of): lat for k_of, (_, lat) in zip(tree0.plans, tree0.seen)}  # distinct plans, exact latency
+    return {
+        "steps": n_steps, "best0": best0, "best1": best1, "both": p0.stats.exact and p1.stats.exact,
+        "crossed": int((rules.horizon(reqs1).blocks[0] != rules.horizon(reqs).blocks[0]).sum()),
+        "proof_ms": 1e3 * proof_s, "proof_nodes": oracle.stats.nodes, "proof_done": not oracle.timed_out,
+        "cuts": len(cuts), "reopen": len(cuts) - len(strong), "common": len(common),
+        "lower": sum(lb1 < lb * (1 - 1e-9) for lb1, lb in common),
+        "least": min((lb1 / lb - 1 for lb1, lb in common if lb > 0), default=math.nan),
+        "traced1": len(nodes1), "under": sum(under_cut(a, tree0.order, strong) for a in nodes1),
+        "whole0": not tree0.timed_out, "whole1": not tree1.timed_out, "same_order": tree0.order == tree1.order,
+        "plans": len(plans), "faster": sum(tree1._lat0(list(k_of)) < lat * (1 - 1e-9) for k_of, lat in plans.items()),
+    }
+
+
 def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: float, trace_cap_s: float,
                  out: list[str], steps: int | None = None) -> None:
     """Would a re-plan's exact proof be cheap if it reused the last solve's search (its cut subtrees and their
@@ -674,28 +734,32 @@ def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: 
     B1's proof alone (the search knowing B1's optimum from the start) expands every node whose bound is below that
     optimum (bar those the SLO prefilter or the symmetry rule cuts); reuse can spare such a node only where B's
     bound for the same partial plan was higher than B1's and still holds for B1. The table measures both
-    conditions: how often a bound falls when the blocks grow, how many of B1's nodes lie under such a cut of B's,
-    and whether B's plans can step faster in B1 (then a bound of B's need not hold for B1)."""
+    conditions with every bound at every node (:class:`FixedBounds`): how often a bound falls when the blocks grow,
+    how many of B1's nodes lie under such a cut of B's, and whether B's plans can step faster in B1 (then a bound of
+    B's need not hold for B1)."""
     out.append("\n### Re-planning: what reusing the last proof could save\n")
     later = (f"{steps} decode step(s) later" if steps else "at the step B's plan asks to be re-planned "
              "(`Plan.replan_step`, its expiry or the end of its window, when the controller re-plans it)")
     out.append(
         f"Batches of the speed table (B) and the same batch {later} (B1, `PlanRequest.after`; 'after': the "
-        f"steps), each solved exactly (capped at {exact_cap_s:g} s). 'optimum moved': B1's best plan over B's. "
-        f"'oracle proof of B1': the compiled search of B1 knowing B1's best plan from the start (capped at "
-        f"{proof_cap_s:g} s): the proof alone, which expands every node whose bound is below B1's optimum (bar "
-        "those the SLO prefilter or the symmetry rule cuts); where it is done it proved that plan optimal, so any "
-        "exact re-plan with these bounds expands at least its nodes. Then "
-        f"both batches are searched traced (the reference search, {trace_cap_s:g} s each) against their own best "
-        "plans. 'B's cuts': the children B's search cut by bound; 'to re-open': the share of those whose bound is "
-        "below B1's optimum (a re-plan must bound them again). 'bounds compared': partial plans both searches "
-        "bounded; 'lower in B1': how many of them B1 bounds lower than B (where any is, the bounds are not "
-        "monotone in the blocks), and the least ratio minus 1. 'B1 nodes under a B cut': the share of B1's traced "
-        "nodes that are, or lie under, a child B cut with a bound at or above B1's optimum: the most reuse could "
-        "spare, if B's bounds held for B1 (a lower count where B's traced search did not finish: 'B traced in "
-        "part'). 'B plans faster in B1': of the plans B's traced search scheduled exactly, how many step faster "
-        "in B1, with more blocks (where any does, the step is not monotone in the blocks, and a bound proven for B "
-        "does not carry over to B1 by itself).\n")
+        f"steps; the compute per layer is the same in both, the blocks grow), each solved exactly (capped at "
+        f"{exact_cap_s:g} s). 'optimum moved': B1's best plan over B's. 'oracle proof of B1': the compiled search "
+        f"of B1 knowing B1's best plan from the start (capped at {proof_cap_s:g} s): the proof alone, which "
+        "expands every node whose bound, as that search computes it, is below B1's optimum (bar those the SLO "
+        "prefilter or the symmetry rule cuts); where it is done it proved that plan optimal. Then both batches are "
+        f"searched traced ({trace_cap_s:g} s each) against their own best plans by the reference search with every "
+        "bound at every node (`FixedBounds`: a child's bound is then a function of its partial plan and the batch "
+        "alone, and no lower than the compiled search's). 'B's cuts': the children B's search cut by bound; 'to "
+        "re-open': the share of those whose bound is below B1's optimum (a re-plan must bound them again). 'bounds "
+        "compared': partial plans both searches bounded; 'lower in B1': how many of them B1 bounds lower than B "
+        "(where any is, the bounds are not monotone in the blocks), and the least ratio minus 1. 'B1 nodes under a "
+        "B cut': the share of B1's traced nodes that are, or lie under, a child B cut with a bound at or above B1's "
+        "optimum, of the nodes B1's traced search expanded ('done' where it finished: then no exact search with "
+        "these bounds expands fewer): the most reuse could spare, if B's bounds held for B1, where both traced "
+        "searches finished, and a lower count where B's did not ('B in part'). 'B plans faster in B1': of the "
+        "distinct plans B's traced search evaluated exactly, how many step faster in B1, with more blocks (where "
+        "any does, the step is not monotone in the blocks, and a bound proven for B does not carry over to B1 by "
+        "itself).\n")
     out.append("| R | L | batch | after | requests with a new block | optimum moved | both proven | "
                "oracle proof of B1 ms | nodes | done | B's cuts | to re-open | bounds compared | lower in B1 (least) | "
                "B1 nodes under a B cut | B plans faster in B1 |")
@@ -703,71 +767,53 @@ def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: 
     _load_compiled(sizes, seed)
     summary = []
     for n_req, n_layers in sizes:
-        rec = []  # per feasible batch: both optima proven, proof ms, nodes, proof done, a bound fell, a plan
-        # stepped faster, share of B1's traced nodes under a B cut, B's traced search finished
+        rec = []
         for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls),
                                                  desc=f"replan R={n_req} L={n_layers}", leave=False)):
             planner = Planner(cm, cap, alpha=1.0, window=(4, 16), time_limit_s=exact_cap_s, **EXACT)
-            p0 = planner.plan(reqs)
-            if not p0.feasible:
+            c = replan_case(planner, reqs, steps, proof_cap_s, trace_cap_s)
+            if c is None:
                 continue
-            n_steps = steps or p0.replan_step
-            reqs1 = [q.after(n_steps, q.deposit) for q in reqs]
-            p1 = planner.plan(reqs1)
-            if not p1.feasible:
-                continue
-            rules = planner.constraints
-            best0, best1 = p0.predicted_step_s, p1.predicted_step_s
-            crossed = int((rules.horizon(reqs1).blocks[0] != rules.horizon(reqs).blocks[0]).sum())
-            up0, kept = best0 * (1 + 1e-9), (best1 * (1 + 1e-9), math.inf)
-            oracle = search.BranchAndBound(rules, rules.horizon(reqs1), PlanStats(), upper=kept[0],
-                                           deadline=time.perf_counter() + proof_cap_s)
-            t = time.perf_counter()
-            oracle.run()
-            proof_s = time.perf_counter() - t
-            tree0, kids0, _ = traced_children(rules, reqs, up0, trace_cap_s)
-            tree1, kids1, nodes1 = traced_children(rules, reqs1, kept[0], trace_cap_s)
-            cuts = {key: lb for key, lb in kids0.items() if search.prunable(lb, 0.0, (up0, math.inf))}
-            reopen = sum(not search.prunable(lb, 0.0, kept) for lb in cuts.values())
-            common = [(kids1[key], lb) for key, lb in kids0.items() if key in kids1]
-            n_lower = sum(lb1 < lb * (1 - 1e-9) for lb1, lb in common)
-            least = min((lb1 / lb - 1 for lb1, lb in common if lb > 0), default=math.nan)
-            strong = {key for key, lb in cuts.items() if search.prunable(lb, 0.0, kept)}
-            n_under = sum(under_cut(a, tree0.order, strong) for a in nodes1)
-            lat1 = [tree1._lat0(k_of) for k_of in tree0.plans]
-            n_faster = sum(l1 < l0 * (1 - 1e-9) for l1, (_, l0) in zip(lat1, tree0.seen))
-            both = p0.stats.exact and p1.stats.exact
-            rec.append((both, 1e3 * proof_s, oracle.stats.nodes, not oracle.timed_out, n_lower > 0, n_faster > 0,
-                        n_under / max(len(nodes1), 1), not tree0.timed_out))
-            out.append(f"| {n_req} | {n_layers} | {i} | {n_steps} | {crossed} | {100 * (best1 / best0 - 1):+.3f}% | "
-                       f"{both} | {1e3 * proof_s:.1f} | {oracle.stats.nodes} | {not oracle.timed_out} | {len(cuts)} | "
-                       f"{100 * reopen / max(len(cuts), 1):.1f}% | {len(common)} | {n_lower} ({least:+.2e}) | "
-                       f"{100 * n_under / max(len(nodes1), 1):.1f}% of {len(nodes1)}"
-                       f"{' (B traced in part)' if tree0.timed_out else ''} | {n_faster} of "
-                       f"{len(lat1)} |")
+            rec.append(c)
+            traced = (f"{100 * c['under'] / max(c['traced1'], 1):.1f}% of {c['traced1']}"
+                      f"{' done' if c['whole1'] else ''}{'' if c['whole0'] else ' (B in part)'}")
+            out.append(f"| {n_req} | {n_layers} | {i} | {c['steps']} | {c['crossed']} | "
+                       f"{100 * (c['best1'] / c['best0'] - 1):+.3f}% | {c['both']} | {c['proof_ms']:.1f} | "
+                       f"{c['proof_nodes']} | {c['proof_done']} | {c['cuts']} | "
+                       f"{100 * c['reopen'] / max(c['cuts'], 1):.1f}% | {c['common']} | {c['lower']} "
+                       f"({c['least']:+.2e}) | {traced} | {c['faster']} of {c['plans']} |")
             print(out[-1], flush=True)
         if rec:
-            proven = [r for r in rec if r[0]]
-            ms = [r[1] for r in proven]
-            text = f"({n_req}, {n_layers}), {len(rec)} of {calls} batches feasible at both steps"
-            if proven:
-                text += (f"; in the {len(proven)} with both optima proven, B1's proof alone takes p50 "
-                         f"{pct(ms, 50):.1f} ms and p99 {pct(ms, 99):.1f} ms ({sum(m > 100 for m in ms)} over 100 ms; "
-                         f"nodes p50 {pct([r[2] for r in proven], 50):.0f})")
-            text += (f". Over all {len(rec)}: B1's proof alone done within {proof_cap_s:g} s in "
-                     f"{sum(r[3] for r in rec)}, within 100 ms in {sum(r[3] and r[1] <= 100 for r in rec)}; a bound "
-                     f"fell as the blocks grew in {sum(r[4] for r in rec)}; B's plans stepped faster in B1 in "
-                     f"{sum(r[5] for r in rec)}.")
-            for whole, what in ((True, "where B's traced search finished"),
-                                (False, "where it did not (counting the cuts its traced part found)")):
-                share = [r[6] for r in rec if r[7] == whole]
-                if share:
-                    text += (f" Reuse could spare at most {100 * pct(share, 50):.1f}% of B1's traced nodes at the "
-                             f"median and {100 * max(share):.1f}% at most {what} ({len(share)} "
-                             f"batch{'es' if len(share) > 1 else ''}).")
-            summary.append(text + " All of it only if B's bounds held for B1.")
+            summary.append(_replan_summary(n_req, n_layers, calls, proof_cap_s, rec))
     out.append("")
     out += summary
+
+
+def _replan_summary(n_req: int, n_layers: int, calls: int, proof_cap_s: float, rec: list[dict]) -> str:
+    """The replan section's summary of one size, from its batches' :func:`replan_case` records."""
+    proven = [c for c in rec if c["both"]]
+    text = f"({n_req}, {n_layers}), {len(rec)} of {calls} batches feasible at both steps"
+    if proven:
+        ms = [c["proof_ms"] for c in proven]
+        text += (f"; in the {len(proven)} with both optima proven, B1's proof alone takes p50 {pct(ms, 50):.1f} ms "
+                 f"and p99 {pct(ms, 99):.1f} ms ({sum(m > 100 for m in ms)} over 100 ms; nodes p50 "
+                 f"{pct([c['proof_nodes'] for c in proven], 50):.0f})")
+    text += (f". Over all {len(rec)}: B1's proof alone done within {proof_cap_s:g} s in "
+             f"{sum(c['proof_done'] for c in rec)}, within 100 ms in "
+             f"{sum(c['proof_done'] and c['proof_ms'] <= 100 for c in rec)}; with every bound at every node, B1's "
+             f"traced search finished in {sum(c['whole1'] for c in rec)}; a bound fell as the blocks grew in "
+             f"{sum(c['lower'] > 0 for c in rec)}; B's plans stepped faster in B1 in "
+             f"{sum(c['faster'] > 0 for c in rec)}.")
+    whole = [c["under"] / max(c["traced1"], 1) for c in rec if c["whole0"] and c["whole1"]]
+    part = [c["under"] / max(c["traced1"], 1) for c in rec if not (c["whole0"] and c["whole1"])]
+    if whole:
+        text += (f" Where both traced searches finished ({len(whole)}), reuse could spare at most "
+                 f"{100 * pct(whole, 50):.1f}% of B1's nodes at the median and {100 * max(whole):.1f}% at most, "
+                 "and only if B's bounds held for B1.")
+    if part:
+        text += (f" Where either did not ({len(part)}), B1's traced nodes under B's cuts found so far: "
+                 f"{100 * pct(part, 50):.1f}% at the median, {100 * max(part):.1f}% at most (a lower count).")
+    return text
 
 
 def bench_link(sizes, calls: int, seed: int, exact_cap_s: float, out: list[str]) -> None:
@@ -1230,6 +1276,12 @@ def main() -> None:
         ap.error(f"--sections: unknown {sorted(unknown)}")
     if args.order_leaves < 0:
         ap.error(f"--order-leaves must be >= 0, got {args.order_leaves}")
+    if args.replan_steps is not None and args.replan_steps < 1:
+        ap.error(f"--replan-steps must be >= 1, got {args.replan_steps}")
+    if args.replan_batches is not None and args.replan_batches < 1:
+        ap.error(f"--replan-batches must be >= 1, got {args.replan_batches}")
+    if not args.trace_cap_s > 0:
+        ap.error(f"--trace-cap-s must be > 0, got {args.trace_cap_s}")
     calls = args.calls or (20 if args.quick else 300)
     try:
         sizes = [tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",")]
@@ -1275,12 +1327,6 @@ def main() -> None:
     if "gap" in sections:
         bench_gap(sizes, calls, args.seed, args.exact_cap_s, out)
     if "replan" in sections:
-        if args.replan_steps is not None and args.replan_steps < 1:
-            ap.error(f"--replan-steps must be >= 1, got {args.replan_steps}")
-        if args.replan_batches is not None and args.replan_batches < 1:
-            ap.error(f"--replan-batches must be >= 1, got {args.replan_batches}")
-        if not args.trace_cap_s > 0:
-            ap.error(f"--trace-cap-s must be > 0, got {args.trace_cap_s}")
         bench_replan(sizes, args.replan_batches or (2 if args.quick else 20), args.seed, args.exact_cap_s,
                      args.proof_cap_s, args.trace_cap_s, out, steps=args.replan_steps)
     if "uniform" in sections:

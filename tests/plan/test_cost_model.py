@@ -436,7 +436,6 @@ def test_edf_is_not_monotone_in_added_copies():
     assert (before, after) == (13.0, 12.0)
 
 
-
 def test_edf_is_not_monotone_in_copy_sizes():
     """A longer copy can shorten the executor's step too, so a plan's step can fall as a request's blocks grow, and
     a bound a search proved for a batch does not carry over to the same batch a few tokens later by itself
@@ -448,6 +447,7 @@ def test_edf_is_not_monotone_in_copy_sizes():
     short = sum(comp) + sum(edf_stalls(comp, hosts, [3.0, 2.0, 3.0]))
     longer = sum(comp) + sum(edf_stalls(comp, hosts, [3.0, 3.0, 3.0]))
     assert (short, longer) == (14.0, 13.0)
+
 
 def preemptive_latency(comp, hosts, xfer, slots=1, host_layer_s=0.0):
     """Continuous-time simulation of a PREEMPTIVE earliest-need-first link under the executor's other rules (a
