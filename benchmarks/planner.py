@@ -719,6 +719,8 @@ def replan_case(planner: Planner, reqs, steps: int | None, proof_cap_s: float, t
         "proof_ms": 1e3 * proof_s, "proof_nodes": oracle.stats.nodes, "proof_done": not oracle.timed_out,
         "cuts": len(cuts), "reopen": len(cuts) - len(strong), "common": len(common),
         "lower": sum(lb1 < lb * (1 - 1e-9) for lb1, lb in common),
+        # partial plans B cut against B1's optimum that B1 does not: where B's bound is the stronger one for B1
+        "stronger0": sum(key in kids1 and not search.prunable(kids1[key], 0.0, kept) for key in strong),
         "least": min((lb1 / lb - 1 for lb1, lb in common if lb > 0), default=math.nan),
         "traced1": len(nodes1), "under": sum(under_cut(a, tree0.order, strong) for a in nodes1),
         "whole0": not tree0.timed_out, "whole1": not tree1.timed_out, "same_order": tree0.order == tree1.order,
@@ -753,10 +755,11 @@ def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: 
         "re-open': the share of those whose bound is below B1's optimum (a re-plan must bound them again). 'bounds "
         "compared': partial plans both searches bounded; 'lower in B1': how many of them B1 bounds lower than B "
         "(where any is, the bounds are not monotone in the blocks), and the least ratio minus 1. 'B1 nodes under a "
-        "B cut': the share of B1's traced nodes that are, or lie under, a child B cut with a bound at or above B1's "
-        "optimum, of the nodes B1's traced search expanded ('done' where it finished: then no exact search with "
-        "these bounds expands fewer): the most reuse could spare, if B's bounds held for B1, where both traced "
-        "searches finished, and a lower count where B's did not ('B in part'). 'B plans faster in B1': of the "
+        "B cut': how many of the nodes B1's traced search expanded (and bounded children of) are, or lie under, a "
+        "child B cut with a bound at or above B1's optimum ('done' where B1's traced search finished: then no "
+        "search in this order with these bounds, the symmetry rule and the SLO prefilter expands fewer; 'B in "
+        "part' where B's did not): where both finished, the most reuse could spare of those nodes if B's bounds "
+        "held for B1; where either did not, a lower count over the traced part. 'B plans faster in B1': of the "
         "distinct plans B's traced search evaluated exactly, how many step faster in B1, with more blocks (where "
         "any does, the step is not monotone in the blocks, and a bound proven for B does not carry over to B1 by "
         "itself).\n")
@@ -775,7 +778,7 @@ def bench_replan(sizes, calls: int, seed: int, exact_cap_s: float, proof_cap_s: 
             if c is None:
                 continue
             rec.append(c)
-            traced = (f"{100 * c['under'] / max(c['traced1'], 1):.1f}% of {c['traced1']}"
+            traced = (f"{c['under']} of {c['traced1']}"
                       f"{' done' if c['whole1'] else ''}{'' if c['whole0'] else ' (B in part)'}")
             out.append(f"| {n_req} | {n_layers} | {i} | {c['steps']} | {c['crossed']} | "
                        f"{100 * (c['best1'] / c['best0'] - 1):+.3f}% | {c['both']} | {c['proof_ms']:.1f} | "
@@ -805,14 +808,14 @@ def _replan_summary(n_req: int, n_layers: int, calls: int, proof_cap_s: float, r
              f"{sum(c['lower'] > 0 for c in rec)}; B's plans stepped faster in B1 in "
              f"{sum(c['faster'] > 0 for c in rec)}.")
     whole = [c["under"] / max(c["traced1"], 1) for c in rec if c["whole0"] and c["whole1"]]
-    part = [c["under"] / max(c["traced1"], 1) for c in rec if not (c["whole0"] and c["whole1"])]
+    part = [c for c in rec if not (c["whole0"] and c["whole1"])]
     if whole:
         text += (f" Where both traced searches finished ({len(whole)}), reuse could spare at most "
-                 f"{100 * pct(whole, 50):.1f}% of B1's nodes at the median and {100 * max(whole):.1f}% at most, "
-                 "and only if B's bounds held for B1.")
+                 f"{100 * pct(whole, 50):.1f}% of B1's traced nodes (every bound at every node) at the median and "
+                 f"{100 * max(whole):.1f}% at most, and only if B's bounds held for B1.")
     if part:
         text += (f" Where either did not ({len(part)}), B1's traced nodes under B's cuts found so far: "
-                 f"{100 * pct(part, 50):.1f}% at the median, {100 * max(part):.1f}% at most (a lower count).")
+                 f"{sum(c['under'] for c in part)} of {sum(c['traced1'] for c in part)} (a lower count).")
     return text
 
 

@@ -220,8 +220,7 @@ def test_traced_children_keys_each_child_by_its_partial_plan():
 
 def test_fixed_bounds_bound_no_lower_and_find_the_same_optimum():
     """FixedBounds (every bound at every node): from no incumbent it proves the same optimum as the reference
-    search; knowing the optimum from the start it expands no more nodes, and every child both searches bounded gets
-    a bound no lower."""
+    search, and knowing the optimum from the start it gives every child both searches bounded a bound no lower."""
     bench = load_benchmark("planner")
     checked = 0
     for planner, reqs, plan in _solved(bench, 6):
@@ -240,7 +239,6 @@ def test_fixed_bounds_bound_no_lower_and_find_the_same_optimum():
             tree.run()
             bounds.append({(tuple(prefix), k): float(lb[k]) for prefix, lb, alive in tree.trace
                            for k in np.flatnonzero(alive).tolist()})
-        assert len(oracle[1].trace) <= len(oracle[0].trace)
         shared = bounds[0].keys() & bounds[1].keys()
         assert shared and all(bounds[1][key] >= bounds[0][key] * (1 - 1e-12) for key in shared)
         checked += 1
@@ -260,8 +258,8 @@ def test_under_cut_finds_a_cut_ancestor_in_another_order():
 
 def test_replan_case_no_reopening_when_the_optimum_did_not_rise_and_no_node_under_a_cut_unless_a_bound_fell():
     """replan_case at 5 x 16, where every solve and traced search finishes: B's cuts need re-opening only where B1's
-    optimum rose; and where both searched in one order and no bound fell, B1 expands no node under a cut of B's (it
-    bounded that cut child itself, no lower, so it cut it too)."""
+    optimum rose; and where both searched in one order and B1 cut every child B cut against B1's optimum that it
+    bounded too, B1 expands no node under such a cut (it bounded that cut child itself, being one of its ancestors)."""
     bench = load_benchmark("planner")
     cases, same = 0, 0
     for cm, cap, reqs in _batches(bench, 8):
@@ -276,7 +274,7 @@ def test_replan_case_no_reopening_when_the_optimum_did_not_rise_and_no_node_unde
             assert c["reopen"] == 0
         if c["same_order"]:
             same += 1
-            if c["lower"] == 0:
+            if c["stronger0"] == 0:
                 assert c["under"] == 0
     assert cases >= 4 and same > 0
 
@@ -292,10 +290,12 @@ def test_replan_table_and_summary_read_right_on_small_batches():
     for r in rows:
         assert r[6] == "True" and r[9] == "True"
         assert r[14].endswith(" done")  # B1's traced search finished, and B's ("B in part" otherwise)
+        under, traced = r[14].removesuffix(" done").split(" of ")
+        assert 0 <= int(under) <= int(traced)
     fell = sum(not r[13].startswith("0 ") for r in rows)
     faster = sum(not r[15].startswith("0 of") for r in rows)
     assert out[-1].startswith(f"(5, 16), {len(rows)} of 8 batches feasible at both steps; in the {len(rows)} with "
                               "both optima proven, B1's proof alone takes p50 ")
     assert (f"B1's traced search finished in {len(rows)}; a bound fell as the blocks grew in {fell}; B's plans stepped "
             f"faster in B1 in {faster}. Where both traced searches finished ({len(rows)}), reuse could spare at most "
-            ) in out[-1]
+            ) in out[-1] and "a lower count" not in out[-1]
