@@ -715,7 +715,7 @@ def replan_case(planner: Planner, reqs, steps: int | None, proof_cap_s: float, t
     plans = {tuple(k_of): lat for k_of, (_, lat) in zip(tree0.plans, tree0.seen)}  # distinct plans, exact latency
     return {
         "steps": n_steps, "best0": best0, "best1": best1, "both": p0.stats.exact and p1.stats.exact,
-        "crossed": int((rules.horizon(reqs1).blocks[0] != rules.horizon(reqs).blocks[0]).sum()),
+        "crossed": int((tree1.b0 != tree0.b0).sum()),  # requests with more blocks at step 0
         "proof_ms": 1e3 * proof_s, "proof_nodes": oracle.stats.nodes, "proof_done": not oracle.timed_out,
         "cuts": len(cuts), "reopen": len(cuts) - len(strong), "common": len(common),
         "lower": sum(lb1 < lb * (1 - 1e-9) for lb1, lb in common),
