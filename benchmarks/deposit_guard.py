@@ -134,7 +134,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         return "-" if value is None or value != value else format(value, fmt)
 
     for r in rows:
-        ratio = (r["miss"]["mean"] / base["miss"]["mean"]) if base and base["miss"]["mean"] else None
+        has_share = r["miss"]["mean"] is not None and base and base["miss"]["mean"]  # both arms paced a gap
+        ratio = r["miss"]["mean"] / base["miss"]["mean"] if has_share else None
         lines.append(f"| {r['guard']} | {1000 * r['guard_s']:.2f} | {r['paced_gaps']} | {pct(r['miss'])} | "
                      f"{num(r['excess_ms'], '.2f')} | {num(r['paced_gap']['mean'], '.1f')} | {num(ratio, '.2f')} |")
     lines.append("")

@@ -31,3 +31,19 @@ def test_an_arm_without_paced_gaps_is_a_dash_not_a_crash():
             "step_ms": 618.5, "slo_ms": 927.8, "slo_scale": 1.5, "rounds": 2}
     text = bench.markdown(rows, meta)
     assert "| 0 | 0.00 | 0 | - | - | - | - |" in text and "| auto | 5.00 | 1 | 0.0 ± 0.0% | - | 900.0 | - |" in text
+
+
+def test_a_later_arm_without_paced_gaps_is_a_dash_not_a_crash():
+    """The other way round, seen in a full test run: guard 0 paced gaps and 'auto' none, so its ratio to guard 0 divided
+    None by a share."""
+    bench = load_benchmark("deposit_guard")
+    empty = {"mean": None, "ci95": None, "n": 0}
+    rows = [{"guard": "0", "guard_s": 0.0, "paced_gaps": 4, "miss": {"mean": 0.25, "ci95": 0.1, "n": 2},
+             "excess_ms": 3.0, "paced_gap": {"mean": 50.0, "ci95": 1.0, "n": 2}},
+            {"guard": "auto", "guard_s": 0.005, "paced_gaps": 0, "miss": empty, "excess_ms": float("nan"),
+             "paced_gap": empty}]
+    meta = {"command": "x", "when": "now", "machine": "m", "load": 2.0, "seed": 0, "streams": 1, "tokens": 10,
+            "step_ms": 618.5, "slo_ms": 927.8, "slo_scale": 1.5, "rounds": 2}
+    text = bench.markdown(rows, meta)
+    assert "| 0 | 0.00 | 4 | 25.0 ± 10.0% | 3.00 | 50.0 | 1.00 |" in text
+    assert "| auto | 5.00 | 0 | - | - | - | - |" in text
