@@ -96,7 +96,7 @@ OTHER_STAGES = {
     "planner": ["benchmarks/planner.py", "--sections", "speed,budget_seeds", "--md", "docs/results/planner.md"],
     "planner_proof": ["benchmarks/planner.py", "--sections", "proof", "--md", "docs/results/planner_proof.md"],
     "planner_link": ["benchmarks/planner.py", "--sections", "link", "--md", "docs/results/planner_link.md"],
-    "planner_lp": ["benchmarks/planner_lp.py", "--md", "docs/results/planner_lp.md"],
+    "planner_lp": ["benchmarks/planner_lp.py", "--lp-cap-s", "30", "--md", "docs/results/planner_lp.md"],
     "planner_gap": ["benchmarks/planner.py", "--sections", "gap", "--md", "docs/results/planner_gap.md"],
     "planner_replan": ["benchmarks/planner.py", "--sections", "replan", "--md", "docs/results/planner_replan.md"],
     "kv_link": ["benchmarks/kv_link.py", "--rounds", "4", "--repeat", "3", "--sim-seeds", "5", "--md",

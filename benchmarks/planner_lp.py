@@ -12,7 +12,8 @@ fractional choice, add it while it is violated (scipy's HiGHS).
 
 Reduced-cost fixing (`reduced_costs`, `plans_within`): the root LP's marginals price what each request's candidate adds
 to the bound at least, so a plan whose additions keep the bound under the best plan found is all such a search could
-not rule out without pricing it; the script counts those plans.
+not rule out without pricing it; the script counts those plans. The same prices bound every plan under a partial plan
+(`fixing_bound`); the script counts the nodes of a traced exact search that bound would cut.
 
 This script measures that bound at the root of the (16, 80) batches of the speed table, against the plans the exact
 search finds in ``--exact-cap-s`` and the bound it certifies by then, and runs a best-first branch and bound on it
@@ -20,7 +21,7 @@ search finds in ``--exact-cap-s`` and the bound it certifies by then, and runs a
 see how many LP nodes a proof within a relative gap takes.
 
 Run:  python benchmarks/planner_lp.py [--calls 30] [--gap 1e-4] [--lp-cap-s 5] [--fix-cap 100000]
-      [--md docs/results/planner_lp.md]
+      [--trace-cap-s 5] [--md docs/results/planner_lp.md]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from planner import EXACT, _machine, pct, speed_cases, write_fragment  # noqa: E402
+from planner import EXACT, _machine, pct, speed_cases, traced_children, write_fragment  # noqa: E402
 
 from orbitflow.plan import Placement, Planner, warm_up  # noqa: E402
 from orbitflow.plan.bounds import critical_windows, dp_bound  # noqa: E402
@@ -176,6 +177,16 @@ def plans_within(lp: PathLP, pen: np.ndarray, budget: float, cap: int) -> int:
     return count
 
 
+def fixing_bound(root: float, pen: np.ndarray, partial: np.ndarray) -> float:
+    """The root's reduced costs as a bound of every plan under the partial plan ``partial`` (the candidate per
+    request, -1 where unassigned): ``root`` plus each assigned request's penalty and each other one's least. It only
+    rises as requests are assigned (every penalty is >= 0), so a node whose bound reaches the incumbent has every
+    node under it cut too."""
+    assigned = partial >= 0
+    rows = np.flatnonzero(assigned)
+    return float(root + pen[rows, partial[rows]].sum() + pen[~assigned].min(axis=1).sum())
+
+
 def lp_branch_and_bound(lp: PathLP, plan_of, best: float, gap: float, cap_s: float) -> dict:
     """Best-first branch and bound on :class:`PathLP` (one slot, the preemptive link, no ``host_layer_s``: there the
     relaxation at an integral choice is the plan's step): a node keeps each request to a range of its candidates and
@@ -240,8 +251,19 @@ def _solve(cm, cap, reqs, transfer: str, cap_s: float):
     return pl, pl.plan(reqs)
 
 
+def _lp_nodes(nodes: list[tuple[int, bool]]) -> str:
+    """The LP nodes of the proven and of the open LP branch and bounds, ``(nodes, done)`` each, as the summary says
+    them: ' (proofs: 1-13 LP nodes; open after 416-1673)'."""
+    def span(xs: list[int]) -> str:
+        return f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
+    done = [n for n, d in nodes if d]
+    open_ = [n for n, d in nodes if not d]
+    parts = ([f"proofs: {span(done)} LP nodes"] if done else []) + ([f"open after {span(open_)}"] if open_ else [])
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: float, out: list[str],
-             n_req: int = 16, n_layers: int = 80, fix_cap: int = 100_000) -> None:
+             n_req: int = 16, n_layers: int = 80, fix_cap: int = 100_000, trace_cap_s: float = 5.0) -> None:
     """The section's tables (module docstring)."""
     out.append(f"\n### The path relaxation at ({n_req}, {n_layers})\n")
     out.append(f"The {calls} batches of the speed table, those where the preemptive link's search found a plan within "
@@ -258,15 +280,23 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
                "candidates what they add to the root bound at least); 'candidates left' of the "
                f"{n_req} x K, those whose addition keeps the bound under the best plan (pre / EDF), 'plans left' the "
                "plans that fit capacity with their additions' sum keeping it under (`plans_within`, counted up to "
-               f"{fix_cap}: '>=' where it reached that): the plans such a search would still have to price one by one."
+               f"{fix_cap}: '>=' where it reached that): the plans such a search would still have to price one by one. "
+               "'traced nodes under a fixing cut': the same reduced costs as a bound inside the exact search "
+               "(`fixing_bound`: the root bound plus each assigned request's penalty and each other one's least, a "
+               "bound of every plan under a partial plan, on both links): of the nodes the reference search with every "
+               f"bound at every node (`planner.py`'s `FixedBounds`) expands in its first {trace_cap_s:g} s against "
+               "the best EDF plan, how many that bound would cut (it only rises down the tree, so those are the nodes "
+               "a search with both bounds would not expand); 'done' where the traced search finished."
                "\n")
     out.append("| batch | best EDF | proven | search lb under it | best pre | proven | search lb under it | LP root "
                "under best pre | under best EDF | paths | LP root s | split requests | LP B&B nodes | LP solves | "
-               "proven within gap | fixing: candidates left pre / EDF | plans left pre / EDF |")
-    out.append("|---" * 17 + "|")
-    summary = {"root": [], "search": [], "nodes": [], "done": 0, "rows": 0, "left": [], "exact": ([], [])}
+               "proven within gap | fixing: candidates left pre / EDF | plans left pre / EDF | "
+               "traced nodes under a fixing cut (EDF) |")
+    out.append("|---" * 18 + "|")
+    summary = {"root": [], "search": [], "nodes": [], "done": 0, "rows": 0, "left": [], "exact": ([], []),
+               "traced": []}
     for i, (cm, cap, reqs) in enumerate(tqdm(speed_cases(seed, n_req, n_layers, calls), desc="lp", leave=False)):
-        _, edf = _solve(cm, cap, reqs, "edf", exact_cap_s)
+        pl_edf, edf = _solve(cm, cap, reqs, "edf", exact_cap_s)
         pl, pre = _solve(cm, cap, reqs, "preemptive", exact_cap_s)
         if not pre.feasible:
             continue
@@ -280,6 +310,12 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
         left = [(int((pen < best - root).sum()), plans_within(lp, pen, best - root, fix_cap)) if math.isfinite(best)
                 else None for best in (pre.predicted_step_s, edf_best)]
         shown = [("-", "-") if x is None else (str(x[0]), (">=" if x[1] >= fix_cap else "") + str(x[1])) for x in left]
+        traced = "-"
+        if edf.feasible:
+            search, _, nodes = traced_children(pl_edf.constraints, reqs, edf_best * (1 + 1e-9), trace_cap_s)
+            cut = sum(fixing_bound(root, pen, a) >= edf_best * (1 - 1e-9) for a in nodes)
+            summary["traced"].append((cut, len(nodes), not search.timed_out, edf.stats.exact))
+            traced = f"{cut} of {len(nodes)}{' done' if not search.timed_out else ''}"
         bb = lp_branch_and_bound(lp, plan_pricer(pl, reqs, tree.tables.distances, n_layers), pre.predicted_step_s, gap,
                                  lp_cap_s)
         under = lambda lb, best: f"{100 * (1 - lb / best):.3f}%" if lb is not None and math.isfinite(best) else "-"  # noqa: E731
@@ -288,7 +324,7 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
                    f"{under(pre.stats.lower_bound_s, pre.predicted_step_s)} | {under(root, pre.predicted_step_s)} | "
                    f"{under(root, edf_best)} | {paths} | {root_s:.2f} | {int((1 - y.max(axis=1) > 1e-6).sum())} | "
                    f"{bb['nodes']} | {bb['solves']} | {bb['done']} | {shown[0][0]} / {shown[1][0]} | "
-                   f"{shown[0][1]} / {shown[1][1]} |")
+                   f"{shown[0][1]} / {shown[1][1]} | {traced} |")
         summary["rows"] += 1
         summary["left"].append(left)
         summary["exact"][0].append(pre.stats.exact)
@@ -296,14 +332,13 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
         summary["root"].append(100 * (1 - root / pre.predicted_step_s))
         if not pre.stats.exact and pre.stats.lower_bound_s is not None:
             summary["search"].append(100 * (1 - pre.stats.lower_bound_s / pre.predicted_step_s))
-        summary["nodes"].append(bb["nodes"])
+        summary["nodes"].append((bb["nodes"], bb["done"]))
         summary["done"] += bb["done"]
     if summary["rows"]:
         out.append(f"\nLP root bound under the best preemptive plan: p50 {pct(summary['root'], 50):.3f}%, max "
                    f"{max(summary['root']):.3f}% (the search's own bound after {exact_cap_s:g} s, where it did not "
                    f"prove: p50 {pct(summary['search'], 50):.3f}%). LP B&B within a gap of {gap:g}: "
-                   f"{summary['done']} of {summary['rows']} proven within {lp_cap_s:g} s, LP nodes p50 "
-                   f"{pct(summary['nodes'], 50):.0f}.")
+                   f"{summary['done']} of {summary['rows']} proven within {lp_cap_s:g} s{_lp_nodes(summary['nodes'])}.")
         for j, link in enumerate(("preemptive", "EDF")):
             counts = [x[j][1] for x in summary["left"] if x[j] is not None]
             proven = [x[j][1] for x, e in zip(summary["left"], summary["exact"][j]) if x[j] is not None and e]
@@ -312,6 +347,17 @@ def bench_lp(calls: int, seed: int, exact_cap_s: float, gap: float, lp_cap_s: fl
             capped = sum(c >= fix_cap for c in counts)
             out.append(f"Reduced-cost fixing against the best {link} plan: plans left p50 {pct(counts, 50):.0f} "
                        f"({capped} of {len(counts)} at the count's cap of {fix_cap}){where}.")
+    if summary["traced"]:
+        shares = [100 * cut / max(n, 1) for cut, n, _, _ in summary["traced"]]
+        proven = [100 * cut / max(n, 1) for cut, n, _, exact in summary["traced"] if exact]
+        out.append(f"The reduced costs as a bound inside the exact search: of the nodes each traced search expanded, "
+                   f"they cut p50 {pct(shares, 50):.1f}%, max {max(shares):.1f}% (none in "
+                   f"{sum(s == 0 for s in shares)} of {len(shares)} batches; where the EDF plan is proven optimal, p50 "
+                   f"{pct(proven, 50) if proven else math.nan:.1f}%). Those are the traced nodes a search with both "
+                   "bounds would not expand: with every bound a function of the partial plan and the incumbent known "
+                   "from the start, the nodes a search expands do not depend on its order. The traces cover the first "
+                   f"{trace_cap_s:g} s of each search only, and the root LP the reduced costs come from took the 'LP "
+                   "root s' above.")
 
 
 def main() -> None:
@@ -326,9 +372,11 @@ def main() -> None:
     ap.add_argument("--note", default="", help="a sentence added to the --md fragment (e.g. how fast the machine ran)")
     ap.add_argument("--fix-cap", type=int, default=100_000,
                     help="most plans reduced-cost fixing counts per batch and link (default %(default)s)")
+    ap.add_argument("--trace-cap-s", type=float, default=5.0,
+                    help="seconds of each traced reference search the fixing bound is checked on (default %(default)s)")
     ap.add_argument("--md", metavar="PATH", help="write the table as a Markdown fragment (docs/results/planner_lp.md)")
     args = ap.parse_args()
-    for name in ("calls", "exact_cap_s", "lp_cap_s", "fix_cap"):
+    for name in ("calls", "exact_cap_s", "lp_cap_s", "fix_cap", "trace_cap_s"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if not 0 <= args.gap < 1:
@@ -336,7 +384,8 @@ def main() -> None:
     warm_up()
     started, machine = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), _machine()
     out: list[str] = []
-    bench_lp(args.calls, args.seed, args.exact_cap_s, args.gap, args.lp_cap_s, out, fix_cap=args.fix_cap)
+    bench_lp(args.calls, args.seed, args.exact_cap_s, args.gap, args.lp_cap_s, out, fix_cap=args.fix_cap,
+             trace_cap_s=args.trace_cap_s)
     print("\n".join(out))
     if args.md:
         write_fragment(args.md, "Planner: how tight a linear relaxation gets at (16, 80)",

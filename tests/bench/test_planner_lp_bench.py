@@ -102,3 +102,49 @@ def test_reduced_costs_bound_every_plan_and_plans_within_counts_them():
             bench.reduced_costs(lp)
         checked += 1
     assert checked >= 3 and tight > 0  # some plans' reduced costs raise the bound (the check is not vacuous)
+
+
+def test_fixing_bound_bounds_every_plan_under_a_partial_plan_and_only_rises_down_the_tree():
+    import itertools
+
+    from orbitflow.plan import Placement
+
+    bench = load_benchmark("planner_lp")
+    rng = np.random.default_rng(1)
+    checked = raised = 0
+    for _, _, reqs, pl, tree, lp in _cases(bench):
+        root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
+        if not math.isfinite(root):
+            continue
+        pen = bench.reduced_costs(lp)
+        dists = tree.tables.distances
+        steps = {}
+        for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req):
+            if _fits(lp, ks):
+                e = pl.evaluate(Placement.from_distances(16, [dists[k] for k in ks]), reqs)
+                steps[ks] = e.predicted_step_s
+        for _ in range(40):  # a random plan, and its partial plans from the root down in a random order
+            ks = list(steps)[rng.integers(len(steps))]
+            partial = np.full(lp.n_req, -1, dtype=np.int16)
+            last = bench.fixing_bound(root, pen, partial)
+            assert last == pytest.approx(root + pen.min(axis=1).sum())
+            for r in rng.permutation(lp.n_req):
+                partial[r] = ks[r]
+                now = bench.fixing_bound(root, pen, partial)
+                assert now >= last - 1e-12
+                raised += now > last + 1e-12
+                last = now
+                under = [step for plan, step in steps.items()
+                         if all(partial[q] < 0 or plan[q] == partial[q] for q in range(lp.n_req))]
+                assert now <= min(under) * (1 + 1e-7)
+            assert last == pytest.approx(root + sum(pen[r, k] for r, k in enumerate(ks)))
+        checked += 1
+    assert checked >= 3 and raised > 0
+
+
+def test_the_summary_says_the_lp_nodes_of_proofs_and_open_searches_apart():
+    bench = load_benchmark("planner_lp")
+    assert bench._lp_nodes([(1, True), (13, True), (416, False), (1673, False)]) == (
+        " (proofs: 1-13 LP nodes; open after 416-1673)")
+    assert bench._lp_nodes([(5, False)]) == " (open after 5)"
+    assert bench._lp_nodes([]) == ""
