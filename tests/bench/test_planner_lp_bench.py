@@ -69,25 +69,35 @@ def _fits(lp, ks) -> bool:
     return bool(np.all(used <= lp.cap * (1 + 1e-12)))
 
 
-def test_reduced_costs_bound_every_plan_and_plans_within_counts_them():
+def _priced(bench):
+    """The batches of :func:`_cases` whose root relaxation is feasible, solved there: (requests, planner, tree,
+    relaxation, root bound, reduced costs, every plan that fits capacity as one candidate index per request)."""
     import itertools
 
+    for _, _, reqs, pl, tree, lp in _cases(bench):
+        root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
+        if math.isfinite(root):
+            fitting = [ks for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req) if _fits(lp, ks)]
+            yield reqs, pl, tree, lp, root, bench.reduced_costs(lp), fitting
+
+
+def _step(pl, reqs, tree, ks) -> float:
+    """The predicted step of one candidate index per request."""
     from orbitflow.plan import Placement
 
+    dists = tree.tables.distances
+    return pl.evaluate(Placement.from_distances(16, [dists[k] for k in ks]), reqs).predicted_step_s
+
+
+def test_reduced_costs_bound_every_plan_and_plans_within_counts_them():
     bench = load_benchmark("planner_lp")
     rng = np.random.default_rng(0)
     checked = tight = 0
-    for _, _, reqs, pl, tree, lp in _cases(bench):
-        root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
-        if not math.isfinite(root):
-            continue
-        pen = bench.reduced_costs(lp)
+    for reqs, pl, tree, lp, root, pen, fitting in _priced(bench):
         assert pen.shape == (tree.n_req, len(tree.counts)) and np.all(pen >= 0)
-        fitting = [ks for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req) if _fits(lp, ks)]
-        dists = tree.tables.distances
         for j in rng.choice(len(fitting), size=min(150, len(fitting)), replace=False):
             ks = fitting[j]
-            step = pl.evaluate(Placement.from_distances(16, [dists[k] for k in ks]), reqs).predicted_step_s
+            step = _step(pl, reqs, tree, ks)
             added = float(sum(pen[r, k] for r, k in enumerate(ks)))
             assert root + added <= step * (1 + 1e-7), (ks, root, added, step)
             tight += added > 0
@@ -105,24 +115,11 @@ def test_reduced_costs_bound_every_plan_and_plans_within_counts_them():
 
 
 def test_fixing_bound_bounds_every_plan_under_a_partial_plan_and_only_rises_down_the_tree():
-    import itertools
-
-    from orbitflow.plan import Placement
-
     bench = load_benchmark("planner_lp")
     rng = np.random.default_rng(1)
     checked = raised = 0
-    for _, _, reqs, pl, tree, lp in _cases(bench):
-        root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
-        if not math.isfinite(root):
-            continue
-        pen = bench.reduced_costs(lp)
-        dists = tree.tables.distances
-        steps = {}
-        for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req):
-            if _fits(lp, ks):
-                e = pl.evaluate(Placement.from_distances(16, [dists[k] for k in ks]), reqs)
-                steps[ks] = e.predicted_step_s
+    for reqs, pl, tree, lp, root, pen, fitting in _priced(bench):
+        steps = {ks: _step(pl, reqs, tree, ks) for ks in fitting}
         for _ in range(40):  # a random plan, and its partial plans from the root down in a random order
             ks = list(steps)[rng.integers(len(steps))]
             partial = np.full(lp.n_req, -1, dtype=np.int16)
