@@ -1,6 +1,7 @@
 """benchmarks/planner_lp.py: its path relaxation bounds every plan from below and is the exact step at an integral
 choice, and its branch and bound finds the exact search's optimum."""
 
+import itertools
 import math
 
 import numpy as np
@@ -72,7 +73,6 @@ def _fits(lp, ks) -> bool:
 def _priced(bench):
     """The batches of :func:`_cases` whose root relaxation is feasible, solved there: (requests, planner, tree,
     relaxation, root bound, reduced costs, every plan that fits capacity as one candidate index per request)."""
-    import itertools
 
     for _, _, reqs, pl, tree, lp in _cases(bench):
         root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
@@ -145,3 +145,28 @@ def test_the_summary_says_the_lp_nodes_of_proofs_and_open_searches_apart():
         " (proofs: 1-13 LP nodes; open after 416-1673)")
     assert bench._lp_nodes([(5, False)]) == " (open after 5)"
     assert bench._lp_nodes([]) == ""
+
+
+def test_fixing_bound_holds_for_the_edf_link_at_the_nodes_a_traced_search_expands():
+    """What the page counts: the bound at the partial plans `traced_children` returns (EDF rules, the EDF optimum
+    known), against the least EDF step of the plans under each."""
+    bench, planner_bench = load_benchmark("planner_lp"), load_benchmark("planner")
+    checked = 0
+    for cm, cap, reqs, _, tree, lp in _cases(bench):
+        edf = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False)
+        best = edf.plan(reqs)
+        root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
+        if not best.feasible or not math.isfinite(root):
+            continue
+        pen = bench.reduced_costs(lp)
+        steps = {ks: _step(edf, reqs, tree, ks) for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req)
+                 if _fits(lp, ks)}
+        search, _, nodes = planner_bench.traced_children(edf.constraints, reqs, best.predicted_step_s * (1 + 1e-9),
+                                                         30.0)
+        assert not search.timed_out and nodes
+        for a in nodes:
+            under = [step for ks, step in steps.items() if all(a[q] < 0 or ks[q] == a[q] for q in range(lp.n_req))]
+            if under:  # (a node with no plan that fits under it has nothing to bound)
+                assert bench.fixing_bound(root, pen, a) <= min(under) * (1 + 1e-7)
+                checked += 1
+    assert checked >= 20
