@@ -4,6 +4,7 @@ executor's schedule and only ever shorten it, and its table reads right."""
 import math
 
 import numpy as np
+import pytest
 from benchmark_scripts import load_benchmark
 
 from orbitflow.plan import Planner
@@ -299,3 +300,23 @@ def test_replan_table_and_summary_read_right_on_small_batches():
     assert (f"B1's traced search finished in {len(rows)}; a bound fell as the blocks grew in {fell}; B's plans stepped "
             f"faster in B1 in {faster}. Where both traced searches finished ({len(rows)}), reuse could spare at most "
             ) in out[-1] and "a lower count" not in out[-1]
+
+
+def test_paired_slowdown_cancels_the_drift_that_widens_the_pooled_interval():
+    """Step times that grow through the run (the sequences lengthen) with a 2% slowdown and 1% noise: the rounds'
+    ratios find it within a narrow interval, where pooling every step's times gives one several times wider."""
+    bench = load_benchmark("planner")
+    rng = np.random.default_rng(0)
+    rounds, block = 60, 5
+    trend = np.repeat(np.linspace(0.07, 0.09, rounds), block)
+    idle = trend * (1 + 0.01 * rng.standard_normal(trend.size))
+    slow = 1.02 * trend * (1 + 0.01 * rng.standard_normal(trend.size))
+    ratio, lo, hi = bench.paired_slowdown(slow, idle, block, np.random.default_rng(1))
+    assert lo < 1.02 < hi and hi - lo < 0.01 and ratio == pytest.approx(1.02, abs=0.005)
+    boot = np.random.default_rng(1)
+    pooled = [np.median(boot.choice(slow, slow.size)) / np.median(boot.choice(idle, idle.size)) for _ in range(1000)]
+    assert np.subtract(*np.percentile(pooled, [97.5, 2.5])) > 3 * (hi - lo)
+    same, lo, hi = bench.paired_slowdown(idle, idle, block, np.random.default_rng(1))
+    assert same == lo == hi == 1.0
+    with pytest.raises(ValueError, match="5 steps per round"):
+        bench.paired_slowdown(slow[:-1], idle, block, rng)
