@@ -71,14 +71,22 @@ def _fits(lp, ks) -> bool:
 
 
 def _priced(bench):
-    """The batches of :func:`_cases` whose root relaxation is feasible, solved there: (requests, planner, tree,
-    relaxation, root bound, reduced costs, every plan that fits capacity as one candidate index per request)."""
+    """The batches of :func:`_cases` whose root relaxation is feasible, solved there: (cost model, capacity,
+    requests, planner, tree, relaxation, root bound, reduced costs, every plan that fits capacity as one candidate
+    index per request)."""
 
-    for _, _, reqs, pl, tree, lp in _cases(bench):
+    for cm, cap, reqs, pl, tree, lp in _cases(bench):
         root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
         if math.isfinite(root):
             fitting = [ks for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req) if _fits(lp, ks)]
-            yield reqs, pl, tree, lp, root, bench.reduced_costs(lp), fitting
+            yield cm, cap, reqs, pl, tree, lp, root, bench.reduced_costs(lp), fitting
+
+
+def _least_under(steps: dict, partial) -> float:
+    """The least step among the plans of ``steps`` (candidate indices -> step) under ``partial`` (-1: unassigned);
+    inf where none is."""
+    return min((step for ks, step in steps.items() if all(p < 0 or k == p for k, p in zip(ks, partial))),
+               default=math.inf)
 
 
 def _step(pl, reqs, tree, ks) -> float:
@@ -93,7 +101,7 @@ def test_reduced_costs_bound_every_plan_and_plans_within_counts_them():
     bench = load_benchmark("planner_lp")
     rng = np.random.default_rng(0)
     checked = tight = 0
-    for reqs, pl, tree, lp, root, pen, fitting in _priced(bench):
+    for _, _, reqs, pl, tree, lp, root, pen, fitting in _priced(bench):
         assert pen.shape == (tree.n_req, len(tree.counts)) and np.all(pen >= 0)
         for j in rng.choice(len(fitting), size=min(150, len(fitting)), replace=False):
             ks = fitting[j]
@@ -118,7 +126,7 @@ def test_fixing_bound_bounds_every_plan_under_a_partial_plan_and_only_rises_down
     bench = load_benchmark("planner_lp")
     rng = np.random.default_rng(1)
     checked = raised = 0
-    for reqs, pl, tree, lp, root, pen, fitting in _priced(bench):
+    for _, _, reqs, pl, tree, lp, root, pen, fitting in _priced(bench):
         steps = {ks: _step(pl, reqs, tree, ks) for ks in fitting}
         for _ in range(40):  # a random plan, and its partial plans from the root down in a random order
             ks = list(steps)[rng.integers(len(steps))]
@@ -131,9 +139,7 @@ def test_fixing_bound_bounds_every_plan_under_a_partial_plan_and_only_rises_down
                 assert now >= last - 1e-12
                 raised += now > last + 1e-12
                 last = now
-                under = [step for plan, step in steps.items()
-                         if all(partial[q] < 0 or plan[q] == partial[q] for q in range(lp.n_req))]
-                assert now <= min(under) * (1 + 1e-7)
+                assert now <= _least_under(steps, partial) * (1 + 1e-7)
             assert last == pytest.approx(root + sum(pen[r, k] for r, k in enumerate(ks)))
         checked += 1
     assert checked >= 3 and raised > 0
@@ -152,21 +158,18 @@ def test_fixing_bound_holds_for_the_edf_link_at_the_nodes_a_traced_search_expand
     known), against the least EDF step of the plans under each."""
     bench, planner_bench = load_benchmark("planner_lp"), load_benchmark("planner")
     checked = 0
-    for cm, cap, reqs, _, tree, lp in _cases(bench):
+    for cm, cap, reqs, _, tree, _lp, root, pen, fitting in _priced(bench):
         edf = Planner(cm, cap, alpha=1.0, window=(4, 16), node_limit=None, check_better=False)
         best = edf.plan(reqs)
-        root, _ = lp.solve([0] * tree.n_req, [len(tree.counts) - 1] * tree.n_req)
-        if not best.feasible or not math.isfinite(root):
+        if not best.feasible:
             continue
-        pen = bench.reduced_costs(lp)
-        steps = {ks: _step(edf, reqs, tree, ks) for ks in itertools.product(range(lp.n_cand), repeat=lp.n_req)
-                 if _fits(lp, ks)}
+        steps = {ks: _step(edf, reqs, tree, ks) for ks in fitting}
         search, _, nodes = planner_bench.traced_children(edf.constraints, reqs, best.predicted_step_s * (1 + 1e-9),
                                                          30.0)
         assert not search.timed_out and nodes
         for a in nodes:
-            under = [step for ks, step in steps.items() if all(a[q] < 0 or ks[q] == a[q] for q in range(lp.n_req))]
-            if under:  # (a node with no plan that fits under it has nothing to bound)
-                assert bench.fixing_bound(root, pen, a) <= min(under) * (1 + 1e-7)
+            least = _least_under(steps, a)
+            if math.isfinite(least):  # (a node with no plan that fits under it has nothing to bound)
+                assert bench.fixing_bound(root, pen, a) <= least * (1 + 1e-7)
                 checked += 1
     assert checked >= 20
