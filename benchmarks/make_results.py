@@ -10,7 +10,7 @@ Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% C
 (benchmarks/planner.py), planner_proof (its proof section), planner_link (its link section: the same batches planned
 for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), planner_gap (its gap section: the
 same batches solved within Gurobi-like relative gaps), planner_replan (its replan section: what a re-plan could reuse
-of the last search), kv_link (benchmarks/kv_link.py: the preemptive link on the
+of the last search), planner_gil (its gil section: where a solve holds the GIL), kv_link (benchmarks/kv_link.py: the preemptive link on the
 engine), engine_vs_hf (benchmarks/engine_vs_hf.py), host_copy_bound
 (benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), deposit_guard
 (benchmarks/deposit_guard.py), sim_fidelity and sim_fidelity_tight
@@ -81,6 +81,7 @@ FRAGMENTS = (("sim_fidelity", "Simulator vs the real engine"),
              ("planner_lp", "Planner: how tight a linear relaxation gets at (16, 80)"),
              ("planner_gap", "Planner: exact, or within a gap"),
              ("planner_replan", "Planner: what a re-plan could reuse"),
+             ("planner_gil", "Planner: where a solve holds the GIL"),
              ("kv_link", "The preemptive KV link on the real engine"),
              ("planner_engine_gpu", "The planner beside the engine (CUDA, 16 cores)"),
              ("planner_engine_cpu", "The planner beside the engine (CPU, 16 cores)"),
@@ -99,6 +100,7 @@ OTHER_STAGES = {
     "planner_lp": ["benchmarks/planner_lp.py", "--lp-cap-s", "30", "--md", "docs/results/planner_lp.md"],
     "planner_gap": ["benchmarks/planner.py", "--sections", "gap", "--md", "docs/results/planner_gap.md"],
     "planner_replan": ["benchmarks/planner.py", "--sections", "replan", "--md", "docs/results/planner_replan.md"],
+    "planner_gil": ["benchmarks/planner.py", "--sections", "gil", "--md", "docs/results/planner_gil.md"],
     "kv_link": ["benchmarks/kv_link.py", "--rounds", "4", "--repeat", "3", "--sim-seeds", "5", "--md",
                 "docs/results/kv_link.md"],
     "engine_vs_hf": ["benchmarks/engine_vs_hf.py", "--contexts", "512,2048,8192", "--batches", "1,4", "--tokens", "16",

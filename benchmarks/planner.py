@@ -1112,6 +1112,93 @@ def _pool_solve(requests, ctx):
     return _timed_plan(_pool_policy, requests, ctx)
 
 
+class KernelClock:
+    """Seconds spent inside the compiled planner's kernels (numba, nopython, ``nogil``: the GIL released) while it is
+    entered: every numba dispatcher of :mod:`orbitflow.plan.compiled` is wrapped in a timer (the planner calls them
+    as module attributes, ``cc.name``), and put back on exit. Kernels called from other kernels run inside the outer
+    call's time; a wrapper costs well under a microsecond of Python per call, counted as Python."""
+
+    def __init__(self) -> None:
+        from orbitflow.plan import compiled
+
+        self._module = compiled
+        self._saved: dict[str, object] = {}
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __enter__(self) -> KernelClock:
+        for name, value in vars(self._module).copy().items():
+            if hasattr(value, "py_func") and callable(value):  # a numba dispatcher
+                self._saved[name] = value
+                setattr(self._module, name, self._timed(value))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, value in self._saved.items():
+            setattr(self._module, name, value)
+        self._saved.clear()
+
+    def _timed(self, kernel):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+        return timed
+
+
+def bench_gil(sizes, n: int, seed: int, out: list[str]) -> list[dict]:
+    """Where a solve in the engine's pattern spends its wall time: inside the compiled kernels (the GIL released)
+    or in Python and NumPy around them (holding it: what a planner thread takes from the engine's step). The engine
+    section's batches (``_engine_case`` of seeds ``seed + k``), the OrbitFlow policy with the engine's defaults
+    (expiry searches included), each batch solved once to warm, then timed once."""
+    from orbitflow.plan import compiled
+    from orbitflow.policies import OrbitFlowPolicy
+
+    warm_up()
+    rows = []
+    for n_req, n_layers in sizes:
+        cases = [_engine_case(np.random.default_rng(seed + k), n_req, n_layers) for k in range(n)]
+        policy = OrbitFlowPolicy()
+        for case in cases:
+            policy.plan(*case)
+        wall, kernel, calls, nodes = [], [], [], []
+        for case in tqdm(cases, desc=f"gil {n_req}x{n_layers}", leave=False):
+            with KernelClock() as clock:
+                start = time.perf_counter()
+                plan = policy.plan(*case)
+                wall.append(time.perf_counter() - start)
+            kernel.append(min(clock.seconds, wall[-1]))
+            calls.append(clock.calls)
+            nodes.append(plan.stats.nodes + plan.stats.leaves)
+        held = [w - k for w, k in zip(wall, kernel)]
+        rows.append(dict(size=f"{n_req}x{n_layers}", solves=n, wall_p50=pct(wall, 50), kernel_p50=pct(kernel, 50),
+                         held_p50=pct(held, 50), held_share=sum(held) / sum(wall), calls_p50=pct(calls, 50),
+                         nodes_p50=pct(nodes, 50)))
+    compiled_on = compiled.enabled(None)
+    out.append("\n### Where a solve holds the GIL\n\n"
+               "The engine section's batches, solved as the engine's background planner solves them (OrbitFlow "
+               "policy, compiled planner, the engine's default node limit, expiry searches included), each once to "
+               "warm and then timed once. in kernels: wall time inside the compiled kernels (numba nopython, nogil: "
+               "the GIL released), timed by wrapping each kernel (`KernelClock`); GIL held: the rest of the solve's "
+               "wall time, Python and NumPy around the kernels, which a planner thread takes from the engine's step "
+               "(the paced thread rows of the engine section); share: its sum over every solve's wall time. nodes: "
+               "the solve's branch-and-bound nodes and leaves, expiry searches included."
+               + ("" if compiled_on else " numba is missing here: every solve runs in Python and holds the GIL.")
+               + "\n\n| R x L | solves | wall p50 ms | in kernels p50 ms | GIL held p50 ms | GIL held share "
+                 "| kernel calls p50 | nodes p50 |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        out.append(f"| {r['size']} | {r['solves']} | {1e3 * r['wall_p50']:.3f} | {1e3 * r['kernel_p50']:.3f} | "
+                   f"{1e3 * r['held_p50']:.3f} | {100 * r['held_share']:.0f}% | {r['calls_p50']:.0f} | "
+                   f"{r['nodes_p50']:.0f} |")
+    for r in rows:
+        print(f"gil {r['size']}: wall p50 {1e3 * r['wall_p50']:.3f} ms, GIL held p50 {1e3 * r['held_p50']:.3f} ms "
+              f"({100 * r['held_share']:.0f}% of the solves' wall time), nodes p50 {r['nodes_p50']:.0f}")
+    return rows
+
+
 def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):
     """A random batch as the background planner receives it: (requests, planning context)."""
     from orbitflow.policies.base import PlanContext
@@ -1244,8 +1331,8 @@ def _numba_version() -> str:
         return "missing"
 
 
-SECTIONS = ("speed", "budget_seeds", "engine", "bruteforce", "floor", "uniform", "full", "proof", "link", "gap",
-            "replan")
+SECTIONS = ("speed", "budget_seeds", "engine", "gil", "bruteforce", "floor", "uniform", "full", "proof", "link",
+            "gap", "replan")
 
 
 def main() -> None:
@@ -1262,7 +1349,8 @@ def main() -> None:
                     help=f"comma-separated subset of {','.join(SECTIONS)} (proof: not by default, ~5 min; link: not "
                          "by default, the same batches planned for a preemptive link, ~3 min; gap: not by default, the "
                          "same batches solved within relative gaps 0, 1e-4 and 1e-3, ~3 min; replan: not by default, "
-                         "what a re-plan at the plan's expiry could reuse of the last search, ~3 min)")
+                         "what a re-plan at the plan's expiry could reuse of the last search, ~3 min; gil: not by "
+                         "default, where a solve in the engine's pattern holds the GIL, ~1 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
                     help="proof, replan: wall-clock cap of the search that knows its best plan (default "
                          "%(default)s)")
@@ -1280,6 +1368,8 @@ def main() -> None:
     ap.add_argument("--budget-seeds", type=int, default=4,
                     help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
     ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
+    ap.add_argument("--gil-batches", type=int, default=200,
+                    help="gil: batches per size, each solved once to warm and once timed (default %(default)s)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
     ap.add_argument("--model", default="smollm2-135m",
                     help="model of the engine section: a built-in name or an HF directory (default %(default)s)")
@@ -1300,6 +1390,8 @@ def main() -> None:
         ap.error(f"--order-leaves must be >= 0, got {args.order_leaves}")
     if args.replan_steps is not None and args.replan_steps < 1:
         ap.error(f"--replan-steps must be >= 1, got {args.replan_steps}")
+    if args.gil_batches < 1:
+        ap.error(f"--gil-batches must be >= 1, got {args.gil_batches}")
     if args.replan_batches is not None and args.replan_batches < 1:
         ap.error(f"--replan-batches must be >= 1, got {args.replan_batches}")
     if not args.trace_cap_s > 0:
@@ -1337,6 +1429,8 @@ def main() -> None:
     if "engine" in sections:
         bench_engine(args.engine_rounds or (3 if args.quick else 12), 5, args.seed, args.torch_threads,
                      [(4, 32), (16, 80)], out, model=args.model)
+    if "gil" in sections:
+        bench_gil(sizes, 16 if args.quick else args.gil_batches, args.seed, out)
     if "bruteforce" in sections:
         bench_bruteforce(20 if args.quick else 100, args.seed)
     if "floor" in sections:
@@ -1367,6 +1461,8 @@ def main() -> None:
             title = "Planner: exact, or within a gap"
         elif sections == {"replan"}:
             title = "Planner: what a re-plan could reuse"
+        elif sections == {"gil"}:
+            title = "Planner: where a solve holds the GIL"
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
         about = (f"seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` (8-1024 blocks per "

@@ -2,6 +2,7 @@
 executor's schedule and only ever shorten it, and its table reads right."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -320,3 +321,43 @@ def test_paired_slowdown_cancels_the_drift_that_widens_the_pooled_interval():
     assert same == lo == hi == 1.0
     with pytest.raises(ValueError, match="5 steps per round"):
         bench.paired_slowdown(slow[:-1], idle, block, rng)
+
+
+@pytest.mark.skipif(not __import__("orbitflow.plan.compiled", fromlist=["enabled"]).enabled(None),
+                    reason="numba missing: no compiled kernels to time")
+def test_kernel_clock_times_the_kernels_of_a_solve_and_puts_them_back():
+    """Inside KernelClock a compiled solve's kernels are timed (a kernel that sleeps is charged its sleep); on exit
+    every dispatcher is the original again, with an error raised inside too."""
+    from orbitflow.plan import compiled
+
+    bench = load_benchmark("planner")
+    kernels = {name: v for name, v in vars(compiled).items() if hasattr(v, "py_func")}
+    assert "bb_search" in kernels
+    planner = Planner(*bench.speed_cases(0, 4, 32, 1)[0][:2], window=(4, 16))
+    reqs = bench.speed_cases(0, 4, 32, 1)[0][2]
+    planner.plan(reqs)
+    with bench.KernelClock() as clock:
+        assert compiled.bb_search is not kernels["bb_search"]
+        planner.plan(reqs)
+        one, calls = clock.seconds, clock.calls
+        assert calls > 0 and one > 0
+        clock._timed(lambda: time.sleep(0.02))()  # a slow kernel: its time lands in the clock
+        assert clock.seconds - one >= 0.02 and clock.calls == calls + 1
+    assert all(getattr(compiled, name) is v for name, v in kernels.items())
+    with pytest.raises(RuntimeError), bench.KernelClock():
+        raise RuntimeError
+    assert all(getattr(compiled, name) is v for name, v in kernels.items())
+
+
+def test_gil_section_splits_each_solve_into_kernel_and_python_time():
+    """The gil section's rows: the kernel time never exceeds the wall time, the held share is a share, and the table
+    has a row per size."""
+    bench = load_benchmark("planner")
+    out: list[str] = []
+    rows = bench.bench_gil([(4, 32), (2, 8)], 4, 0, out)
+    assert [r["size"] for r in rows] == ["4x32", "2x8"]
+    for r in rows:
+        assert 0 <= r["kernel_p50"] <= r["wall_p50"] and 0 <= r["held_share"] <= 1 and r["solves"] == 4
+        assert r["held_p50"] <= r["wall_p50"]
+    table = "\n".join(out)
+    assert "| 4x32 | 4 |" in table and "| 2x8 | 4 |" in table

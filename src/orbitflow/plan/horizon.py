@@ -57,10 +57,22 @@ class Horizon:
             self.comp = [cost_model.compute(None, len(reqs))] * len(starts)
             self.compute_grows = True
         self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency
-        self.tails: list[np.ndarray] | None = None  # compiled evaluator: suffix sums of each segment's compute
+        self._rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None  # see rows()
         self.slo = np.array([q.slo_s for q in reqs], dtype=float)
         self.bank_max = float(bank_max)  # the cap on a Token-Deposit balance: inf, or 0 without Token-Deposit
         self.deposit = np.array([min(max(0.0, float(q.deposit)), self.bank_max) for q in reqs], dtype=float)
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per segment, what the compiled evaluator and window rule read, built once per horizon: its compute
+        ``[S, L]``, the suffix sums of that compute (:func:`orbitflow.plan.compiled.tail` of each row, the same
+        floats), the compute's total ``[S]`` (each row's own sum, as the reference takes it) and the seconds of one
+        transfer of each request ``[S, R]`` at the segment's blocks."""
+        if self._rows is None:
+            comp = np.array(self.comp, dtype=float)
+            tails = np.cumsum(comp[:, ::-1], axis=1)[:, ::-1].copy()
+            self._rows = (comp, tails, np.array([float(c.sum()) for c in comp]),
+                          np.asarray(self.cm.transfer_s(self.blocks[self.seg_starts_a]), dtype=float))
+        return self._rows
 
     def step_latencies(self, seg_lat: Sequence[float]) -> list[float]:
         """Per-step latencies from per-segment ones."""
@@ -130,17 +142,13 @@ class Constraints:
     def _segment_latency(self, win: Horizon, host: np.ndarray, i: int, csr: tuple | None) -> float:
         """Segment ``i``'s step latency: by the compiled schedule given the mask's host layers ``csr``
         (:func:`orbitflow.plan.compiled.host_csr`), by the cost model when ``csr`` is None."""
-        comp = win.comp[i]
         cm = self.cost_model
         if csr is not None:
-            if win.tails is None:
-                win.tails = [cc.tail(np.asarray(c, dtype=float)) for c in win.comp]
-            xfer = np.asarray(cm.transfer_s(win.blocks[win.seg_starts[i]].astype(float)))
-            added = cc.step_added(np.array(comp, dtype=float), win.tails[i], host, xfer, cm.prefetch_slots,
-                                  cm.host_layer_s, csr, cm.transfer == "preemptive")
-        else:
-            added = cm.added_s(host, win.blocks[win.seg_starts[i]], comp)
-        return float(comp.sum()) + added
+            comp, tails, sums, xfer = win.rows()
+            return float(sums[i]) + cc.step_added(comp[i], tails[i], host, xfer[i], cm.prefetch_slots,
+                                                  cm.host_layer_s, csr, cm.transfer == "preemptive")
+        comp = win.comp[i]
+        return float(comp.sum()) + cm.added_s(host, win.blocks[win.seg_starts[i]], comp)
 
     # ---- Token-Deposit and the window -----------------------------------------------------------------
     def violations(self, win: Horizon, seg_lat: Sequence[float]) -> np.ndarray:

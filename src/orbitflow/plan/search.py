@@ -874,12 +874,10 @@ class BranchAndBound:
         built once per search."""
         if self._feas_data is None:
             win, rules, t = self.win, self.rules, self.tables
-            comp = np.array(win.comp, dtype=float)  # [S, L]
-            tails = np.cumsum(comp[:, ::-1], axis=1)[:, ::-1].copy()  # compiled.tail of each row, the same floats
+            comp, tails, sums, xfer = win.rows()  # [S, L], [S, L], [S], [S, R]
             self._feas_data = cc.feasibility_data(
                 t.counts, t.hosts_f, t.lay_ptr, t.lay, win.blocks[: win.horizon], self.cap, rules.host_capacity_blocks,
-                rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp, tails,
-                np.array([float(c.sum()) for c in comp]), rules.cost_model.transfer_s(win.blocks[win.seg_starts_a]),
+                rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp, tails, sums, xfer,
                 win.slo, win.deposit, win.compute_grows, rules.cost_model.host_layer_s, self.preemptive, win.bank_max)
         return self._feas_data
 
