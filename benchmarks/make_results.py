@@ -10,8 +10,8 @@ Stages: sim (the paper's evaluation on the simulator, always 5+ seeds with 95% C
 (benchmarks/planner.py), planner_proof (its proof section), planner_link (its link section: the same batches planned
 for a preemptive link), planner_lp (benchmarks/planner_lp.py: the path relaxation), planner_gap (its gap section: the
 same batches solved within Gurobi-like relative gaps), planner_replan (its replan section: what a re-plan could reuse
-of the last search), planner_gil (its gil section: where a solve holds the GIL), kv_link (benchmarks/kv_link.py: the preemptive link on the
-engine), engine_vs_hf (benchmarks/engine_vs_hf.py), host_copy_bound
+of the last search), planner_gil (its gil section: where a solve holds the GIL), kv_link (benchmarks/kv_link.py: the
+preemptive link on the engine), engine_vs_hf (benchmarks/engine_vs_hf.py), host_copy_bound
 (benchmarks/host_copy_bound.py), host_layer_cost (benchmarks/host_layer_cost.py), deposit_guard
 (benchmarks/deposit_guard.py), sim_fidelity and sim_fidelity_tight
 (benchmarks/sim_vs_engine.py), tensor_parallel (benchmarks/tensor_parallel.py), cluster (benchmarks/cluster_sim.py); all

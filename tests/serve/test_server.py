@@ -1,11 +1,12 @@
-"""`orbitflow serve` start-up: a port it cannot listen on is an error naming the flag, before the model loads."""
+"""`orbitflow serve` start-up: a port it cannot listen on is an error naming the flag, before the model loads; the
+server solves ahead in a planner process unless told otherwise."""
 
 import socket
 
 import pytest
 
-from orbitflow.cli import main
-from orbitflow.config import ConfigError
+from orbitflow.cli import build_parser, main
+from orbitflow.config import ConfigError, engine_config
 from orbitflow.serve import server
 
 
@@ -41,3 +42,13 @@ def _has_ray() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_serve_solves_ahead_in_a_planner_process_by_default_and_a_flag_still_wins():
+    """A server runs long: its planner is the process whatever the core count (generate keeps auto); the flag
+    overrides it."""
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).planner.background_planner == "process"
+    for mode in ("auto", "thread", "off"):
+        assert engine_config(parse(["serve", "--background-planner", mode])).planner.background_planner == mode
+    assert parse(["generate", "--prompt", "x"]).background_planner == "auto"

@@ -6,8 +6,8 @@ benchmarks/planner.py --sections engine (SmolLM2-135M shape, 4 requests, batches
 solved back to back, each a round trip from a thread of the engine's process): on a 16-core H100 machine a
 planner thread slowed decode steps by +402% on the GPU and +178% on the CPU, a planner process by +2.3% and
 +0.1% (both with the ProcessPoolExecutor below). On this project's 2-core CPU machine
-(docs/results/planner_engine_cpu2.md, 40 interleaved rounds) a planner thread solving back to back costs +70% at
-4 x 32, a planner process solving on its own without round trips +0.1% (-1.1% at 16 x 80).
+(docs/results/planner_engine_cpu2.md, 100 interleaved rounds, paired by round) a planner thread solving back to back
+costs +107% at 4 x 32, a planner process solving on its own without round trips -0.1% (also at 16 x 80).
 
 The planner process (:class:`PlannerProcess`) is one spawned process on a pipe (spawn: no fork of a process
 running torch threads), started with the engine and its compiled planner loaded then, not at the first solve.
@@ -26,11 +26,14 @@ its window, wait past it) run as in the engine. What it leaves out is the planne
 (a thread's share of the GIL, a process's round trip), which benchmarks/planner.py --sections engine measures.
 
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
-process per engine costs more than it saves in short runs and tests, which solve once per expiry, not back to
-back. In the engine's own pattern (one solve in flight, due at the step that reads it: a solve per step at 4 x 32)
-both cost little on 2 cores: a planner thread +2.1% [-0.3%, +4.8%] at 4 x 32 and +0.5% at 16 x 80, a planner process
--0.8% and -0.1% (the same 40 rounds). Only a caller that solves back to back from the engine's process (a library
-user's loop; the engine never does) should run the process on 2 cores: ``--background-planner process``.
+process per engine (about 1 s of CPU and 190 MB) costs more than it saves in short runs and tests, which solve once
+per expiry, not back to back. In the engine's own pattern (one solve in flight, due at the step that reads it: a
+solve per step at 4 x 32) both cost little on 2 cores, the process less: a planner thread +2.8% [+2.6%, +3.1%] at
+4 x 32 and +1.4% at 16 x 80, a planner process +0.8% [+0.5%, +1.1%] and +0.4% (the same 100 rounds). At 4 x 32 most
+of a solve is Python set-up around the compiled search, which holds the GIL (benchmarks/planner.py --sections gil),
+so the thread's cost is that share. A server runs long, so ``orbitflow serve`` starts the process on any core count
+(its ``--background-planner`` default); so should a caller that solves back to back from the engine's process (a
+library user's loop; the engine never does).
 """
 
 from __future__ import annotations

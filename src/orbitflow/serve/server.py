@@ -27,6 +27,11 @@ from orbitflow.config import (
 log = logging.getLogger("orbitflow.serve")
 
 DEFAULT_MAX_QUEUE_LEN = 256
+# A server runs long, so it solves ahead in a planner process whatever the core count (the engine's "auto" picks the
+# thread below 4 cores, for short runs and tests): in the engine's own pattern on 2 cores, a planner process slowed
+# decode steps +0.8% and a planner thread +2.8% at 4 x 32 (docs/results/planner_engine_cpu2.md, paired by round);
+# the process costs about 1 s of CPU and 190 MB at start.
+SERVE_BACKGROUND_PLANNER = "process"
 
 
 def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None:
@@ -92,7 +97,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=HelpFormatter)
     add_config_args(p, ServerConfig, "server")
     add_config_args(p, ClusterConfig, "cluster (Ray Serve; pip install 'orbitflow[cluster]')")
-    add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN, "deposit_guard_ms": "auto"})
+    add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN, "deposit_guard_ms": "auto",
+                                 "background_planner": SERVE_BACKGROUND_PLANNER},
+                    helps={"background_planner": "where an expiry's plan is solved while the steps before it run: "
+                                                 "process (never holds the engine's GIL; a server runs long, so it "
+                                                 "starts one on any core count), thread or off; auto: process with 4 "
+                                                 "or more cores, else thread"})
 
     def handler(args: argparse.Namespace) -> int:
         server, cluster = config_from_args(ServerConfig, args), config_from_args(ClusterConfig, args)
