@@ -119,3 +119,22 @@ def test_pickles_as_its_bits(shape):
     assert back.mask.shape == shape and back.mask.dtype == bool and np.array_equal(back.mask, mask)
     assert not back.mask.flags.writeable
     assert len(pickle.dumps(Placement(mask))) < len(pickle.dumps(mask)) + 64
+
+
+def test_distances_read_from_the_table_agree_with_each_rows_distance():
+    """Placement.distances looks each row up among the distance rows' bytes: the same answer as row_distance on every
+    row, and None as soon as one row is not distance-driven."""
+    rng = np.random.default_rng(3)
+    for n_layers in (1, 2, 7, 32):
+        for _ in range(50):
+            ds = [None if rng.random() < 0.2 else int(rng.integers(1, n_layers + 3)) for _ in range(4)]
+            p = Placement.from_distances(n_layers, ds)
+            assert p.distances() == [p.row_distance(r) for r in range(4)]
+            mask = p.mask.copy()
+            mask[int(rng.integers(4)), int(rng.integers(n_layers))] ^= True
+            q = Placement(mask)
+            try:
+                want = [q.row_distance(r) for r in range(4)]
+            except ValueError:
+                want = None
+            assert q.distances() == want

@@ -64,6 +64,16 @@ def balance_after(deposit: float, slo_s: float, seg_lat: Sequence[float], seg_st
     return bal
 
 
+def balances_after(deposit: np.ndarray, slo: np.ndarray, seg_lat: Sequence[float], seg_starts: Sequence[int],
+                   seg_ends: Sequence[int], steps: int, bank_max: float = math.inf) -> np.ndarray:
+    """:func:`balance_after` of every request at once (``deposit``, ``slo``: per request), the same floats."""
+    bal = np.minimum(np.maximum(0.0, np.asarray(deposit, dtype=float)), bank_max)
+    for i, lat in enumerate(seg_lat):
+        for _ in range(max(0, min(seg_ends[i], steps) - seg_starts[i])):
+            bal = np.minimum(np.maximum(0.0, bal + 1.0 - lat / slo), bank_max)
+    return bal
+
+
 def constant_latency_violations(latency: float, slo: np.ndarray, deposit: np.ndarray,
                                 steps: np.ndarray) -> np.ndarray:
     """Violations over the first ``steps[j]`` steps when every step takes ``latency`` seconds (the cap on the balance

@@ -34,10 +34,32 @@ class Horizon:
 
     def __init__(self, reqs: Sequence[PlanRequest], steps: int, block_size: int, cost_model: CostModel,
                  bank_max: float = math.inf) -> None:
+        bank_max = float(bank_max)
+        self._build(np.array([q.blocks_per_layer for q in reqs], dtype=np.int64),
+                    np.array([q.tokens for q in reqs], dtype=np.int64),
+                    np.array([q.tokens_left if q.tokens_left is not None else UNBOUNDED for q in reqs], np.int64),
+                    np.array([q.tokens_left is not None for q in reqs], dtype=bool),
+                    np.array([q.slo_s for q in reqs], dtype=float),
+                    np.array([min(max(0.0, float(q.deposit)), bank_max) for q in reqs], dtype=float),
+                    steps, block_size, cost_model, bank_max)
+
+    def after(self, steps: int, deposit: np.ndarray) -> Horizon:
+        """The horizon of the same batch ``steps`` decode steps later (a finished request stops growing), each
+        request's Token-Deposit balance then ``deposit`` (in ``[0, bank_max]``): what ``Horizon([q.after(steps, d)
+        for q, d in ...], ...)`` builds, from this one's arrays."""
+        later = object.__new__(Horizon)
+        grown = np.minimum(steps, self._left)
+        left = np.where(self._known, np.maximum(0, self._left - steps), UNBOUNDED)
+        later._build(self._b_now, self._tok + grown, left, self._known, self.slo, np.asarray(deposit, dtype=float),
+                     self.horizon, self._block_size, self.cm, self.bank_max)
+        return later
+
+    def _build(self, b_now: np.ndarray, tok: np.ndarray, left: np.ndarray, known: np.ndarray, slo: np.ndarray,
+               deposit: np.ndarray, steps: int, block_size: int, cost_model: CostModel, bank_max: float) -> None:
+        """Per request: blocks per layer now, tokens, tokens left (``UNBOUNDED`` where not ``known``), SLO seconds
+        and Token-Deposit balance (already in ``[0, bank_max]``)."""
+        self._b_now, self._tok, self._left, self._known, self._block_size = b_now, tok, left, known, block_size
         self.horizon = steps
-        b_now = np.array([q.blocks_per_layer for q in reqs], dtype=np.int64)
-        tok = np.array([q.tokens for q in reqs], dtype=np.int64)
-        left = np.array([q.tokens_left if q.tokens_left is not None else UNBOUNDED for q in reqs], np.int64)
         t = np.arange(steps + 1)[:, None]
         grown = np.minimum(t, left[None, :])
         blocks = np.maximum(b_now[None, :], -(-(tok[None, :] + grown) // block_size))
@@ -50,17 +72,18 @@ class Horizon:
         self.seg_starts_a = np.array(self.seg_starts, dtype=np.int64)
         self.seg_ends_a = np.array(self.seg_ends, dtype=np.int64)
         self.cm = cost_model
+        n_req = b_now.size
         if cost_model.depends_on_tokens:
-            self.comp = [cost_model.compute(int(self.total_tokens[s]), len(reqs)) for s in starts]
+            self.comp = [cost_model.compute(int(self.total_tokens[s]), n_req) for s in starts]
             self.compute_grows = all(bool(np.all(c >= self.comp[0])) for c in self.comp[1:])
         else:  # one (cached, read-only) array for every segment
-            self.comp = [cost_model.compute(None, len(reqs))] * len(starts)
+            self.comp = [cost_model.compute(None, n_req)] * len(starts)
             self.compute_grows = True
         self.seg_cache: dict[tuple[bytes, int], float] = {}  # (host mask bytes, segment) -> step latency
         self._rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None  # see rows()
-        self.slo = np.array([q.slo_s for q in reqs], dtype=float)
-        self.bank_max = float(bank_max)  # the cap on a Token-Deposit balance: inf, or 0 without Token-Deposit
-        self.deposit = np.array([min(max(0.0, float(q.deposit)), self.bank_max) for q in reqs], dtype=float)
+        self.slo = slo
+        self.bank_max = bank_max  # the cap on a Token-Deposit balance: inf, or 0 without Token-Deposit
+        self.deposit = deposit
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per segment, what the compiled evaluator and window rule read, built once per horizon: its compute
@@ -226,3 +249,9 @@ class Constraints:
     def deposit_after(self, q: PlanRequest, seg_lat: Sequence[float], win: Horizon, t: int) -> float:
         """Token-Deposit balance of ``q`` after ``t`` steps under a plan with these segment latencies."""
         return deposit.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t, win.bank_max)
+
+    def horizon_after(self, win: Horizon, seg_lat: Sequence[float], t: int) -> Horizon:
+        """The batch's horizon ``t`` steps into a plan with these segment latencies (its balances then: every
+        request's :meth:`deposit_after`, the same floats): what an expiry check searches."""
+        return win.after(t, deposit.balances_after(win.deposit, win.slo, seg_lat, win.seg_starts, win.seg_ends, t,
+                                                   win.bank_max))

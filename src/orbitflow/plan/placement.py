@@ -6,6 +6,7 @@ Distance-driven rows (the paper's pruned space) offload the 1-based layers ``d, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,6 +42,15 @@ def pruned_distances(num_layers: int) -> list[int | None]:
     """
     counts = {num_layers // k for k in range(2, num_layers + 1)} | {0, num_layers}
     return [widest_distance(num_layers, c) for c in sorted(counts)]
+
+
+@functools.lru_cache(maxsize=64)
+def _distance_of_row(num_layers: int) -> dict[bytes, int | None]:
+    """The bytes of every distance-driven device row of ``num_layers`` layers (bool), to its distance (None: the row
+    that offloads nothing)."""
+    rows: dict[bytes, int | None] = {distance_row(num_layers, d).tobytes(): d for d in range(1, num_layers + 1)}
+    rows[distance_row(num_layers, None).tobytes()] = None
+    return rows
 
 
 def _unpack_placement(bits: bytes, shape: tuple[int, int]) -> Placement:
@@ -124,11 +134,16 @@ class Placement:
         raise ValueError(f"row {r} is not a distance-driven placement")
 
     def distances(self) -> list[int | None] | None:
-        """Per-request distances, or None when some row is not distance-driven."""
-        try:
-            return [self.row_distance(r) for r in range(self.num_requests)]
-        except ValueError:
-            return None
+        """Per-request distances, or None when some row is not distance-driven (:meth:`row_distance` of each row, read
+        from a table of the distance rows' bytes)."""
+        rows = _distance_of_row(self.num_layers)
+        out = []
+        for row in self._mask:
+            d = rows.get(row.tobytes(), 0)
+            if d == 0:
+                return None
+            out.append(d)
+        return out
 
     # -- capacity equation --------------------------------------------------------------------------
     def resident_blocks(self, blocks_per_layer: Sequence[float] | np.ndarray) -> float:

@@ -337,7 +337,7 @@ class Planner:
                 stats.expiry_exact = False
                 return t
             # the batch as it will be at step t (finished requests stop growing)
-            win_t = rules.horizon([q.after(t, rules.deposit_after(q, seg_lat, win, t)) for q in reqs])
+            win_t = rules.horizon_after(win, seg_lat, t)
             cur = rules.seg_latencies(win_t, host, upto=1)[0]
             if cur <= float(win_t.comp[0].sum()) * (1 + REL_TOL) + 1e-15:
                 continue  # nothing can beat a stall-free step

@@ -1,0 +1,52 @@
+"""plan/horizon.py: the horizon an expiry check searches, built from the last one's arrays (Horizon.after), is the one
+the batch's requests would build t steps later, and the balances it carries are each request's own."""
+
+import math
+
+import numpy as np
+import pytest
+
+from orbitflow.plan import CostModel, PlanRequest
+from orbitflow.plan import deposit as dep
+from orbitflow.plan.horizon import Horizon
+
+
+def _batch(rng, n_req):
+    return [PlanRequest(i, int(rng.integers(1, 40)), int(rng.integers(0, 600)),
+                        None if rng.random() < 0.3 else int(rng.integers(0, 12)), float(rng.uniform(-1, 8)),
+                        float(rng.uniform(0.01, 0.05)) if rng.random() < 0.8 else math.inf)
+            for i in range(n_req)]
+
+
+def _same(a: Horizon, b: Horizon) -> None:
+    assert np.array_equal(a.blocks, b.blocks) and np.array_equal(a.total_tokens, b.total_tokens)
+    assert a.boundaries == b.boundaries and a.seg_starts == b.seg_starts and a.seg_ends == b.seg_ends
+    assert np.array_equal(a.seg_starts_a, b.seg_starts_a) and np.array_equal(a.seg_ends_a, b.seg_ends_a)
+    assert len(a.comp) == len(b.comp) and all(np.array_equal(x, y) for x, y in zip(a.comp, b.comp))
+    assert a.compute_grows == b.compute_grows and a.horizon == b.horizon and a.bank_max == b.bank_max
+    assert np.array_equal(a.slo, b.slo) and np.array_equal(a.deposit, b.deposit)
+    for x, y in zip(a.rows(), b.rows()):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("token_compute", [False, True])
+@pytest.mark.parametrize("bank_max", [math.inf, 0.0, 3.0])
+def test_after_is_the_horizon_of_the_requests_t_steps_later(token_compute, bank_max):
+    rng = np.random.default_rng(7 + token_compute)
+    comp = rng.uniform(1e-3, 2e-3, 6)
+    cm = (CostModel(lambda tok: comp * (1 + tok / 3e3), 400.0, num_layers=6) if token_compute
+          else CostModel(comp, 400.0, transfer_latency_s=1e-4))
+    for _ in range(60):
+        reqs = _batch(rng, int(rng.integers(1, 6)))
+        steps, block = int(rng.integers(1, 17)), int(rng.choice([1, 4, 16]))
+        win = Horizon(reqs, steps, block, cm, bank_max)
+        seg_lat = rng.uniform(0.005, 0.08, len(win.seg_starts)).tolist()
+        for t in range(0, steps + 3):
+            balances = dep.balances_after(win.deposit, win.slo, seg_lat, win.seg_starts, win.seg_ends, t, bank_max)
+            one_by_one = [dep.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t, bank_max)
+                          for q in reqs]
+            assert balances.tolist() == one_by_one  # the same floats, not just close
+            later = Horizon([q.after(t, b) for q, b in zip(reqs, one_by_one)], steps, block, cm, bank_max)
+            _same(win.after(t, balances), later)
+            _same(win.after(t, balances).after(1, later.deposit), Horizon(
+                [q.after(t, b).after(1, b) for q, b in zip(reqs, one_by_one)], steps, block, cm, bank_max))
