@@ -423,7 +423,7 @@ def test_compiled_suffix_tables_are_the_references():
         ref = BranchAndBound.__new__(BranchAndBound)
         ref.order, ref.bcap, ref.b0, ref.x0, ref.n_layers = list(order), bcap, b0, x0, n_layers
         ref.rules = type("Rules", (), {"compiled": False})()
-        ref.tables, ref.comp0, ref.comp_total = search.candidate_tables(n_layers), np.ones(n_layers), float(n_layers)
+        ref.tables, ref.compute = search.candidate_tables(n_layers), search.compute_tables(np.ones(n_layers), n_layers)
         ref._init_bound_tables()
         got = cc.suffix_tables(order.astype(np.int64), bcap, b0, x0, n_layers, search.DP_REST_SHARE)
         for a, b in zip(got, (ref.rest_b, ref.rest_b0, ref.ratio_suffix, ref.rest_grow, ref.dp_depth, *ref.cover)):

@@ -331,3 +331,24 @@ def test_threads_share_their_incumbent_and_whether_the_search_still_gains():
     shared.swap(b_fst, np.array([7, 7]), b_ist)
     assert (b_fst[cc.BEST_LAT], b_fst[cc.BEST_MOVED]) == (0.5, 9.0) and shared.best_k.tolist() == [3, 4]
     assert b_ist[cc.GAINED] == 1  # ... and searches on to the plan's deadline with it
+
+
+def test_compute_tables_are_memoised_by_value_and_hold_the_direct_floats():
+    """compute_tables: one entry per compute (equal values share it, whatever the array), holding exactly what the
+    search computed from the step's compute before (sums, suffix sums, the separable offsets, the chain gaps)."""
+
+    rng = np.random.default_rng(5)
+    for n_layers in (1, 4, 32):
+        comp = rng.uniform(1e-3, 2e-3, n_layers)
+        ct = search.compute_tables(comp, n_layers)
+        assert search.compute_tables(comp.copy(), n_layers) is ct
+        assert search.compute_tables(comp * 1.5, n_layers) is not ct
+        t = search.candidate_tables(n_layers)
+        cum = np.concatenate(([0.0], np.cumsum(comp)))
+        gaps = cum[t.gap_last] - cum[t.gap_first]
+        gaps[t.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf
+        assert np.array_equal(ct.comp0, comp) and ct.comp0_list == tuple(comp.tolist())
+        assert ct.total == float(comp.sum()) and ct.least == float(comp.min())
+        assert np.array_equal(ct.suffix, cc.tail(comp)) and np.array_equal(ct.cum, cum)
+        assert np.array_equal(ct.sep_off, float(comp.sum()) - t.sep.between @ cum) and np.array_equal(ct.gaps, gaps)
+        assert ct.comp0.flags.writeable and ct.suffix.flags.c_contiguous  # the kernels' signatures

@@ -203,6 +203,38 @@ def candidate_tables(num_layers: int) -> CandidateTables:
                            lay_ptr, lay, least_mats, mats_t, least_t, least_cum)
 
 
+class ComputeTables(NamedTuple):
+    """What a search reads of one step's per-layer compute (:func:`compute_tables`)."""
+
+    comp0: np.ndarray  # per-layer seconds (a writable copy: the kernels' signatures take writable arrays)
+    comp0_list: tuple[float, ...]
+    total: float
+    least: float  # the least layer's
+    suffix: np.ndarray  # sum_{k>=l} comp_k (compiled.tail's floats)
+    cum: np.ndarray  # [0, comp_0, comp_0 + comp_1, ...]
+    sep_off: np.ndarray  # the separable bound's offsets (separable_tables)
+    gaps: np.ndarray  # [K, G] compute between a candidate's consecutive host layers (inf past its last gap)
+
+
+def compute_tables(comp0: np.ndarray, n_layers: int) -> ComputeTables:
+    """The tables of ``comp0`` (per-layer seconds of one step), memoised by value: without token-dependent compute
+    every search of a batch size reads the same step (a horizon's expiry checks and the next solves too). Nothing
+    writes into them (the kernels only read these arguments)."""
+    return _compute_tables(np.ascontiguousarray(comp0, dtype=float).tobytes(), n_layers)
+
+
+@lru_cache(maxsize=256)
+def _compute_tables(comp_bytes: bytes, n_layers: int) -> ComputeTables:
+    comp0 = np.frombuffer(comp_bytes, dtype=float).copy()
+    tables = candidate_tables(n_layers)
+    total = float(comp0.sum())
+    cum = np.concatenate(([0.0], np.cumsum(comp0)))
+    gaps = cum[tables.gap_last] - cum[tables.gap_first]
+    gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
+    return ComputeTables(comp0, tuple(comp0.tolist()), total, float(comp0.min()), cc.tail(comp0), cum,
+                         total - tables.sep.between @ cum, gaps)
+
+
 class _Children(NamedTuple):
     """The children of one search node, per candidate ``k`` of the next request (arrays over ``k``)."""
 
@@ -285,11 +317,9 @@ class BranchAndBound:
 
     def _init_compute(self, comp0: np.ndarray) -> None:
         """Step 0's per-layer compute and transfer times, as the bounds and the leaves read them."""
-        self.comp0 = comp0
-        self.comp0_list = comp0.tolist()
-        self.comp_total = float(comp0.sum())
-        self.comp_min = float(comp0.min())
-        self.suffix_comp = np.cumsum(comp0[::-1])[::-1]  # sum_{k>=l} comp_k
+        self.compute = ct = compute_tables(comp0, self.n_layers)
+        self.comp0, self.comp0_list, self.comp_total, self.comp_min = ct.comp0, ct.comp0_list, ct.total, ct.least
+        self.suffix_comp = ct.suffix  # sum_{k>=l} comp_k
         self.x0 = self.rules.cost_model.transfer_s(self.b0)  # per transfer, with the link's fixed latency
         self.preemptive = self.rules.cost_model.transfer == "preemptive"
         # requests by transfer-to-compute ratio, lowest first (the greedy's order): what tightening and the local
@@ -335,14 +365,11 @@ class BranchAndBound:
             # last request
             self.dp_depth = self.rest_b0[1:] <= DP_REST_SHARE * self.rest_b0[0]
             self.cover = cover_tables(o, self.bcap, self.x0, self.n_layers)
-        cum = np.concatenate(([0.0], np.cumsum(self.comp0)))
         sep = tables.sep
         self.sep_n, self.sep_slope, self.sep_icept = sep.n, sep.slope, sep.icept
-        self.sep_off = self.comp_total - sep.between @ cum
+        self.sep_off = self.compute.sep_off
         # per-request chain stall lower bound of each candidate
-        gaps = cum[tables.gap_last] - cum[tables.gap_first]
-        gaps[tables.counts[:, None] <= np.arange(gaps.shape[1])[None, :]] = np.inf  # padding
-        self.chain = np.maximum(self.x0[:, None, None] - gaps[None], 0.0).sum(axis=2)  # [R, K]
+        self.chain = np.maximum(self.x0[:, None, None] - self.compute.gaps[None], 0.0).sum(axis=2)  # [R, K]
 
     # -- driver ---------------------------------------------------------------------------------------
     def run(self) -> np.ndarray | None:
@@ -916,12 +943,12 @@ class BranchAndBound:
             np.full(n_req, self.comp_total), np.zeros(n_req), np.zeros((n_req, self.sep_off.size)),
             np.zeros((n_req, n_layers, n_layers + 1)),  # transposed, as t.mats_t
             self.counts, self.hosts_f, self.cumh, self.pairs_after, t.mats_t, self.sep_n, self.sep_slope,
-            self.sep_icept, np.ascontiguousarray(self.sep_off), self.chain,
+            self.sep_icept, self.sep_off, self.chain,
             self.bcap, self.b0, self.x0, self.rest_b, self.rest_b0, self.ratio_suffix, self.rest_grow,
-            np.ascontiguousarray(self.suffix_comp), np.array(self.comp0), self.comp_total, self.comp_min, self.link,
+            self.suffix_comp, self.comp0, self.comp_total, self.comp_min, self.link,
             self.cap,
             slo_on, win.deposit, win.slo, rules.alpha, rules.min_steps, rules.max_steps,
-            cc.tail(self.comp0), t.lay_ptr, t.lay, k_of,
+            self.suffix_comp, t.lay_ptr, t.lay, k_of,
             np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(t.lay.size + 1),
             np.empty(n_layers), np.empty(n_layers),
         )
