@@ -50,3 +50,20 @@ def test_after_is_the_horizon_of_the_requests_t_steps_later(token_compute, bank_
             _same(win.after(t, balances), later)
             _same(win.after(t, balances).after(1, later.deposit), Horizon(
                 [q.after(t, b).after(1, b) for q, b in zip(reqs, one_by_one)], steps, block, cm, bank_max))
+
+
+def test_rows_of_same_and_token_dependent_compute_are_each_segments_own():
+    """Horizon.rows: per segment its compute, suffix sums, total and transfer seconds, whether the segments share one
+    compute (then one table serves every horizon of that many segments) or each has its own."""
+    rng = np.random.default_rng(11)
+    comp = rng.uniform(1e-3, 2e-3, 5)
+    for cm in (CostModel(comp, 300.0, transfer_latency_s=2e-4), CostModel(lambda tok: comp * (1 + tok / 1e3), 300.0,
+                                                                          num_layers=5)):
+        for _ in range(20):
+            win = Horizon(_batch(rng, 3), int(rng.integers(1, 17)), 4, cm)
+            seg_comp, tails, sums, xfer = win.rows()
+            assert seg_comp.shape == (len(win.seg_starts), 5) and seg_comp.flags.writeable
+            for i, c in enumerate(win.comp):
+                assert np.array_equal(seg_comp[i], c) and np.array_equal(tails[i], np.cumsum(c[::-1])[::-1])
+                assert sums[i] == float(np.asarray(c).sum())
+                assert np.array_equal(xfer[i], cm.transfer_s(win.blocks[win.seg_starts[i]]))

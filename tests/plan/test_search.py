@@ -336,7 +336,6 @@ def test_threads_share_their_incumbent_and_whether_the_search_still_gains():
 def test_compute_tables_are_memoised_by_value_and_hold_the_direct_floats():
     """compute_tables: one entry per compute (equal values share it, whatever the array), holding exactly what the
     search computed from the step's compute before (sums, suffix sums, the separable offsets, the chain gaps)."""
-
     rng = np.random.default_rng(5)
     for n_layers in (1, 4, 32):
         comp = rng.uniform(1e-3, 2e-3, n_layers)

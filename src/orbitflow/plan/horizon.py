@@ -12,6 +12,7 @@ largest ``Delta`` in ``[min_steps, max_steps]`` over which both constraints hold
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,9 +92,12 @@ class Horizon:
         floats), the compute's total ``[S]`` (each row's own sum, as the reference takes it) and the seconds of one
         transfer of each request ``[S, R]`` at the segment's blocks."""
         if self._rows is None:
-            comp = np.array(self.comp, dtype=float)
-            tails = np.cumsum(comp[:, ::-1], axis=1)[:, ::-1].copy()
-            self._rows = (comp, tails, np.array([float(c.sum()) for c in comp]),
+            if self.cm.depends_on_tokens:
+                comp, tails, sums = _segment_compute(np.array(self.comp, dtype=float))
+            else:  # every segment computes the same: shared by every horizon of this many segments
+                comp, tails, sums = _same_compute(np.ascontiguousarray(self.comp[0], dtype=float).tobytes(),
+                                                  len(self.comp))
+            self._rows = (comp, tails, sums,
                           np.asarray(self.cm.transfer_s(self.blocks[self.seg_starts_a]), dtype=float))
         return self._rows
 
@@ -103,6 +107,19 @@ class Horizon:
         for i, lat in enumerate(seg_lat):
             out += [lat] * (self.seg_ends[i] - self.seg_starts[i])
         return out
+
+
+def _segment_compute(comp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per segment (rows of ``comp`` ``[S, L]``): the compute, its suffix sums and its total (Horizon.rows)."""
+    return comp, np.cumsum(comp[:, ::-1], axis=1)[:, ::-1].copy(), np.array([float(c.sum()) for c in comp])
+
+
+@functools.lru_cache(maxsize=256)
+def _same_compute(comp_bytes: bytes, n_seg: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_segment_compute` of ``n_seg`` segments that all compute ``comp_bytes`` (writable arrays: the kernels'
+    signatures; they only read them)."""
+    comp = np.frombuffer(comp_bytes, dtype=float)
+    return _segment_compute(np.repeat(comp[None, :], n_seg, axis=0))
 
 
 @dataclass(frozen=True)
@@ -132,17 +149,21 @@ class Constraints:
         """Capacity-equation left side for each row of ``blocks`` [T, R]."""
         return memory_blocks(host, blocks, self.cost_model.prefetch_slots)
 
-    def first_over(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-        """Steps (rows of ``blocks``) at which the device budget or the host pool would overflow."""
-        over = self.memory(host, blocks) > self.capacity_blocks * (1 + REL_TOL) + 1e-9
+    def first_over(self, host: np.ndarray, blocks: np.ndarray, memory: np.ndarray | None = None) -> np.ndarray:
+        """Steps (rows of ``blocks``) at which the device budget or the host pool would overflow (``memory``: the
+        :meth:`memory` of those rows, when the caller has it)."""
+        over = (self.memory(host, blocks) if memory is None else memory) > self.capacity_blocks * (1 + REL_TOL) + 1e-9
         if math.isfinite(self.host_capacity_blocks):
             over |= blocks @ host.sum(axis=1) > self.host_capacity_blocks + 1e-9
         return np.flatnonzero(over)
 
-    def steps_that_fit(self, win: Horizon, host: np.ndarray) -> int:
-        """How many steps of the horizon ``host`` fits in memory (no window can be longer)."""
-        over = self.first_over(host, win.blocks[: win.horizon])
-        return int(over[0]) if over.size else win.horizon
+    def steps_that_fit(self, win: Horizon, host: np.ndarray, over: np.ndarray | None = None) -> int:
+        """How many steps of the horizon ``host`` fits in memory (no window can be longer); ``over``: the caller's
+        :meth:`first_over` of ``host`` at every step (``win.blocks``). Block counts are integers, so a row's memory is
+        the same whichever rows are computed with it."""
+        if over is None:
+            over = self.first_over(host, win.blocks[: win.horizon])
+        return int(over[0]) if over.size and over[0] < win.horizon else win.horizon
 
     # ---- latency --------------------------------------------------------------------------------------
     def seg_latencies(self, win: Horizon, host: np.ndarray, upto: int | None = None, first: int = 0) -> list[float]:
@@ -182,9 +203,10 @@ class Constraints:
         return deposit.violations(seg_lat, win.seg_starts, win.seg_ends, win.slo, win.deposit, win.horizon,
                                   win.bank_max)
 
-    def window_of(self, win: Horizon, host: np.ndarray, seg_lat: Sequence[float]) -> tuple[int, float]:
-        """Largest feasible Delta (0 if none) and the violations over it."""
-        cap_max = self.steps_that_fit(win, host)
+    def window_of(self, win: Horizon, host: np.ndarray, seg_lat: Sequence[float],
+                  over: np.ndarray | None = None) -> tuple[int, float]:
+        """Largest feasible Delta (0 if none) and the violations over it (``over``: as :meth:`steps_that_fit`)."""
+        cap_max = self.steps_that_fit(win, host, over)
         if cap_max < self.min_steps:
             return 0, 0.0
         cum = self.violations(win, seg_lat)

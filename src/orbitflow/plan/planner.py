@@ -272,13 +272,13 @@ class Planner:
         deadline: float | None = None,
     ) -> Plan:
         rules = self.constraints
-        over = rules.first_over(host, win.blocks)
+        mem_all = rules.memory(host, win.blocks)
+        over = rules.first_over(host, win.blocks, mem_all)
         expiry: int | None = int(over[0]) if over.size and over[0] >= 1 else None
         cap_max = min(int(over[0]), win.horizon) if over.size else win.horizon  # no window is longer
         seg_lat = rules.seg_latencies(win, host, upto=max(1, sum(1 for s in win.seg_starts if s < cap_max)))
-        window, viol = rules.window_of(win, host, seg_lat)
+        window, viol = rules.window_of(win, host, seg_lat, over)
         feasible = window > 0
-        mem_all = rules.memory(host, win.blocks)
         if feasible and search_better and self.space != "uniform":
             # only boundaries inside the window matter (the runtime re-plans at its end), and the window
             # never reaches the capacity expiry
