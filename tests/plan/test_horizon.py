@@ -1,5 +1,6 @@
 """plan/horizon.py: the horizon an expiry check searches, built from the last one's arrays (Horizon.after), is the one
-the batch's requests would build t steps later, and the balances it carries are each request's own."""
+the batch's requests would build t steps later, and the balances it carries (NumPy and compiled) are each request's
+own."""
 
 import math
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from orbitflow.plan import CostModel, PlanRequest
+from orbitflow.plan import compiled as cc
 from orbitflow.plan import deposit as dep
 from orbitflow.plan.horizon import Horizon
 
@@ -46,6 +48,9 @@ def test_after_is_the_horizon_of_the_requests_t_steps_later(token_compute, bank_
             one_by_one = [dep.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t, bank_max)
                           for q in reqs]
             assert balances.tolist() == one_by_one  # the same floats, not just close
+            kernel = cc.balances_after(win.deposit, win.slo, np.array(seg_lat), win.seg_starts_a, win.seg_ends_a, t,
+                                       bank_max)
+            assert kernel.tolist() == one_by_one
             later = Horizon([q.after(t, b) for q, b in zip(reqs, one_by_one)], steps, block, cm, bank_max)
             _same(win.after(t, balances), later)
             _same(win.after(t, balances).after(1, later.deposit), Horizon(

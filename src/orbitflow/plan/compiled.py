@@ -1028,6 +1028,24 @@ def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon, bank_max):
 
 
 @_jit
+def balances_after(deposit, slo, seg_lat, seg_starts, seg_ends, steps, bank_max):
+    """Jitted twin of :func:`orbitflow.plan.deposit.balances_after` (every request's balance after ``steps`` steps of
+    the segments' latencies, step by step), with Python's ``min`` / ``max`` written out, so that the floats are
+    :func:`~orbitflow.plan.deposit.balance_after`'s."""
+    bal = np.empty(deposit.size)
+    for r in range(deposit.size):
+        v = deposit[r] if deposit[r] > 0.0 else 0.0
+        bal[r] = bank_max if bank_max < v else v
+    for i in range(seg_lat.size):
+        for _ in range(max(0, min(seg_ends[i], steps) - seg_starts[i])):
+            for r in range(bal.size):
+                v = bal[r] + 1.0 - seg_lat[i] / slo[r]
+                v = v if v > 0.0 else 0.0
+                bal[r] = bank_max if bank_max < v else v
+    return bal
+
+
+@_jit
 def _deposit_segment(lat, s, e, slo, bal, per_step, bank_max):
     """One segment of :func:`violations`: steps ``s..e-1`` of ``lat`` seconds each, the balances ``bal`` updated in
     place (none above ``bank_max``) and each request's violations counted into ``per_step``. Only steps ``s..e-1``

@@ -275,5 +275,9 @@ class Constraints:
     def horizon_after(self, win: Horizon, seg_lat: Sequence[float], t: int) -> Horizon:
         """The batch's horizon ``t`` steps into a plan with these segment latencies (its balances then: every
         request's :meth:`deposit_after`, the same floats): what an expiry check searches."""
-        return win.after(t, deposit.balances_after(win.deposit, win.slo, seg_lat, win.seg_starts, win.seg_ends, t,
-                                                   win.bank_max))
+        if self.compiled:
+            bal = cc.balances_after(win.deposit, win.slo, np.array(seg_lat, dtype=float), win.seg_starts_a,
+                                    win.seg_ends_a, t, win.bank_max)
+        else:
+            bal = deposit.balances_after(win.deposit, win.slo, seg_lat, win.seg_starts, win.seg_ends, t, win.bank_max)
+        return win.after(t, bal)

@@ -311,7 +311,8 @@ class BranchAndBound:
         self.open_lb = math.inf  # least lower bound of the subtrees left unexplored when the budget ran out
         self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
         # per depth: the share of the children the tail bound prunes (a moving average), nodes since it last ran
-        self.tail_rate = np.column_stack((np.ones(self.n_req), np.zeros(self.n_req)))
+        self.tail_rate = np.zeros((self.n_req, 2))
+        self.tail_rate[:, 0] = 1.0
         self.root_probe = np.zeros(len(self.counts))  # the first request's visiting order (_probe_root)
         self.clock = cc.clock_scratch()  # the compiled kernels read the time into it
 
@@ -853,12 +854,13 @@ class BranchAndBound:
         if own_scratch:
             feas, clock = feas[:-1] + (tuple(np.empty_like(a) for a in feas[-1]),), cc.clock_scratch()
         t, n_cand = self.tables, len(self.counts)
+        rates = np.zeros((self.n_req, 4))  # how often compiled._dp_children, and the tail bound, prune per depth
+        rates[:, 0], rates[:, 2:] = 1.0, self.tail_rate
         args = self._compiled_args(ist, fst, np.zeros(self.n_req, dtype=np.int64)) + (
             feas, best_k, tuple(self.cover), np.zeros((self.n_req, n_cand)), self.dp_depth, t.least_t, t.least_cum,
             np.zeros((3, n_cand)), np.zeros(t.mats_t.shape[1:]),  # per child: spare, forced volume, tail's; a matrix
             np.full(self.n_layers, -1, dtype=np.int64),  # compiled._dp_children's hint: none yet
-            np.column_stack((np.ones(self.n_req), np.zeros(self.n_req), self.tail_rate)),  # ... how often it, and
-            # the tail bound, prune per depth
+            rates,
             np.zeros((n_cand, self.n_layers), dtype=np.int64),  # compiled._dp_children: each child's dp_bound codes
             self.root_probe, clock)
         return ist, fst, best_k, args
