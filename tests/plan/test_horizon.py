@@ -72,3 +72,21 @@ def test_rows_of_same_and_token_dependent_compute_are_each_segments_own():
                 assert np.array_equal(seg_comp[i], c) and np.array_equal(tails[i], np.cumsum(c[::-1])[::-1])
                 assert sums[i] == float(np.asarray(c).sum())
                 assert np.array_equal(xfer[i], cm.transfer_s(win.blocks[win.seg_starts[i]]))
+
+
+def test_compiled_horizon_blocks_are_the_numpy_ones():
+    """compiled.horizon_blocks against the NumPy horizon_blocks, exactly: finished and unbounded requests, blocks that
+    only grow past their current count, block sizes of 1 and counts near the planner's int64 limit."""
+    from orbitflow.plan.horizon import UNBOUNDED, horizon_blocks
+
+    rng = np.random.default_rng(13)
+    for _ in range(300):
+        n_req, steps, block = int(rng.integers(1, 7)), int(rng.integers(1, 20)), int(rng.choice([1, 3, 16]))
+        big = rng.random() < 0.2
+        tok = rng.integers(0, 2**60 if big else 500, n_req).astype(np.int64)
+        b_now = np.maximum(tok // block + rng.integers(-2, 3, n_req), 0).astype(np.int64)
+        left = np.where(rng.random(n_req) < 0.3, UNBOUNDED, rng.integers(0, 25, n_req)).astype(np.int64)
+        want = horizon_blocks(b_now, tok, left, steps, block)
+        got = cc.horizon_blocks(b_now, tok, left, steps, block)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -1028,6 +1028,27 @@ def violations(seg_lat, seg_starts, seg_ends, slo, deposit, horizon, bank_max):
 
 
 @_jit
+def horizon_blocks(b_now, tok, left, steps, block_size):
+    """Jitted twin of :func:`orbitflow.plan.horizon.horizon_blocks` (blocks per layer of each request over the
+    horizon, the batch's tokens, where the blocks change): integers, so the same values."""
+    n_req = b_now.size
+    blocks = np.empty((steps + 1, n_req))
+    total = np.zeros(steps + 1, dtype=np.int64)
+    changed = np.zeros(steps, dtype=np.bool_)
+    prev = np.empty(n_req, dtype=np.int64)  # the last step's blocks, compared as integers
+    for t in range(steps + 1):
+        for r in range(n_req):
+            tokens = tok[r] + min(t, left[r])
+            total[t] += tokens
+            b = max(b_now[r], (tokens + block_size - 1) // block_size)
+            blocks[t, r] = b
+            if t > 0 and prev[r] != b:
+                changed[t - 1] = True
+            prev[r] = b
+    return blocks, total, changed
+
+
+@_jit
 def balances_after(deposit, slo, seg_lat, seg_starts, seg_ends, steps, bank_max):
     """Jitted twin of :func:`orbitflow.plan.deposit.balances_after` (every request's balance after ``steps`` steps of
     the segments' latencies, step by step), with Python's ``min`` / ``max`` written out, so that the floats are

@@ -61,12 +61,10 @@ class Horizon:
         and Token-Deposit balance (already in ``[0, bank_max]``)."""
         self._b_now, self._tok, self._left, self._known, self._block_size = b_now, tok, left, known, block_size
         self.horizon = steps
-        t = np.arange(steps + 1)[:, None]
-        grown = np.minimum(t, left[None, :])
-        blocks = np.maximum(b_now[None, :], -(-(tok[None, :] + grown) // block_size))
-        self.blocks = blocks.astype(float)  # [H+1, R]
-        self.total_tokens = (tok[None, :] + grown).sum(axis=1)  # [H+1]
-        self.boundaries = (np.flatnonzero((blocks[1:] != blocks[:-1]).any(axis=1)) + 1).tolist()  # steps 1..H
+        # blocks per layer [H+1, R], tokens of the batch [H+1] and whether the blocks change at step t (t = 1..H)
+        grow = cc.horizon_blocks if cc.HAVE_NUMBA else horizon_blocks
+        self.blocks, self.total_tokens, changed = grow(b_now, tok, left, steps, block_size)
+        self.boundaries = (np.flatnonzero(changed) + 1).tolist()  # steps 1..H
         starts = [0] + [t for t in self.boundaries if t < steps]  # where b changes, within the horizon
         self.seg_starts = starts
         self.seg_ends = starts[1:] + [steps]
@@ -107,6 +105,17 @@ class Horizon:
         for i, lat in enumerate(seg_lat):
             out += [lat] * (self.seg_ends[i] - self.seg_starts[i])
         return out
+
+
+def horizon_blocks(b_now: np.ndarray, tok: np.ndarray, left: np.ndarray, steps: int,
+                   block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Over steps ``0..steps`` of requests holding ``b_now`` blocks per layer and ``tok`` tokens with ``left`` to go
+    (each grows a token a step until it is done): the blocks per layer of each ``[H+1, R]`` (floats of integers), the
+    batch's tokens ``[H+1]`` and whether some request's blocks change at step ``t`` (``t = 1..H``). Integer sums:
+    :func:`orbitflow.plan.compiled.horizon_blocks` gives the same."""
+    grown = np.minimum(np.arange(steps + 1)[:, None], left[None, :])
+    blocks = np.maximum(b_now[None, :], -(-(tok[None, :] + grown) // block_size))
+    return blocks.astype(float), (tok[None, :] + grown).sum(axis=1), (blocks[1:] != blocks[:-1]).any(axis=1)
 
 
 def _segment_compute(comp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
