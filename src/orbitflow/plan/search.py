@@ -311,8 +311,7 @@ class BranchAndBound:
         self.open_lb = math.inf  # least lower bound of the subtrees left unexplored when the budget ran out
         self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
         # per depth: the share of the children the tail bound prunes (a moving average), nodes since it last ran
-        self.tail_rate = np.zeros((self.n_req, 2))
-        self.tail_rate[:, 0] = 1.0
+        self.tail_rate = np.repeat([[1.0, 0.0]], self.n_req, axis=0)
         self.root_probe = np.zeros(len(self.counts))  # the first request's visiting order (_probe_root)
         self.clock = cc.clock_scratch()  # the compiled kernels read the time into it
 
