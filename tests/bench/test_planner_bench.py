@@ -333,8 +333,8 @@ def test_kernel_clock_times_the_kernels_of_a_solve_and_puts_them_back():
     bench = load_benchmark("planner")
     kernels = {name: v for name, v in vars(compiled).items() if hasattr(v, "py_func")}
     assert "bb_search" in kernels
-    planner = Planner(*bench.speed_cases(0, 4, 32, 1)[0][:2], window=(4, 16))
-    reqs = bench.speed_cases(0, 4, 32, 1)[0][2]
+    cm, cap, reqs = bench.speed_cases(0, 4, 32, 1)[0]
+    planner = Planner(cm, cap, window=(4, 16))
     planner.plan(reqs)
     with bench.KernelClock() as clock:
         assert compiled.bb_search is not kernels["bb_search"]

@@ -331,6 +331,7 @@ def _brute_force_replan_step(pl, reqs, plan, n_layers):
     """min(window, capacity overflow, first block boundary inside the window where some feasible plan of the
     pruned space is strictly faster than ``plan`` for the batch as it will be then); a boundary before the window's
     least length (the paper's Delta_min) counts as that length."""
+    from orbitflow.plan import deposit
 
     host = plan.placement.host
     win = pl.constraints.horizon(reqs)
@@ -343,7 +344,8 @@ def _brute_force_replan_step(pl, reqs, plan, n_layers):
         later = [PlanRequest(q.request_id, q.blocks_per_layer,
                              q.tokens + (t if q.tokens_left is None else min(t, q.tokens_left)),
                              None if q.tokens_left is None else q.tokens_left - min(t, q.tokens_left),
-                             pl.constraints.deposit_after(q, seg_lat, win, t), q.slo_s) for q in reqs]
+                             deposit.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t,
+                                                   win.bank_max), q.slo_s) for q in reqs]
         now = pl.evaluate(plan.placement, later).predicted_step_s
         for ds in itertools.product(pruned_distances(n_layers), repeat=len(reqs)):
             other = pl.evaluate(Placement.from_distances(n_layers, ds), later)

@@ -34,8 +34,9 @@ class Horizon:
     """Block counts, segments and compute over the next ``steps`` decode steps of a batch."""
 
     def __init__(self, reqs: Sequence[PlanRequest], steps: int, block_size: int, cost_model: CostModel,
-                 bank_max: float = math.inf) -> None:
+                 bank_max: float = math.inf, compiled: bool | None = None) -> None:
         bank_max = float(bank_max)
+        self._compiled = cc.enabled(compiled)  # its blocks by the compiled kernel (the planner's switch)
         self._build(np.array([q.blocks_per_layer for q in reqs], dtype=np.int64),
                     np.array([q.tokens for q in reqs], dtype=np.int64),
                     np.array([q.tokens_left if q.tokens_left is not None else UNBOUNDED for q in reqs], np.int64),
@@ -49,6 +50,7 @@ class Horizon:
         request's Token-Deposit balance then ``deposit`` (in ``[0, bank_max]``): what ``Horizon([q.after(steps, d)
         for q, d in ...], ...)`` builds, from this one's arrays."""
         later = object.__new__(Horizon)
+        later._compiled = self._compiled
         grown = np.minimum(steps, self._left)
         left = np.where(self._known, np.maximum(0, self._left - steps), UNBOUNDED)
         later._build(self._b_now, self._tok + grown, left, self._known, self.slo, np.asarray(deposit, dtype=float),
@@ -62,7 +64,7 @@ class Horizon:
         self._b_now, self._tok, self._left, self._known, self._block_size = b_now, tok, left, known, block_size
         self.horizon = steps
         # blocks per layer [H+1, R], tokens of the batch [H+1] and whether the blocks change at step t (t = 1..H)
-        grow = cc.horizon_blocks if cc.HAVE_NUMBA else horizon_blocks
+        grow = cc.horizon_blocks if self._compiled else horizon_blocks
         self.blocks, self.total_tokens, changed = grow(b_now, tok, left, steps, block_size)
         self.boundaries = (np.flatnonzero(changed) + 1).tolist()  # steps 1..H
         starts = [0] + [t for t in self.boundaries if t < steps]  # where b changes, within the horizon
@@ -151,7 +153,7 @@ class Constraints:
 
     def horizon(self, reqs: Sequence[PlanRequest]) -> Horizon:
         return Horizon(reqs, self.max_steps, self.block_size, self.cost_model,
-                       math.inf if self.token_deposit else 0.0)
+                       math.inf if self.token_deposit else 0.0, self.compiled)
 
     # ---- capacity -------------------------------------------------------------------------------------
     def memory(self, host: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -277,13 +279,9 @@ class Constraints:
 
         return ok
 
-    def deposit_after(self, q: PlanRequest, seg_lat: Sequence[float], win: Horizon, t: int) -> float:
-        """Token-Deposit balance of ``q`` after ``t`` steps under a plan with these segment latencies."""
-        return deposit.balance_after(q.deposit, q.slo_s, seg_lat, win.seg_starts, win.seg_ends, t, win.bank_max)
-
     def horizon_after(self, win: Horizon, seg_lat: Sequence[float], t: int) -> Horizon:
         """The batch's horizon ``t`` steps into a plan with these segment latencies (its balances then: every
-        request's :meth:`deposit_after`, the same floats): what an expiry check searches."""
+        request's :func:`orbitflow.plan.deposit.balance_after`, the same floats): what an expiry check searches."""
         if self.compiled:
             bal = cc.balances_after(win.deposit, win.slo, np.array(seg_lat, dtype=float), win.seg_starts_a,
                                     win.seg_ends_a, t, win.bank_max)

@@ -28,9 +28,7 @@ log = logging.getLogger("orbitflow.serve")
 
 DEFAULT_MAX_QUEUE_LEN = 256
 # A server runs long, so it solves ahead in a planner process whatever the core count (the engine's "auto" picks the
-# thread below 4 cores, for short runs and tests): in the engine's own pattern on 2 cores, a planner process slowed
-# decode steps +0.8% and a planner thread +2.8% at 4 x 32 (docs/results/planner_engine_cpu2.md, paired by round);
-# the process costs about 1 s of CPU and 190 MB at start.
+# thread below 4 cores, for short runs and tests; runtime/background_planner.py's docstring has the measurements).
 SERVE_BACKGROUND_PLANNER = "process"
 
 
