@@ -28,8 +28,9 @@ its window, wait past it) run as in the engine. What it leaves out is the planne
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine (about 1 s of CPU and 190 MB) costs more than it saves in short runs and tests, which solve once
 per expiry, not back to back. In the engine's own pattern (one solve in flight, due at the step that reads it: a
-solve per step at 4 x 32) both cost little on 2 cores, the process less: a planner thread +2.8% [+2.6%, +3.1%] at
-4 x 32 and +1.4% at 16 x 80, a planner process +0.8% [+0.5%, +1.1%] and +0.4% (the same 100 rounds). At 4 x 32 most
+solve per step at 4 x 32) both cost little on 2 cores, the process less: a planner thread +1.9% [+1.1%, +3.2%] at
+4 x 32 and +2.0% at 16 x 80, a planner process +0.9% [+0.4%, +1.6%] and +0.6% (100 rounds paired, 2026-12-04; a
+run of 2026-12-03 with the older set-up gave the thread +2.8% [+2.6%, +3.1%]). At 4 x 32 most
 of a solve is Python set-up around the compiled search, which holds the GIL (benchmarks/planner.py --sections gil),
 so the thread's cost is that share. A server runs long, so ``orbitflow serve`` starts the process on any core count
 (its ``--background-planner`` default); so should a caller that solves back to back from the engine's process (a
