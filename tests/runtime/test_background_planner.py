@@ -4,11 +4,15 @@ read-only snapshot, and a dead process costs a warning and a thread, never a pla
 import os
 import pickle
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
+from processes import process_alive, process_stat
 from scripted_policies import StallsInPlannerProcess
 
 from orbitflow.plan import CostModel, PlanRequest
@@ -182,6 +186,32 @@ def test_a_dropped_planner_does_not_leave_its_process_behind():
     del planner
     gc.collect()
     assert wait_until(lambda: not pids & {p.pid for p in multiprocessing.active_children()}, 30)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads processes from /proc")
+def test_a_killed_engine_does_not_leave_its_planner_process_behind():
+    """An engine's process killed outright (SIGKILL: no finalizer, no atexit) must not leave its planner process
+    behind: the planner, waiting for its next solve, sees its pipe end and exits."""
+    script = textwrap.dedent("""
+        import sys
+        from orbitflow.plan import CostModel, PlanRequest
+        from orbitflow.policies.base import PlanContext
+        from orbitflow.policies.orbitflow import OrbitFlowPolicy
+        from orbitflow.runtime.background_planner import PlannerProcess
+        planner = PlannerProcess(OrbitFlowPolicy())
+        ctx = PlanContext(num_layers=8, block_size=16, capacity_blocks=60, cost_model=CostModel([1e-3] * 8, 2e4))
+        assert planner.submit([PlanRequest("a", 12, 20, None, 0.0, 0.02)], ctx).result(timeout=120)[0].feasible
+        print(planner.pid, flush=True)  # solved once: the planner waits for its next solve now
+        sys.stdin.read()
+    """)
+    engine = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        pid = int(engine.stdout.readline())
+        assert process_alive(pid) and process_stat(pid)[1] == engine.pid
+    finally:
+        engine.kill()
+        engine.wait()
+    assert wait_until(lambda: not process_alive(pid), 30), f"planner process {pid} outlived its killed engine"
 
 
 def test_a_process_that_died_between_solves_costs_no_step():

@@ -1,23 +1,28 @@
 """Two SmolLM2 engine replicas on Ray Serve behind the project's API: streaming through the official openai
 client reaches both replicas, and killing one mid-run ends its streams with an error while the others finish,
-new requests go to the live replica, and Serve starts a replacement."""
+new requests go to the live replica, and Serve starts a replacement. Each replica solves ahead in its own planner
+process, as `orbitflow serve --replicas N` runs them; the killed replica's planner process ends with it."""
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 
 import pytest
+from processes import process_alive, spawned_processes
 
 ray = pytest.importorskip("ray")
 import httpx  # noqa: E402  (imported here, not in the client threads: concurrent first imports race)
 import openai  # noqa: E402
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads processes from /proc")]
 
 MODEL = "smollm2-135m"
 PROMPT = "Once upon a time, in a small village by the sea,"
+REPLICA = b"ServeReplica:orbitflow:orbitflow-engine"  # the title Ray gives an engine replica's process
 
 
 def _free_port() -> int:
@@ -50,8 +55,9 @@ def cluster():
     from orbitflow.serve.cluster import build_cluster_app, start_cluster
 
     port = _free_port()
+    # background_planner: what `orbitflow serve` runs on any core count (the engine's auto is a thread on 2 cores)
     config = EngineConfig.build(model=MODEL, device_kv_blocks=256, host_kv_blocks=4096, max_num_seqs=4,
-                                compute_threads=1)
+                                compute_threads=1, background_planner="process")
     # profile "rough": no step-latency measurement at start-up (minutes on a loaded 2-core machine)
     app = build_cluster_app(config, replicas=2, router="slo-aware", replica_cpus=0.5, stats_period_s=0.5,
                             health_check_period_s=1.0, profile="rough")
@@ -92,6 +98,10 @@ def test_two_replicas_stream_and_survive_a_kill(cluster):
         assert time.monotonic() < deadline, f"requests did not reach both replicas: {started}"
         time.sleep(0.2)
 
+    planners = spawned_processes(REPLICA)  # one per replica: each engine starts its own with it
+    assert len(planners) == 2 and len(set(planners.values())) == 2, planners
+    assert all(process_alive(parent) for parent in planners.values())
+
     # The replica that started last is surely still streaming; the first may have finished its share by then
     # (when the other was slow to start: every stream ended 'length' once, and the kill proved nothing).
     victim = started[-1]
@@ -121,6 +131,21 @@ def test_two_replicas_stream_and_survive_a_kill(cluster):
             break
         assert time.monotonic() < deadline, f"Serve did not replace the killed replica: {status} {states}"
         time.sleep(1)
+
+    # the killed replica's planner process ended with it (Ray ends a dead worker's children; the planner's own
+    # guard, its pipe's end, is test_background_planner's); the live one's runs on, and the replacement has its own
+    orphans = [pid for pid, parent in planners.items() if not process_alive(parent)]
+    assert len(orphans) == 1, planners  # exactly one replica process died: the killed one
+    deadline = time.monotonic() + 30
+    while process_alive(orphans[0]):
+        assert time.monotonic() < deadline, f"the killed replica's planner process {orphans[0]} outlived it"
+        time.sleep(0.2)
+    survivors = [pid for pid in planners if pid != orphans[0]]
+    assert process_alive(survivors[0])
+    deadline = time.monotonic() + 60
+    while len(set(spawned_processes(REPLICA).values())) < 2:  # the replacement's planner starts with its engine
+        assert time.monotonic() < deadline, f"the new replica started no planner process: {spawned_processes(REPLICA)}"
+        time.sleep(0.5)
 
 
 def _live_names() -> list[str]:
