@@ -430,6 +430,104 @@ def test_compiled_suffix_tables_are_the_references():
             assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@needs_numba
+@pytest.mark.parametrize("transfer", ["edf", "preemptive", "fair"])
+def test_compiled_search_order_is_the_references(transfer):
+    """compiled.search_order against BranchAndBound._init_order: the same order and symmetry rule, on batches with
+    ties in size now and at the capacity step, identical requests and ones that differ only in balance or SLO."""
+    rng = np.random.default_rng(5)
+    kind = {"edf": cc.EDF_LINK, "preemptive": cc.PREEMPTIVE_LINK, "fair": cc.OTHER_LINK}[transfer]
+    swaps = 0
+    for _ in range(200):
+        n_req = int(rng.integers(1, 9))
+        pick = rng.integers(0, 3, n_req)  # few distinct values: many ties
+        reqs = [PlanRequest(i, int(4 + pick[i]), int(16 * (4 + pick[i]) - rng.integers(0, 2) * 8),
+                            int(rng.choice([3, 40])), float(rng.choice([0.0, 1.0])), float(rng.choice([0.5, math.inf])))
+                for i in range(n_req)]
+        pl = Planner(CostModel([1e-3] * 8, 1e4, transfer=transfer), 1e9, window=(2, 10), compiled=True)
+        win = pl.constraints.horizon(reqs)
+        ref = BranchAndBound(pl.constraints, win, PlanStats())
+        order, same = cc.search_order(ref.bcap, ref.b0, win.blocks, win.deposit, win.slo, kind)
+        assert order.tolist() == ref.order and same.tolist() == ref.same_as_prev
+        swaps += sum(ref.same_as_prev)
+    assert swaps > 0 or transfer == "fair"  # the symmetry rule was exercised
+
+
+@needs_numba
+@pytest.mark.parametrize("transfer", ["edf", "preemptive"])
+def test_first_better_is_the_first_only_branch_and_bound(transfer, monkeypatch):
+    """The expiry check's search in one call (search.first_better, its set-up in compiled.first_better) answers as
+    BranchAndBound(first_only=True).run() does, with the same nodes, leaves and exactness: on horizons an expiry check
+    searches (Constraints.horizon_after), with uppers around the optimum, node limits that stop it, a deadline already
+    past, a gap, and identical requests (the symmetry rule)."""
+    calls = []
+    kernel = cc.first_better
+    monkeypatch.setattr(cc, "first_better", lambda *args: calls.append(1) or kernel(*args))
+    rng = np.random.default_rng(11)
+    outcomes = set()
+    for _ in range(25):
+        cm, cap, reqs = _planner_case(rng, transfer)
+        if rng.random() < 0.3:  # a copy of the first request: two identical ones
+            q = reqs[0]
+            reqs = [*reqs, PlanRequest("copy", q.blocks_per_layer, q.tokens, q.tokens_left, q.deposit, q.slo_s)]
+        rules = Planner(cm, cap, window=(2, 10), compiled=True).constraints
+        win = rules.horizon(reqs)
+        seg = rules.seg_latencies(win, np.zeros((len(reqs), rules.num_layers), dtype=bool))
+        for w in [win, *(rules.horizon_after(win, seg, t) for t in win.boundaries[:2])]:
+            tree = BranchAndBound(rules, w, PlanStats(), node_limit=None)
+            best = tree.best_key[0] if tree.run() is not None else math.inf
+            for upper in {math.inf, best * (1 + 1e-6), best * (1 - 1e-9), best * 0.97} - {math.nan}:
+                for node_limit, deadline, gap in [(None, None, 0.0), (1, None, 0.0), (4, None, 0.01),
+                                                  (None, time.perf_counter() - 1.0, 0.0)]:
+                    want, got = PlanStats(), PlanStats()
+                    found = BranchAndBound(rules, w, want, upper, first_only=True, node_limit=node_limit,
+                                           deadline=deadline, gap=gap).run() is not None
+                    n = len(calls)
+                    assert search.first_better(rules, w, got, upper, gap=gap, node_limit=node_limit,
+                                               deadline=deadline) == found
+                    assert len(calls) == n + 1  # in one compiled call
+                    assert (got.nodes, got.leaves, got.exact) == (want.nodes, want.leaves, want.exact)
+                    outcomes.add((found, want.exact))
+    assert outcomes >= {(True, True), (False, True), (False, False)}  # found, none exists, the budget stopped it
+
+
+@needs_numba
+@pytest.mark.parametrize("variant", ["edf", "preemptive", "latency", "tokens"])
+def test_plans_are_the_same_with_the_expiry_checks_in_one_call(variant, monkeypatch):
+    """Whole plans (placement, window, expiry, latencies, nodes) of batches of 6-8 requests at 16-32 layers, whose
+    expiry checks search deep enough to reach the tail bound's on/off rule, are the same with the checks run by
+    compiled.first_better as through BranchAndBound(first_only=True)."""
+    import orbitflow.plan.planner as planner_module
+
+    def through_branch_and_bound(rules, win, stats, upper, *, gap=0.0, node_limit=None, deadline=None):
+        return BranchAndBound(rules, win, stats, upper, first_only=True, gap=gap, node_limit=node_limit,
+                              deadline=deadline).run() is not None
+
+    rng = np.random.default_rng(13)
+    searched = 0
+    for _ in range(6):
+        n_req, n_layers = int(rng.integers(6, 9)), int(rng.choice([16, 32]))
+        comp = rng.uniform(1e-3, 2e-3, n_layers)
+        b = np.exp(rng.uniform(np.log(8), np.log(1024), n_req)).astype(int)
+        link = float(b.sum() / (rng.uniform(1.9, 6.0) * comp.mean()))
+        slo = float(rng.uniform(1.5, 2.5) * comp.sum())
+        reqs = [PlanRequest(i, int(b[i]), int(b[i] * 16 - rng.integers(0, 16)), int(rng.integers(1, 4000)),
+                            float(rng.uniform(0, 20)), slo) for i in range(n_req)]
+        kw = {"transfer_latency_s": 2e-4} if variant == "latency" else {}
+        spec = (lambda t, c=comp: c * (1 + t / 2e5)) if variant == "tokens" else comp
+        cm = CostModel(spec, link, "preemptive" if variant == "preemptive" else "edf", num_layers=n_layers, **kw)
+        pl = Planner(cm, float(b.sum() * n_layers * rng.uniform(0.3, 0.6)), window=(4, 16), compiled=True)
+        got = pl.plan(reqs)
+        with monkeypatch.context() as m:
+            m.setattr(planner_module, "first_better", through_branch_and_bound)
+            want = pl.plan(reqs)
+        for plan in (got, want):
+            plan.stats.solve_s = 0.0
+        assert got == want
+        searched += want.stats.expiry_searches
+    assert searched > 0
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_search_still_gaining_runs_to_the_plans_deadline(compiled):
     """Past the search's own deadline (the local improvement's share begins) but before the plan's: the search stops
@@ -564,6 +662,7 @@ def test_warm_up_loads_every_kernel_a_solve_calls_from_python():
     """plan.warm_up (the controller, the planner process and `orbitflow plan` call it) must load the kernels a first
     solve reaches from Python: try_assignment is called so only when nothing need be offloaded, which no warm-up batch
     was, and the first real solve paid its load (25-65 ms, charged on the simulator's clock). A fresh process."""
-    code = "from orbitflow.plan import warm_up, compiled as cc; warm_up(); print(len(cc.try_assignment.signatures))"
+    code = ("from orbitflow.plan import warm_up, compiled as cc; warm_up(); "
+            "print(len(cc.try_assignment.signatures), len(cc.first_better.signatures))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert int(out.stdout) >= 1
+    assert min(int(n) for n in out.stdout.split()) >= 1  # first_better: the expiry check's search

@@ -1,6 +1,7 @@
 """Compiled kernels of the planner: the executor's EDF schedule (and the preemptive link's, ``CostModel(transfer=
 "preemptive")``, through :func:`_link`), the branch and bound's inner loop, the window
-rule of one assignment (:func:`leaf_feasible`), the first incumbents and their local improvement.
+rule of one assignment (:func:`leaf_feasible`), the first incumbents and their local improvement, and an expiry
+check's first-found search with its set-up (:func:`first_better`).
 
 Compiled with numba (nopython, ``nogil``, ``cache=True``), so a solve on the planner thread does not hold the
 GIL while it searches and the engine's step loop keeps running beside it. Every function takes float64 / int64
@@ -1007,6 +1008,127 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
             return FINISHED
         ist[DEPTH] = d - 1
         pos[d - 1] += 1
+
+
+# ==== a first-found search in one call ======================================================================
+# the link's schedule, for search_order's symmetry rule (BranchAndBound._interchangeable)
+EDF_LINK, PREEMPTIVE_LINK, OTHER_LINK = 0, 1, 2
+
+
+@_jit
+def _same_signature(a, b, blocks, dep, slo):
+    """Whether requests ``a`` and ``b`` have the same blocks at every step, Token-Deposit balance and SLO."""
+    for s in range(blocks.shape[0]):
+        if blocks[s, a] != blocks[s, b]:
+            return False
+    return dep[a] == dep[b] and slo[a] == slo[b]
+
+
+@_jit
+def _before(a, b, bcap, b0, blocks, dep, slo):
+    """Whether request ``a`` comes before ``b`` in the search order: larger at the capacity step, then now, then by
+    signature (blocks per step, balance, SLO), then index (``BranchAndBound._init_order``'s sort key)."""
+    if bcap[a] != bcap[b]:
+        return bcap[a] > bcap[b]
+    if b0[a] != b0[b]:
+        return b0[a] > b0[b]
+    for s in range(blocks.shape[0]):
+        if blocks[s, a] != blocks[s, b]:
+            return blocks[s, a] < blocks[s, b]
+    if dep[a] != dep[b]:
+        return dep[a] < dep[b]
+    if slo[a] != slo[b]:
+        return slo[a] < slo[b]
+    return a < b
+
+
+@_jit
+def search_order(bcap, b0, blocks, dep, slo, link_kind):
+    """The branch and bound's request order and its symmetry rule (``BranchAndBound._init_order``, the same
+    order): ``(order, same_as_prev)``; ``blocks`` is the horizon's ``[S, R]`` block counts, ``link_kind`` one of
+    ``EDF_LINK``, ``PREEMPTIVE_LINK``, ``OTHER_LINK``."""
+    n_req = b0.size
+    order = np.arange(n_req)
+    for i in range(1, n_req):  # insertion sort: a strict total order (the index breaks every tie)
+        r = order[i]
+        j = i - 1
+        while j >= 0 and _before(r, order[j], bcap, b0, blocks, dep, slo):
+            order[j + 1] = order[j]
+            j -= 1
+        order[j + 1] = r
+    same_as_prev = np.zeros(n_req, np.bool_)
+    for d in range(1, n_req):
+        i, j = order[d - 1], order[d]
+        swappable = link_kind == PREEMPTIVE_LINK or (link_kind == EDF_LINK and j == i + 1)
+        same_as_prev[d] = swappable and _same_signature(i, j, blocks, dep, slo)
+    return order, same_as_prev
+
+
+@_jit
+def first_better(ist, upper, gap, deadline, share, link_kind, cap, link, b0, bcap, x0, chain, blocks, dep, slo,
+                 slo_on, alpha, d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off,
+                 counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t,
+                 least_cum, feas, clock, best_k):
+    """``BranchAndBound(first_only=True).run()`` on the compiled path, in one call: whether some assignment beats
+    ``upper`` at step 0 and is feasible (its candidates into ``best_k``). The same search: the order, the tables,
+    the no-offload try, then :func:`bb_search`, from the same inputs (``x0``, ``chain`` and the compute tables as
+    the search computes them). ``ist`` (``N_IST``): in, ``ist[NODE_LIMIT]`` (-1: none); out, ``ist[NODES]`` and
+    ``ist[LEAVES]`` counted as ``BranchAndBound`` counts them, ``ist[HIT]`` (the budget stopped it)."""
+    n_layers = comp0.size
+    order, same_as_prev = search_order(bcap, b0, blocks, dep, slo, link_kind)
+    tables = suffix_tables(order, bcap, b0, x0, n_layers, share)
+    if not float(np.sum(bcap)) * n_layers > cap:  # BranchAndBound._try_no_offload: a leaf
+        ist[NODES] += 1
+        ist[LEAVES] += 1
+        fst = np.array([upper, math.inf])
+        best_k[:] = 0
+        if try_assignment(best_k, 0.0, fst, b0, comp_total, x0, feas):
+            return True
+    leaves = ist[LEAVES]
+    ist[LEAVES] = 0
+    ist[DIVE_START] = ist[NODES]
+    ist[FIRST_ONLY] = 1
+    ist[CHUNK_STOP] = 1 << 62
+    fst = np.full(N_FST, math.inf)  # BEST_MOVED, OPEN_LB, KNOWN_FAIL: inf, as BranchAndBound._compiled_state
+    fst[DEADLINE] = deadline
+    fst[LATE_DEADLINE] = deadline  # a first-found search keeps no share for an improvement
+    fst[BEST_LAT] = upper
+    fst[GAP] = gap
+    fst[KNOWN_PASS] = np.min(slo)
+    _first_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0, chain, dep, slo, slo_on, alpha,
+                  d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after,
+                  mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, best_k)
+    ist[LEAVES] += leaves
+    return _better(fst[BEST_LAT], fst[BEST_MOVED], upper, math.inf)
+
+
+@_jit
+def _first_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0, chain, dep, slo, slo_on, alpha,
+                  d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after,
+                  mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, best_k):
+    """:func:`bb_search` of :func:`first_better`, with the scratch ``BranchAndBound._worker_state`` gives it."""
+    rest_b, rest_b0, ratio_suffix, rest_grow, dp_depth, cov_cap, cov_cost, cov_rate, cov_size = tables
+    n_req, n_cand, n_layers = b0.size, counts.size, comp0.size
+    shape_k, shape_l = (n_req, n_cand), (n_req, n_layers)
+    rates = np.zeros((n_req, 4))  # how often _dp_children and the tail bound prune, per depth: none seen yet
+    rates[:, 0] = 1.0
+    rates[:, 2] = 1.0
+    best_k[:] = 0
+    bb_search(ist, fst, order, same_as_prev, np.zeros(n_req, np.int64),
+              np.zeros(n_req, np.int64), np.zeros(n_req, np.int64), np.zeros(shape_k, np.int64),
+              np.zeros(shape_k), np.zeros(shape_k, np.bool_), np.zeros(shape_k),
+              np.zeros(n_req), np.zeros(shape_l), np.zeros(shape_l), np.zeros(shape_l),
+              np.full(n_req, comp_total), np.zeros(n_req), np.zeros((n_req, sep_off.size)),
+              np.zeros((n_req, n_layers, n_layers + 1)),
+              counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, sep_off, chain,
+              bcap, b0, x0, rest_b, rest_b0, ratio_suffix, rest_grow, suffix_comp, comp0, comp_total, comp_min, link,
+              cap, slo_on, dep, slo, alpha, d_lo, d_hi,
+              suffix_comp, lay_ptr, lay, np.zeros(n_req, np.int64),
+              np.empty(n_req, np.int64), np.empty(n_req, np.int64), np.empty(n_layers), np.empty(lay.size + 1),
+              np.empty(n_layers), np.empty(n_layers),
+              feas, best_k, (cov_cap, cov_cost, cov_rate, cov_size), np.zeros(shape_k), dp_depth, least_t, least_cum,
+              np.zeros((3, n_cand)), np.zeros((mats.shape[1], mats.shape[2])), np.full(n_layers, -1, np.int64),
+              rates, np.zeros((n_cand, n_layers), np.int64), np.zeros(n_cand), clock)
 
 
 # ==== the window rule ======================================================================================

@@ -49,7 +49,7 @@ from orbitflow.plan.cost_model import CostModel
 from orbitflow.plan.full_search import improve_full
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import Placement
-from orbitflow.plan.search import BranchAndBound, candidate_tables
+from orbitflow.plan.search import BranchAndBound, candidate_tables, first_better
 from orbitflow.plan.types import REL_TOL, Plan, PlanRequest, PlanStats, better, is_whole
 
 __all__ = ["Planner", "VICTIM_ORDERS", "resolve_victim_order", "warm_up"]
@@ -342,11 +342,11 @@ class Planner:
             if cur <= float(win_t.comp[0].sum()) * (1 + REL_TOL) + 1e-15:
                 continue  # nothing can beat a stall-free step
             sub = PlanStats()
-            found = self._solve_pruned(win_t, sub, upper=cur * (1 - 1e-9), first_only=True,
-                                       node_limit=self.expiry_node_limit, deadline=deadline)
+            found = first_better(rules, win_t, sub, cur * (1 - 1e-9), gap=self.gap, node_limit=self.expiry_node_limit,
+                                 deadline=deadline)
             stats.nodes += sub.nodes
             stats.expiry_searches += 1
-            if found is not None:
+            if found:
                 return t
             if not sub.exact:  # undecided within the budget: end the plan here to be safe
                 stats.expiry_exact = False
@@ -419,6 +419,9 @@ def warm_up() -> None:
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1).plan(requests)
     # ... and by its deadline: the kernels' clock
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=None, time_limit_s=1e-9).plan(requests)
+    # a plan whose window passes a block boundary where it stalls: the expiry check's search (search.first_better)
+    grows = [PlanRequest(q.request_id, q.blocks_per_layer, 16 * q.blocks_per_layer, 40, 0.0, 2e-2) for q in requests]
+    Planner(model, capacity_blocks=100, window=(2, 16)).plan(grows)
     # a batch that fits with nothing offloaded: the search tries that plan from Python, the only call of
     # try_assignment's dispatcher (the searches above call it inside compiled code), whose load a first real solve
     # paid otherwise (25-65 ms)

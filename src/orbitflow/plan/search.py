@@ -235,6 +235,62 @@ def _compute_tables(comp_bytes: bytes, n_layers: int) -> ComputeTables:
                          total - tables.sep.between @ cum, gaps)
 
 
+def search_capacity(rules: Constraints) -> float:
+    """The device budget the searches check (with the capacity equation's tolerance)."""
+    return rules.capacity_blocks * (1 + REL_TOL) + 1e-9
+
+
+def chain_bounds(x0: np.ndarray, compute: ComputeTables) -> np.ndarray:
+    """Per request and candidate, the chain stall lower bound (its transfers serialised with its compute) [R, K]."""
+    return np.maximum(x0[:, None, None] - compute.gaps[None], 0.0).sum(axis=2)
+
+
+def feasibility(rules: Constraints, win: Horizon, tables: CandidateTables, cap: float) -> tuple:
+    """The window rule's data for the compiled kernels (:func:`orbitflow.plan.compiled.feasibility_data`)."""
+    comp, tails, sums, xfer = win.rows()  # [S, L], [S, L], [S], [S, R]
+    cm = rules.cost_model
+    return cc.feasibility_data(
+        tables.counts, tables.hosts_f, tables.lay_ptr, tables.lay, win.blocks[: win.horizon], cap,
+        rules.host_capacity_blocks, rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp,
+        tails, sums, xfer, win.slo, win.deposit, win.compute_grows, cm.host_layer_s, cm.transfer == "preemptive",
+        win.bank_max)
+
+
+_LINK_KIND = {"edf": cc.EDF_LINK, "preemptive": cc.PREEMPTIVE_LINK}
+
+
+def first_better(rules: Constraints, win: Horizon, stats: PlanStats, upper: float, *, gap: float = 0.0,
+                 node_limit: int | None = None, deadline: float | None = None) -> bool:
+    """Whether some feasible plan of ``win`` beats ``upper`` at step 0: ``BranchAndBound(..., first_only=True)``'s
+    search (the planner's expiry check), its nodes, leaves and exactness into ``stats``. On the compiled path it runs
+    in one call (:func:`orbitflow.plan.compiled.first_better`: the same search, its set-up included, without the
+    GIL); otherwise, or where the kernels cannot read a deadline's clock, through :class:`BranchAndBound`."""
+    cm = rules.cost_model
+    if not (rules.compiled and cm.transfer in _LINK_KIND and cm.prefetch_slots == 1
+            and (deadline is None or cc.HAVE_CLOCK)):
+        return BranchAndBound(rules, win, stats, upper, first_only=True, gap=gap, node_limit=node_limit,
+                              deadline=deadline).run() is not None
+    t = candidate_tables(rules.num_layers)
+    ct = compute_tables(np.asarray(win.comp[0], dtype=float), rules.num_layers)
+    b0, cap = win.blocks[0], search_capacity(rules)
+    x0 = cm.transfer_s(b0)
+    ist = np.zeros(cc.N_IST, dtype=np.int64)
+    ist[cc.NODE_LIMIT] = -1 if node_limit is None else node_limit
+    clock = cc.clock_scratch()
+    found = cc.first_better(
+        ist, upper, gap, cc.kernel_deadline(deadline, clock), DP_REST_SHARE, _LINK_KIND[cm.transfer], cap,
+        cm.link_blocks_per_s, b0, win.blocks[rules.min_steps - 1], x0, chain_bounds(x0, ct), win.blocks, win.deposit,
+        win.slo, bool(np.isfinite(win.slo).any() and win.compute_grows), rules.alpha, rules.min_steps,
+        rules.max_steps, ct.comp0, ct.total, ct.least, ct.suffix, ct.sep_off, t.counts, t.hosts_f, t.cumh,
+        t.pairs_after, t.mats_t, t.sep.n, t.sep.slope, t.sep.icept, t.lay_ptr, t.lay, t.least_t, t.least_cum,
+        feasibility(rules, win, t, cap), clock, np.zeros(b0.size, dtype=np.int64))
+    stats.leaves += int(ist[cc.LEAVES])
+    stats.nodes += int(ist[cc.NODES] - ist[cc.LEAVES])
+    if ist[cc.HIT]:
+        stats.exact = False
+    return bool(found)
+
+
 class _Children(NamedTuple):
     """The children of one search node, per candidate ``k`` of the next request (arrays over ``k``)."""
 
@@ -294,7 +350,7 @@ class BranchAndBound:
         self.b0 = win.blocks[0]
         self.bcap = win.blocks[rules.min_steps - 1]
         self.n_req = self.b0.size
-        self.cap = rules.capacity_blocks * (1 + REL_TOL) + 1e-9
+        self.cap = search_capacity(rules)
         self._init_compute(np.asarray(win.comp[0], dtype=float))
         self._init_order()
         self._init_bound_tables()
@@ -368,8 +424,7 @@ class BranchAndBound:
         sep = tables.sep
         self.sep_n, self.sep_slope, self.sep_icept = sep.n, sep.slope, sep.icept
         self.sep_off = self.compute.sep_off
-        # per-request chain stall lower bound of each candidate
-        self.chain = np.maximum(self.x0[:, None, None] - self.compute.gaps[None], 0.0).sum(axis=2)  # [R, K]
+        self.chain = chain_bounds(self.x0, self.compute)
 
     # -- driver ---------------------------------------------------------------------------------------
     def run(self) -> np.ndarray | None:
@@ -901,12 +956,7 @@ class BranchAndBound:
         """The window rule's data for the compiled kernels (:func:`orbitflow.plan.compiled.feasibility_data`),
         built once per search."""
         if self._feas_data is None:
-            win, rules, t = self.win, self.rules, self.tables
-            comp, tails, sums, xfer = win.rows()  # [S, L], [S, L], [S], [S, R]
-            self._feas_data = cc.feasibility_data(
-                t.counts, t.hosts_f, t.lay_ptr, t.lay, win.blocks[: win.horizon], self.cap, rules.host_capacity_blocks,
-                rules.alpha, rules.min_steps, win.horizon, win.seg_starts_a, win.seg_ends_a, comp, tails, sums, xfer,
-                win.slo, win.deposit, win.compute_grows, rules.cost_model.host_layer_s, self.preemptive, win.bank_max)
+            self._feas_data = feasibility(self.rules, self.win, self.tables, self.cap)
         return self._feas_data
 
     def _compiled_state(self) -> tuple[np.ndarray, np.ndarray]:
