@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from orbitflow.plan import CostModel, Planner, PlanRequest, search
+from orbitflow.plan import CostModel, Placement, Planner, PlanRequest, search
 from orbitflow.plan import compiled as cc
 from orbitflow.plan.cost_model import edf_stalls, preemptive_stalls
 from orbitflow.plan.search import BranchAndBound
@@ -492,6 +492,43 @@ def test_first_better_is_the_first_only_branch_and_bound(transfer, monkeypatch):
 
 
 @needs_numba
+@pytest.mark.parametrize("transfer", ["edf", "preemptive"])
+def test_best_plan_is_the_branch_and_bound(transfer, monkeypatch):
+    """A search without a deadline in one call (search.best_plan, compiled.best_found: order, tables, no-offload try,
+    seeds, improvements, probes and the search) gives what BranchAndBound(...).run() gives: the same mask and the same
+    statistics (nodes, leaves, improvement evaluations, exactness, lower bound, gap), under node limits that cut it,
+    a gap, hints (whole, partial, with distances the tables do not have), no improvement, and threads with a node
+    limit (serial)."""
+    calls = []
+    kernel = cc.best_found
+    monkeypatch.setattr(cc, "best_found", lambda *args: calls.append(1) or kernel(*args))
+    rng = np.random.default_rng(17)
+    seen = set()
+    for _ in range(25):
+        cm, cap, reqs = _planner_case(rng, transfer)
+        rules = Planner(cm, cap, window=(2, 10), compiled=True).constraints
+        win = rules.horizon(reqs)
+        dists = search.candidate_tables(rules.num_layers).distances
+        hints = [None, [dists[int(rng.integers(len(dists)))] for _ in reqs], [-1, None, 10**6, *dists][: len(reqs)]]
+        best = BranchAndBound(rules, win, PlanStats(), node_limit=None).run()
+        if best is not None:  # the optimum's own distances: the engine's hint, the previous plan
+            hints.append(list(Placement(~best).distances()))
+        for node_limit, gap, improve_evals, threads in [(None, 0.0, 256, 1), (1, 0.0, 256, 1), (3, 0.02, 256, 2),
+                                                        (2000, 0.0, 0, 1), (None, 0.05, 16, 1)]:
+            for hint in hints:
+                kw = dict(gap=gap, node_limit=node_limit, hint=hint, improve_evals=improve_evals, threads=threads)
+                want, got = PlanStats(), PlanStats()
+                mask = BranchAndBound(rules, win, want, **kw).run()
+                n = len(calls)
+                host = search.best_plan(rules, win, got, **kw)
+                assert len(calls) == n + 1  # in one compiled call
+                assert (host is None) == (mask is None) and (mask is None or np.array_equal(host, mask))
+                assert got == want
+                seen.add((mask is not None, want.exact, want.improve_evals > 0))
+    assert {(True, True, False), (True, False, True), (False, True, False)} <= seen
+
+
+@needs_numba
 @pytest.mark.parametrize("variant", ["edf", "preemptive", "latency", "tokens"])
 def test_plans_are_the_same_with_the_expiry_checks_in_one_call(variant, monkeypatch):
     """Whole plans (placement, window, expiry, latencies, nodes) of batches of 6-8 requests at 16-32 layers, whose
@@ -663,6 +700,6 @@ def test_warm_up_loads_every_kernel_a_solve_calls_from_python():
     solve reaches from Python: try_assignment is called so only when nothing need be offloaded, which no warm-up batch
     was, and the first real solve paid its load (25-65 ms, charged on the simulator's clock). A fresh process."""
     code = ("from orbitflow.plan import warm_up, compiled as cc; warm_up(); "
-            "print(len(cc.try_assignment.signatures), len(cc.first_better.signatures))")
+            "print(len(cc.try_assignment.signatures), len(cc.first_better.signatures), len(cc.best_found.signatures))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert min(int(n) for n in out.stdout.split()) >= 1  # first_better: the expiry check's search
+    assert min(int(n) for n in out.stdout.split()) >= 1  # first_better, best_found: searches in one call

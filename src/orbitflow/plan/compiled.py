@@ -1,7 +1,8 @@
 """Compiled kernels of the planner: the executor's EDF schedule (and the preemptive link's, ``CostModel(transfer=
 "preemptive")``, through :func:`_link`), the branch and bound's inner loop, the window
-rule of one assignment (:func:`leaf_feasible`), the first incumbents and their local improvement, and an expiry
-check's first-found search with its set-up (:func:`first_better`).
+rule of one assignment (:func:`leaf_feasible`), the first incumbents and their local improvement, and whole
+searches with their set-up: an expiry check's first-found one (:func:`first_better`) and one without a deadline
+(:func:`best_found`).
 
 Compiled with numba (nopython, ``nogil``, ``cache=True``), so a solve on the planner thread does not hold the
 GIL while it searches and the engine's step loop keeps running beside it. Every function takes float64 / int64
@@ -1095,18 +1096,118 @@ def first_better(ist, upper, gap, deadline, share, link_kind, cap, link, b0, bca
     fst[BEST_LAT] = upper
     fst[GAP] = gap
     fst[KNOWN_PASS] = np.min(slo)
-    _first_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0, chain, dep, slo, slo_on, alpha,
-                  d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after,
-                  mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, best_k)
+    _run_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0, chain, dep, slo, slo_on, alpha,
+                d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after,
+                mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock,
+                np.zeros(counts.size), best_k)
     ist[LEAVES] += leaves
     return _better(fst[BEST_LAT], fst[BEST_MOVED], upper, math.inf)
 
 
 @_jit
-def _first_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0, chain, dep, slo, slo_on, alpha,
-                  d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after,
-                  mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, best_k):
-    """:func:`bb_search` of :func:`first_better`, with the scratch ``BranchAndBound._worker_state`` gives it."""
+def best_found(ist, fst, gap, share, link_kind, cap, link, b0, bcap, x0, chain, blocks, dep, slo, slo_on, alpha, d_lo,
+               d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after, mats,
+               sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, hint_k, has_hint,
+               improve_evals, improve_first, best_k, evals):
+    """``BranchAndBound.run()`` on the compiled path without a deadline or threads, in one call: the order and tables,
+    the no-offload try, the seeds (``hint_k``: the hint's candidate per request, -1 for none, where ``has_hint``),
+    the local improvement of the first incumbent where ``improve_first``, the root's probes, :func:`bb_search`, and
+    the improvement of an incumbent the node limit (``ist[NODE_LIMIT]``) cut. Returns 0 (no feasible plan), 1 (the
+    best found: ``best_k``, its key in ``fst[BEST_*]``, what the search left open in ``fst[OPEN_LB]``) or 2 (the plan
+    that offloads nothing, optimal); ``ist[NODES]``, ``ist[LEAVES]``, ``ist[HIT]`` and ``evals[0]`` (improvement
+    evaluations) as ``BranchAndBound`` counts them."""
+    n_req, n_layers = b0.size, comp0.size
+    order, same_as_prev = search_order(bcap, b0, blocks, dep, slo, link_kind)
+    tables = suffix_tables(order, bcap, b0, x0, n_layers, share)
+    ratio_order = np.argsort(x0, kind="mergesort")  # the greedy's order, which tightening and improvement walk
+    fst[:] = math.inf  # BEST_*, OPEN_LB, KNOWN_FAIL, the deadlines: inf, as BranchAndBound._compiled_state
+    fst[GAP] = gap
+    fst[KNOWN_PASS] = np.min(slo)
+    best_k[:] = 0
+    if not float(np.sum(bcap)) * n_layers > cap:  # BranchAndBound._try_no_offload: a leaf
+        ist[NODES] += 1
+        ist[LEAVES] += 1
+        if try_assignment(best_k, 0.0, fst, b0, comp_total, x0, feas):
+            return 2
+    g = np.zeros(n_req, np.int64)
+    greedy(x0, comp_total, counts, hosts_f, bcap, cap, g)
+    seeds = _seeds(g, hint_k, has_hint, ratio_order, counts, hosts_f, bcap, cap, n_layers)
+    ist[NODES] += seeds.shape[0]
+    ist[LEAVES] += seeds.shape[0]
+    has_best = try_each(seeds, fst, b0, comp_total, x0, feas, best_k)
+    if improve_first and has_best:
+        _polish(best_k, fst, improve_evals, b0, comp_total, x0, feas, ratio_order, bcap, cap, clock, evals)
+    root_probe = np.zeros(counts.size)
+    if has_best and n_req >= 2:  # BranchAndBound._probe_root (no deadline to gate it)
+        root_probes(best_k, order[0], comp_total, x0, feas, ratio_order, bcap, cap, np.empty(n_req, np.int64),
+                    root_probe)
+    leaves = ist[LEAVES]
+    ist[LEAVES] = 0
+    ist[DIVE_START] = ist[NODES]
+    ist[CHUNK_STOP] = 1 << 62
+    best_lat, best_moved = fst[BEST_LAT], fst[BEST_MOVED]
+    found_k = np.zeros(n_req, np.int64)
+    _run_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0, chain, dep, slo, slo_on, alpha,
+                d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after,
+                mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, root_probe, found_k)
+    ist[LEAVES] += leaves
+    if _better(fst[BEST_LAT], fst[BEST_MOVED], best_lat, best_moved):  # BranchAndBound._collect
+        best_k[:] = found_k
+        has_best = True
+    if has_best and ist[HIT] and not (ist[GAINED] and ist[TIMED_OUT]):
+        _polish(best_k, fst, improve_evals, b0, comp_total, x0, feas, ratio_order, bcap, cap, clock, evals)
+    return 1 if has_best else 0
+
+
+@_jit
+def _seeds(g, hint_k, has_hint, ratio_order, counts, hosts_f, bcap, cap, n_layers):
+    """``BranchAndBound._seed_incumbents``'s seeds ``[n, R]``: the hint (the greedy's candidate where it has none),
+    the greedy ``g`` tightened, and the sparsest uniform candidate that fits, tightened."""
+    n_req = g.size
+    total = float(np.sum(bcap))
+    fits = -1
+    for k in range(counts.size):  # a uniform placement's memory, as one request of the batch's blocks
+        if total * (n_layers - counts[k] + (1 if counts[k] > 0 else 0)) <= cap:
+            fits = k
+            break
+    seeds = np.empty((1 + int(has_hint) + int(fits >= 0), n_req), np.int64)
+    i = 0
+    if has_hint:
+        for r in range(n_req):
+            seeds[0, r] = hint_k[r] if hint_k[r] >= 0 else g[r]
+        i = 1
+    seeds[i] = g
+    tighten(seeds[i], ratio_order, counts, hosts_f, bcap, cap, np.empty(n_layers))
+    if fits >= 0:
+        seeds[i + 1] = fits
+        tighten(seeds[i + 1], ratio_order, counts, hosts_f, bcap, cap, np.empty(n_layers))
+    return seeds
+
+
+@_jit
+def _polish(best_k, fst, improve_evals, b0, comp_total, x0, feas, ratio_order, bcap, cap, clock, evals):
+    """``BranchAndBound._improve`` without a deadline: :func:`improve` of the incumbent ``best_k`` (key in
+    ``fst[BEST_*]``), taken where it changed; its evaluations added to ``evals[0]``."""
+    if improve_evals <= 0:
+        return
+    state = np.zeros(3, np.int64)
+    k_of = best_k.copy()
+    key = np.array([fst[BEST_LAT], fst[BEST_MOVED]])
+    improve(k_of, state, key, improve_evals, improve_evals, b0, comp_total, x0, feas, np.empty(k_of.size, np.int64),
+            ratio_order, bcap, cap, clock, math.inf)
+    if key[0] != fst[BEST_LAT] or key[1] != fst[BEST_MOVED]:
+        best_k[:] = k_of
+        fst[BEST_LAT] = key[0]
+        fst[BEST_MOVED] = key[1]
+    evals[0] += state[EVALS]
+
+
+@_jit
+def _run_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0, chain, dep, slo, slo_on, alpha,
+                d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after,
+                mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, root_probe, best_k):
+    """:func:`bb_search` from the state ``ist``/``fst``, with the scratch ``BranchAndBound._worker_state`` gives it
+    (:func:`first_better`, :func:`best_found`)."""
     rest_b, rest_b0, ratio_suffix, rest_grow, dp_depth, cov_cap, cov_cost, cov_rate, cov_size = tables
     n_req, n_cand, n_layers = b0.size, counts.size, comp0.size
     shape_k, shape_l = (n_req, n_cand), (n_req, n_layers)
@@ -1128,7 +1229,7 @@ def _first_search(ist, fst, order, same_as_prev, tables, cap, link, b0, bcap, x0
               np.empty(n_layers), np.empty(n_layers),
               feas, best_k, (cov_cap, cov_cost, cov_rate, cov_size), np.zeros(shape_k), dp_depth, least_t, least_cum,
               np.zeros((3, n_cand)), np.zeros((mats.shape[1], mats.shape[2])), np.full(n_layers, -1, np.int64),
-              rates, np.zeros((n_cand, n_layers), np.int64), np.zeros(n_cand), clock)
+              rates, np.zeros((n_cand, n_layers), np.int64), root_probe, clock)
 
 
 # ==== the window rule ======================================================================================

@@ -49,7 +49,7 @@ from orbitflow.plan.cost_model import CostModel
 from orbitflow.plan.full_search import improve_full
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import Placement
-from orbitflow.plan.search import BranchAndBound, candidate_tables, first_better
+from orbitflow.plan.search import best_plan, candidate_tables, first_better
 from orbitflow.plan.types import REL_TOL, Plan, PlanRequest, PlanStats, better, is_whole
 
 __all__ = ["Planner", "VICTIM_ORDERS", "resolve_victim_order", "warm_up"]
@@ -358,7 +358,8 @@ class Planner:
         """The host mask of the best plan of the planner's space (None: none is feasible)."""
         if self.space == "uniform":
             return self._solve_uniform(win, stats)
-        mask = self._solve_pruned(win, stats, node_limit=self.node_limit, deadline=deadline, hint=hint)
+        mask = best_plan(self.constraints, win, stats, gap=self.gap, node_limit=self.node_limit, deadline=deadline,
+                         hint=hint, improve_evals=self.improve_evals, threads=self.threads)
         if mask is not None and self.space == "full":
             mask = improve_full(self.constraints, win, mask, stats, deadline, self.full_max_evals)
         return mask
@@ -384,12 +385,6 @@ class Planner:
             stats.lower_bound_s, stats.gap = best_key[0], 0.0
         return best
 
-    def _solve_pruned(self, win: Horizon, stats: PlanStats, **search) -> np.ndarray | None:
-        """Exact branch and bound over per-request distance candidates (:class:`BranchAndBound`: ``upper``,
-        ``first_only``, ``node_limit``, ``deadline``, ``hint``); returns the host mask or None."""
-        return BranchAndBound(self.constraints, win, stats, gap=self.gap, improve_evals=self.improve_evals,
-                              threads=self.threads, **search).run()
-
 
 def _check_ids(reqs: list[PlanRequest]) -> None:
     seen: set[Hashable] = set()
@@ -412,20 +407,24 @@ def warm_up() -> None:
     model = CostModel([1e-3] * 4, link_blocks_per_s=1e3)
     requests = [PlanRequest("a", 8, 120, 40, 0.0, 6e-3), PlanRequest("b", 4, 60, 40, 0.0, 6e-3)]
     Planner(model, capacity_blocks=30, window=(1, 4)).plan(requests)
-    # a search cut by its budget: the local improvement's kernels
+    # a search cut by its budget: the local improvement's kernels (inside compiled.best_found), and with a deadline
+    # (BranchAndBound, which calls them from Python, the root's probes too)
     model = CostModel([1e-3] * 8, link_blocks_per_s=8e3)
     requests = [PlanRequest("a", 8, 120, 40, 0.0, 2e-2), PlanRequest("b", 4, 60, 40, 0.0, 2e-2),
                 PlanRequest("c", 6, 90, 40, 0.0, 2e-2)]
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1).plan(requests)
+    Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1, time_limit_s=10.0).plan(requests)
+    # two prefetch slots: the search's bounds are not the compiled ones there (its moves run from Python)
+    Planner(model.with_updates(prefetch_slots=2), capacity_blocks=120, window=(1, 4), node_limit=1).plan(requests)
     # ... and by its deadline: the kernels' clock
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=None, time_limit_s=1e-9).plan(requests)
     # a plan whose window passes a block boundary where it stalls: the expiry check's search (search.first_better)
     grows = [PlanRequest(q.request_id, q.blocks_per_layer, 16 * q.blocks_per_layer, 40, 0.0, 2e-2) for q in requests]
     Planner(model, capacity_blocks=100, window=(2, 16)).plan(grows)
-    # a batch that fits with nothing offloaded: the search tries that plan from Python, the only call of
+    # a batch that fits with nothing offloaded: a search with a deadline tries that plan from Python, the only call of
     # try_assignment's dispatcher (the searches above call it inside compiled code), whose load a first real solve
     # paid otherwise (25-65 ms)
-    Planner(model, capacity_blocks=1000, window=(1, 4)).plan(requests)
+    Planner(model, capacity_blocks=1000, window=(1, 4), time_limit_s=10.0).plan(requests)
     # a fixed placement's evaluation (the baselines), at one and at two prefetch slots (DeepSpeed's depth)
     for slots in (1, 2):
         planner = Planner(model.with_updates(prefetch_slots=slots), capacity_blocks=100, window=(1, 4))

@@ -64,6 +64,9 @@ optimum changes.
 
 Budgets (node count, deadline) stop the search with the incumbent; the least bound among the children left
 unexplored then certifies its gap.
+On the compiled path a search runs in one kernel call where it can (:func:`best_plan`: no deadline, no threads;
+:func:`first_better`: an expiry check's), its set-up included, so it holds the GIL only to gather its inputs;
+:class:`BranchAndBound` runs the others, calling the kernels piece by piece, and is the reference for both.
 A search without a node limit may use several threads (``threads``; :meth:`BranchAndBound._search_parallel`): past
 ``PARALLEL_AFTER`` nodes it gives the open subtrees at the top of its stack to other threads, which share the
 incumbent and take work from each other; the same optimum, found sooner where cores are spare.
@@ -265,30 +268,85 @@ def first_better(rules: Constraints, win: Horizon, stats: PlanStats, upper: floa
     search (the planner's expiry check), its nodes, leaves and exactness into ``stats``. On the compiled path it runs
     in one call (:func:`orbitflow.plan.compiled.first_better`: the same search, its set-up included, without the
     GIL); otherwise, or where the kernels cannot read a deadline's clock, through :class:`BranchAndBound`."""
-    cm = rules.cost_model
-    if not (rules.compiled and cm.transfer in _LINK_KIND and cm.prefetch_slots == 1
-            and (deadline is None or cc.HAVE_CLOCK)):
+    if not _in_one_call(rules) or not (deadline is None or cc.HAVE_CLOCK):
         return BranchAndBound(rules, win, stats, upper, first_only=True, gap=gap, node_limit=node_limit,
                               deadline=deadline).run() is not None
+    ist, clock = _kernel_state(node_limit)
+    found = cc.first_better(ist, upper, gap, cc.kernel_deadline(deadline, clock), *_kernel_inputs(rules, win), clock,
+                            np.zeros(win.blocks.shape[1], dtype=np.int64))
+    _count_nodes(stats, ist)
+    return bool(found)
+
+
+def best_plan(rules: Constraints, win: Horizon, stats: PlanStats, *, gap: float = 0.0, node_limit: int | None = None,
+              deadline: float | None = None, hint: list | None = None, improve_evals: int = 0,
+              threads: int = 1) -> np.ndarray | None:
+    """The host mask of the best plan of the pruned space for ``win`` (None: none is feasible), the search's
+    statistics into ``stats``: ``BranchAndBound(...).run()``. Without a deadline or threads (the engine's solves)
+    on the compiled path it runs in one call (:func:`orbitflow.plan.compiled.best_found`: the same search, its
+    set-up, seeds and improvement included, without the GIL)."""
+    if not _in_one_call(rules) or deadline is not None or (threads > 1 and node_limit is None):
+        return BranchAndBound(rules, win, stats, gap=gap, node_limit=node_limit, deadline=deadline, hint=hint,
+                              improve_evals=improve_evals, threads=threads).run()
     t = candidate_tables(rules.num_layers)
+    k_of_dist = {d: k for k, d in enumerate(t.distances)}
+    hint_k = np.array([-1 if h == -1 else k_of_dist.get(h, -1) for h in hint or ()], dtype=np.int64)
+    ist, clock = _kernel_state(node_limit)
+    fst, best_k, evals = np.zeros(cc.N_FST), np.zeros(win.blocks.shape[1], dtype=np.int64), np.zeros(1, np.int64)
+    improve_first = node_limit is None and len(t.counts) ** best_k.size > BIG_SPACE  # as BranchAndBound.run
+    found = cc.best_found(ist, fst, gap, *_kernel_inputs(rules, win), clock,
+                          hint_k if hint is not None else best_k, hint is not None, improve_evals, improve_first,
+                          best_k, evals)
+    _count_nodes(stats, ist)
+    stats.improve_evals += int(evals[0])
+    if found == 0:
+        return None
+    best = float(fst[cc.BEST_LAT])
+    lower = best if found == 2 else min(best, float(fst[cc.OPEN_LB]))  # 2: nothing offloaded, provably optimal
+    if gap > 0 and found == 1:  # as BranchAndBound.run: cut by the gap rule, only known to be >= best * (1 - gap)
+        lower = min(lower, best * (1 - gap))
+        if lower < best:
+            stats.exact = False
+    stats.lower_bound_s = lower
+    stats.gap = (best - lower) / best if best > 0 else 0.0
+    return t.hosts[best_k]
+
+
+def _in_one_call(rules: Constraints) -> bool:
+    """Whether the compiled kernels run a search whole (the one-slot links their bounds are proven for)."""
+    cm = rules.cost_model
+    return rules.compiled and cm.transfer in _LINK_KIND and cm.prefetch_slots == 1
+
+
+def _kernel_state(node_limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """A search kernel's integer state (its node limit set; -1: none) and clock."""
+    ist = np.zeros(cc.N_IST, dtype=np.int64)
+    ist[cc.NODE_LIMIT] = -1 if node_limit is None else node_limit
+    return ist, cc.clock_scratch()
+
+
+def _kernel_inputs(rules: Constraints, win: Horizon) -> tuple:
+    """What :func:`orbitflow.plan.compiled.first_better` and ``best_found`` read of the planner and the horizon, from
+    ``share`` to ``feas`` (the tables and floats ``BranchAndBound`` builds)."""
+    cm, t = rules.cost_model, candidate_tables(rules.num_layers)
     ct = compute_tables(np.asarray(win.comp[0], dtype=float), rules.num_layers)
     b0, cap = win.blocks[0], search_capacity(rules)
     x0 = cm.transfer_s(b0)
-    ist = np.zeros(cc.N_IST, dtype=np.int64)
-    ist[cc.NODE_LIMIT] = -1 if node_limit is None else node_limit
-    clock = cc.clock_scratch()
-    found = cc.first_better(
-        ist, upper, gap, cc.kernel_deadline(deadline, clock), DP_REST_SHARE, _LINK_KIND[cm.transfer], cap,
-        cm.link_blocks_per_s, b0, win.blocks[rules.min_steps - 1], x0, chain_bounds(x0, ct), win.blocks, win.deposit,
-        win.slo, bool(np.isfinite(win.slo).any() and win.compute_grows), rules.alpha, rules.min_steps,
-        rules.max_steps, ct.comp0, ct.total, ct.least, ct.suffix, ct.sep_off, t.counts, t.hosts_f, t.cumh,
-        t.pairs_after, t.mats_t, t.sep.n, t.sep.slope, t.sep.icept, t.lay_ptr, t.lay, t.least_t, t.least_cum,
-        feasibility(rules, win, t, cap), clock, np.zeros(b0.size, dtype=np.int64))
+    return (DP_REST_SHARE, _LINK_KIND[cm.transfer], cap, cm.link_blocks_per_s, b0, win.blocks[rules.min_steps - 1], x0,
+            chain_bounds(x0, ct), win.blocks, win.deposit, win.slo,
+            bool(np.isfinite(win.slo).any() and win.compute_grows), rules.alpha, rules.min_steps, rules.max_steps,
+            ct.comp0, ct.total, ct.least, ct.suffix, ct.sep_off, t.counts, t.hosts_f, t.cumh, t.pairs_after, t.mats_t,
+            t.sep.n, t.sep.slope, t.sep.icept, t.lay_ptr, t.lay, t.least_t, t.least_cum,
+            feasibility(rules, win, t, cap))
+
+
+def _count_nodes(stats: PlanStats, ist: np.ndarray) -> None:
+    """A search kernel's nodes and leaves into ``stats`` (as BranchAndBound counts them), and whether its budget cut
+    it."""
     stats.leaves += int(ist[cc.LEAVES])
     stats.nodes += int(ist[cc.NODES] - ist[cc.LEAVES])
     if ist[cc.HIT]:
         stats.exact = False
-    return bool(found)
 
 
 class _Children(NamedTuple):
