@@ -431,6 +431,23 @@ def test_compiled_suffix_tables_are_the_references():
 
 
 @needs_numba
+def test_compiled_chain_bounds_are_numpys_floats():
+    """compiled.chain_bounds sums as NumPy does (pairwise: the same floats as search.chain_bounds), on the compute
+    tables of 4 to 128 layers and on rows of up to 300 gaps (NumPy's halving above 128), infinite gaps included. A
+    NumPy that summed otherwise fails here, not in a plan that differs by a rounding."""
+    rng = np.random.default_rng(6)
+    for n_layers in (4, 9, 16, 32, 80, 128):
+        ct = search.compute_tables(rng.uniform(1e-3, 2e-3, n_layers), n_layers)
+        x0 = rng.uniform(0, 8e-3, 16)
+        assert np.array_equal(cc.chain_bounds(x0, ct.gaps), search.chain_bounds(x0, ct))
+    for _ in range(300):
+        x0 = rng.uniform(0, 1, int(rng.integers(1, 9))) * rng.choice([1e-3, 1.0, 1e3])
+        gaps = rng.uniform(0, 2 * x0.mean(), (int(rng.integers(1, 20)), int(rng.integers(1, 300))))
+        gaps[rng.random(gaps.shape) < 0.2] = np.inf
+        assert np.array_equal(cc.chain_bounds(x0, gaps), np.maximum(x0[:, None, None] - gaps[None], 0.0).sum(axis=2))
+
+
+@needs_numba
 @pytest.mark.parametrize("transfer", ["edf", "preemptive", "fair"])
 def test_compiled_search_order_is_the_references(transfer):
     """compiled.search_order against BranchAndBound._init_order: the same order and symmetry rule, on batches with

@@ -1066,18 +1066,92 @@ def search_order(bcap, b0, blocks, dep, slo, link_kind):
 
 
 @_jit
-def first_better(ist, upper, gap, deadline, share, link_kind, cap, link, b0, bcap, x0, chain, blocks, dep, slo,
+def _block_sum(a, lo, n):
+    """NumPy's sum of ``a[lo:lo + n]`` for ``n <= 128``: in order below 8, else eight partial sums."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r = np.empty(8)
+    for j in range(8):
+        r[j] = a[lo + j]
+    i = 8
+    while i < n - n % 8:
+        for j in range(8):
+            r[j] += a[lo + i + j]
+        i += 8
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@_jit
+def _pairwise_sum(a, lo, n):
+    """``a[lo:lo + n].sum()`` as NumPy sums a contiguous float64 row (pairwise: :func:`_block_sum` of blocks of up
+    to 128, halves added above, left + right), so the search's tables hold the reference's floats
+    (tests/plan/test_compiled.py checks it against NumPy). The halving runs on an explicit stack: numba's disk
+    cache cannot hold a recursive function (a cached one crashed on load)."""
+    if n <= 128:
+        return _block_sum(a, lo, n)
+    f_lo, f_n = np.empty(64, np.int64), np.empty(64, np.int64)
+    f_stage, f_left = np.zeros(64, np.int64), np.empty(64)  # stage 1: its left half is being summed, 2: its right
+    top = 0
+    f_lo[0], f_n[0], f_stage[0] = lo, n, 0
+    while True:
+        if f_n[top] > 128:  # split: the left half first
+            half = f_n[top] // 2
+            half -= half % 8
+            f_stage[top] = 1
+            top += 1
+            f_lo[top], f_n[top], f_stage[top] = f_lo[top - 1], half, 0
+            continue
+        v = _block_sum(a, f_lo[top], f_n[top])
+        top -= 1
+        while top >= 0 and f_stage[top] == 2:  # a right half done: its parent's sum
+            v = f_left[top] + v
+            top -= 1
+        if top < 0:
+            return v
+        f_left[top] = v  # a left half done: the right half next
+        f_stage[top] = 2
+        half = f_n[top] // 2
+        half -= half % 8
+        top += 1
+        f_lo[top], f_n[top], f_stage[top] = f_lo[top - 1] + half, f_n[top - 1] - half, 0
+
+
+@_jit
+def chain_bounds(x0, gaps):
+    """``search.chain_bounds`` (per request and candidate, its transfers serialised with its compute), the same
+    floats: ``max(x0[r] - gaps[k], 0)`` summed as NumPy sums it."""
+    n_req, (n_cand, n_gap) = x0.size, gaps.shape
+    out = np.empty((n_req, n_cand))
+    row = np.empty(n_gap)
+    for r in range(n_req):
+        for k in range(n_cand):
+            for g in range(n_gap):
+                row[g] = max(x0[r] - gaps[k, g], 0.0)
+            out[r, k] = _pairwise_sum(row, 0, n_gap)
+    return out
+
+
+@_jit
+def first_better(ist, upper, gap, deadline, share, link_kind, cap, link, b0, bcap, x0, gaps, blocks, dep, slo,
                  slo_on, alpha, d_lo, d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off,
                  counts, hosts_f, cumh, pairs_after, mats, sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t,
                  least_cum, feas, clock, best_k):
     """``BranchAndBound(first_only=True).run()`` on the compiled path, in one call: whether some assignment beats
     ``upper`` at step 0 and is feasible (its candidates into ``best_k``). The same search: the order, the tables,
-    the no-offload try, then :func:`bb_search`, from the same inputs (``x0``, ``chain`` and the compute tables as
-    the search computes them). ``ist`` (``N_IST``): in, ``ist[NODE_LIMIT]`` (-1: none); out, ``ist[NODES]`` and
+    the no-offload try, then :func:`bb_search`, from the same inputs (``x0``, the compute tables and their ``gaps``
+    as the search computes them). ``ist`` (``N_IST``): in, ``ist[NODE_LIMIT]`` (-1: none); out, ``ist[NODES]`` and
     ``ist[LEAVES]`` counted as ``BranchAndBound`` counts them, ``ist[HIT]`` (the budget stopped it)."""
     n_layers = comp0.size
     order, same_as_prev = search_order(bcap, b0, blocks, dep, slo, link_kind)
     tables = suffix_tables(order, bcap, b0, x0, n_layers, share)
+    chain = chain_bounds(x0, gaps)
     if not float(np.sum(bcap)) * n_layers > cap:  # BranchAndBound._try_no_offload: a leaf
         ist[NODES] += 1
         ist[LEAVES] += 1
@@ -1105,7 +1179,7 @@ def first_better(ist, upper, gap, deadline, share, link_kind, cap, link, b0, bca
 
 
 @_jit
-def best_found(ist, fst, gap, share, link_kind, cap, link, b0, bcap, x0, chain, blocks, dep, slo, slo_on, alpha, d_lo,
+def best_found(ist, fst, gap, share, link_kind, cap, link, b0, bcap, x0, gaps, blocks, dep, slo, slo_on, alpha, d_lo,
                d_hi, comp0, comp_total, comp_min, suffix_comp, sep_off, counts, hosts_f, cumh, pairs_after, mats,
                sep_n, sep_slope, sep_icept, lay_ptr, lay, least_t, least_cum, feas, clock, hint_k, has_hint,
                improve_evals, improve_first, best_k, evals):
@@ -1119,6 +1193,7 @@ def best_found(ist, fst, gap, share, link_kind, cap, link, b0, bcap, x0, chain, 
     n_req, n_layers = b0.size, comp0.size
     order, same_as_prev = search_order(bcap, b0, blocks, dep, slo, link_kind)
     tables = suffix_tables(order, bcap, b0, x0, n_layers, share)
+    chain = chain_bounds(x0, gaps)
     ratio_order = np.argsort(x0, kind="mergesort")  # the greedy's order, which tightening and improvement walk
     fst[:] = math.inf  # BEST_*, OPEN_LB, KNOWN_FAIL, the deadlines: inf, as BranchAndBound._compiled_state
     fst[GAP] = gap

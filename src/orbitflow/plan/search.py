@@ -244,7 +244,8 @@ def search_capacity(rules: Constraints) -> float:
 
 
 def chain_bounds(x0: np.ndarray, compute: ComputeTables) -> np.ndarray:
-    """Per request and candidate, the chain stall lower bound (its transfers serialised with its compute) [R, K]."""
+    """Per request and candidate, the chain stall lower bound (its transfers serialised with its compute) [R, K]; the
+    kernels' twin is :func:`orbitflow.plan.compiled.chain_bounds`."""
     return np.maximum(x0[:, None, None] - compute.gaps[None], 0.0).sum(axis=2)
 
 
@@ -333,7 +334,7 @@ def _kernel_inputs(rules: Constraints, win: Horizon) -> tuple:
     b0, cap = win.blocks[0], search_capacity(rules)
     x0 = cm.transfer_s(b0)
     return (DP_REST_SHARE, _LINK_KIND[cm.transfer], cap, cm.link_blocks_per_s, b0, win.blocks[rules.min_steps - 1], x0,
-            chain_bounds(x0, ct), win.blocks, win.deposit, win.slo,
+            ct.gaps, win.blocks, win.deposit, win.slo,
             bool(np.isfinite(win.slo).any() and win.compute_grows), rules.alpha, rules.min_steps, rules.max_steps,
             ct.comp0, ct.total, ct.least, ct.suffix, ct.sep_off, t.counts, t.hosts_f, t.cumh, t.pairs_after, t.mats_t,
             t.sep.n, t.sep.slope, t.sep.icept, t.lay_ptr, t.lay, t.least_t, t.least_cum,
