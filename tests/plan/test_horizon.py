@@ -90,3 +90,29 @@ def test_compiled_horizon_blocks_are_the_numpy_ones():
         got = cc.horizon_blocks(b_now, tok, left, steps, block)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@pytest.mark.skipif(not cc.HAVE_NUMBA, reason="the compiled schedule")
+@pytest.mark.parametrize("transfer", ["edf", "preemptive"])
+def test_segment_latencies_in_one_call_are_the_cost_models(transfer):
+    """Constraints.seg_latencies schedules every missing segment in one compiled call (compiled.segments_added, its
+    scratch shared by the segments): each latency is the reference cost model's, with token-dependent compute (a
+    different compute per segment), a host-layer cost and segments asked in pieces, out of order and again."""
+    from orbitflow.plan import Planner
+
+    rng = np.random.default_rng(12)
+    comp = rng.uniform(1e-3, 2e-3, 8)
+    for _ in range(30):
+        cm = CostModel(lambda tok: comp * (1 + tok / 2e3), float(rng.uniform(50, 400)), transfer, num_layers=8,
+                       host_layer_s=float(rng.choice([0.0, 1e-4])))
+        reqs = _batch(rng, int(rng.integers(1, 5)))
+        rules = Planner(cm, 1e9, window=(1, 16), compiled=True).constraints
+        win, host = rules.horizon(reqs), rng.random((len(reqs), 8)) < 0.4
+        n = len(win.seg_starts)
+        split = int(rng.integers(0, n + 1))
+        got = rules.seg_latencies(win, host, upto=n, first=split) + rules.seg_latencies(win, host, upto=split)
+        got = got[n - split:] + got[: n - split]  # segments 0..n-1
+        assert rules.seg_latencies(win, host) == got  # memoised: asked again, the same
+        want = [float(win.comp[i].sum()) + cm.added_s(host, win.blocks[win.seg_starts[i]], win.comp[i])
+                for i in range(n)]
+        assert got == want

@@ -326,25 +326,41 @@ def edf_stalls(
     return None if total < 0 else stall
 
 
-def host_csr(host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """CSR (ptr, layers) of the host layers of each row of a host mask ``[R, L]``."""
-    r_idx, lay = np.nonzero(host)
-    ptr = np.zeros(host.shape[0] + 1, dtype=np.int64)
-    np.cumsum(np.bincount(r_idx, minlength=host.shape[0]), out=ptr[1:])
-    return ptr, lay.astype(np.int64)
-
-
 def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.ndarray, slots: int = 1,
-               host_layer_s: float = 0.0, csr: tuple[np.ndarray, np.ndarray] | None = None,
-               preemptive: bool = False) -> float:
-    """What a host mask adds to one step's compute (stalls and host-layer compute; ``CostModel.added_s``), for
-    the planner's window segments; ``csr``: the mask's :func:`host_csr`, when the caller has it; ``preemptive``:
-    on the ``"preemptive"`` link."""
-    ptr, lay = host_csr(host) if csr is None else csr
+               host_layer_s: float = 0.0, preemptive: bool = False) -> float:
+    """What a host mask adds to one step's compute (stalls and host-layer compute; ``CostModel.added_s``):
+    :func:`segments_added` of one segment; ``preemptive``: on the ``"preemptive"`` link."""
+    out = np.empty(1)
+    segments_added(np.ascontiguousarray(host, dtype=np.bool_).view(np.uint8), np.ascontiguousarray(comp)[None],
+                   np.ascontiguousarray(tail)[None], np.ascontiguousarray(xfer, dtype=np.float64)[None],
+                   np.zeros(1, np.int64), np.int64(slots), float(host_layer_s), bool(preemptive), out)
+    return float(out[0])
+
+
+@_jit
+def segments_added(host, comp, tails, xfer, segs, slots, host_layer_s, preemptive, out):
+    """What the host mask ``host`` (uint8 ``[R, L]``) adds to the compute of each window segment ``segs[j]``
+    (:func:`_link` on its row of ``comp``, ``tails`` and ``xfer``, the horizon's ``rows``) into ``out[j]``: the
+    mask's host layers gathered once for every segment."""
     n_req, n_layers = host.shape
-    return float(_link(bool(preemptive), comp, tail, ptr, lay, np.arange(n_req, dtype=np.int64), xfer,
-                       np.int64(slots), math.inf, np.empty(n_req, np.int64), np.empty(n_req, np.int64),
-                       np.empty(n_layers), np.empty(lay.size + 1), np.empty(n_layers), float(host_layer_s)))
+    ptr = np.zeros(n_req + 1, np.int64)
+    for r in range(n_req):
+        ptr[r + 1] = ptr[r]
+        for layer in range(n_layers):
+            ptr[r + 1] += host[r, layer] != 0
+    lay = np.empty(ptr[n_req], np.int64)
+    for r in range(n_req):
+        j = ptr[r]
+        for layer in range(n_layers):
+            if host[r, layer]:
+                lay[j] = layer
+                j += 1
+    rows, nxt, cur = np.arange(n_req), np.empty(n_req, np.int64), np.empty(n_req, np.int64)
+    fin, arr, stall = np.empty(n_layers), np.empty(lay.size + 1), np.empty(n_layers)
+    for j in range(segs.size):
+        i = segs[j]
+        out[j] = _link(preemptive, comp[i], tails[i], ptr, lay, rows, xfer[i], slots, math.inf, nxt, cur, fin, arr,
+                       stall, host_layer_s)
 
 
 # ==== the search's set-up ===================================================================================

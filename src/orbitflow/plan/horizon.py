@@ -180,30 +180,28 @@ class Constraints:
     def seg_latencies(self, win: Horizon, host: np.ndarray, upto: int | None = None, first: int = 0) -> list[float]:
         """Exact step latency of each block-constant segment (segments ``first..upto-1``), memoised per
         horizon and host mask (the search's feasibility check and the final plan ask for the same ones)."""
-        out = []
         n = len(win.seg_starts) if upto is None else upto
         mask_key = host.tobytes()
-        compiled_edf = self.compiled and self.cost_model.transfer in ("edf", "preemptive")  # same floats, no GIL
-        csr = None  # the compiled schedule's host layers, built once per call when a segment is missing
-        for i in range(first, n):
-            lat = win.seg_cache.get((mask_key, i))
-            if lat is None:
-                if compiled_edf and csr is None:
-                    csr = cc.host_csr(host)
-                lat = win.seg_cache[(mask_key, i)] = self._segment_latency(win, host, i, csr)
-            out.append(lat)
+        out = [win.seg_cache.get((mask_key, i)) for i in range(first, n)]
+        missing = [i for i, lat in zip(range(first, n), out) if lat is None]
+        if missing:
+            for i, lat in zip(missing, self._segment_latencies(win, host, missing)):
+                win.seg_cache[(mask_key, i)] = lat
+            out = [win.seg_cache[(mask_key, i)] for i in range(first, n)]
         return out
 
-    def _segment_latency(self, win: Horizon, host: np.ndarray, i: int, csr: tuple | None) -> float:
-        """Segment ``i``'s step latency: by the compiled schedule given the mask's host layers ``csr``
-        (:func:`orbitflow.plan.compiled.host_csr`), by the cost model when ``csr`` is None."""
+    def _segment_latencies(self, win: Horizon, host: np.ndarray, segs: list[int]) -> list[float]:
+        """The step latency of each segment in ``segs``: by the compiled schedule (all of them in one call, the same
+        floats, no GIL) on the links it has, else by the cost model."""
         cm = self.cost_model
-        if csr is not None:
+        if self.compiled and cm.transfer in ("edf", "preemptive"):
             comp, tails, sums, xfer = win.rows()
-            return float(sums[i]) + cc.step_added(comp[i], tails[i], host, xfer[i], cm.prefetch_slots,
-                                                  cm.host_layer_s, csr, cm.transfer == "preemptive")
-        comp = win.comp[i]
-        return float(comp.sum()) + cm.added_s(host, win.blocks[win.seg_starts[i]], comp)
+            added = np.empty(len(segs))
+            cc.segments_added(np.ascontiguousarray(host, dtype=np.bool_).view(np.uint8), comp, tails, xfer,
+                              np.array(segs, dtype=np.int64), np.int64(cm.prefetch_slots), float(cm.host_layer_s),
+                              cm.transfer == "preemptive", added)
+            return [float(sums[i]) + float(a) for i, a in zip(segs, added)]
+        return [float(win.comp[i].sum()) + cm.added_s(host, win.blocks[win.seg_starts[i]], win.comp[i]) for i in segs]
 
     # ---- Token-Deposit and the window -----------------------------------------------------------------
     def violations(self, win: Horizon, seg_lat: Sequence[float]) -> np.ndarray:
