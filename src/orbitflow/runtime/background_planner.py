@@ -1,13 +1,15 @@
 """Where a plan is solved ahead of its step, off the engine's critical path: a planner process or a thread.
 
-A thread shares the engine's GIL. Most of a solve's set-up (window, seeds, feasibility, expiry) is Python, and
-the engine's step is a long run of short torch calls, each of which must take the GIL back. Measured with
+A thread shares the engine's GIL. The searches run in compiled kernels without it, but gathering their inputs and
+building the plan (horizons, windows, the plan itself) is Python, and the engine's step is a long run of short torch
+calls, each of which must take the GIL back. Measured with
 benchmarks/planner.py --sections engine (SmolLM2-135M shape, 4 requests, batches of 4 requests x 32 layers
 solved back to back, each a round trip from a thread of the engine's process): on a 16-core H100 machine a
 planner thread slowed decode steps by +402% on the GPU and +178% on the CPU, a planner process by +2.3% and
 +0.1% (both with the ProcessPoolExecutor below). On this project's 2-core CPU machine
 (docs/results/planner_engine_cpu2.md, 100 interleaved rounds, paired by round) a planner thread solving back to back
-costs +107% at 4 x 32, a planner process solving on its own without round trips -0.1% (also at 16 x 80).
+costs +62% at 4 x 32 (2026-12-04, 1068 solves/s; +72% at 762 solves/s before the searches ran in one kernel call each),
+a planner process solving on its own without round trips +0.7% (+0.2% at 16 x 80).
 
 The planner process (:class:`PlannerProcess`) is one spawned process on a pipe (spawn: no fork of a process
 running torch threads), started with the engine and its compiled planner loaded then, not at the first solve.
@@ -28,10 +30,9 @@ its window, wait past it) run as in the engine. What it leaves out is the planne
 ``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
 process per engine (about 1 s of CPU and 190 MB) costs more than it saves in short runs and tests, which solve once
 per expiry, not back to back. In the engine's own pattern (one solve in flight, due at the step that reads it: a
-solve per step at 4 x 32) both cost little on 2 cores, the process less: a planner thread +1.9% [+1.1%, +3.2%] at
-4 x 32 and +2.0% at 16 x 80, a planner process +0.9% [+0.4%, +1.6%] and +0.6% (100 rounds paired, 2026-12-04; a
-run of 2026-12-03 with the older set-up gave the thread +2.8% [+2.6%, +3.1%]). At 4 x 32 most
-of a solve is Python set-up around the compiled search, which holds the GIL (benchmarks/planner.py --sections gil),
+solve per step at 4 x 32) both cost little on 2 cores, the process less: a planner thread +1.9% [+0.1%, +3.1%] at
+4 x 32 and +0.9% at 16 x 80, a planner process +0.5% [-0.7%, +1.9%] and +1.3% (100 rounds paired, 2026-12-04). At
+4 x 32 about half of a solve's wall time still holds the GIL (0.29 of 0.51 ms, benchmarks/planner.py --sections gil),
 so the thread's cost is that share. A server runs long, so ``orbitflow serve`` starts the process on any core count
 (its ``--background-planner`` default); so should a caller that solves back to back from the engine's process (a
 library user's loop; the engine never does).
