@@ -470,6 +470,13 @@ def test_compiled_search_order_is_the_references(transfer):
     assert swaps > 0 or transfer == "fair"  # the symmetry rule was exercised
 
 
+def _counted(monkeypatch, kernel: str) -> list:
+    """The calls of the compiled kernel ``kernel`` from now on (a list that grows by one per call)."""
+    calls, compiled_kernel = [], getattr(cc, kernel)
+    monkeypatch.setattr(cc, kernel, lambda *args: calls.append(1) or compiled_kernel(*args))
+    return calls
+
+
 @needs_numba
 @pytest.mark.parametrize("transfer", ["edf", "preemptive"])
 def test_first_better_is_the_first_only_branch_and_bound(transfer, monkeypatch):
@@ -477,9 +484,7 @@ def test_first_better_is_the_first_only_branch_and_bound(transfer, monkeypatch):
     BranchAndBound(first_only=True).run() does, with the same nodes, leaves and exactness: on horizons an expiry check
     searches (Constraints.horizon_after), with uppers around the optimum, node limits that stop it, a deadline already
     past, a gap, and identical requests (the symmetry rule)."""
-    calls = []
-    kernel = cc.first_better
-    monkeypatch.setattr(cc, "first_better", lambda *args: calls.append(1) or kernel(*args))
+    calls = _counted(monkeypatch, "first_better")
     rng = np.random.default_rng(11)
     outcomes = set()
     for _ in range(25):
@@ -516,9 +521,7 @@ def test_best_plan_is_the_branch_and_bound(transfer, monkeypatch):
     statistics (nodes, leaves, improvement evaluations, exactness, lower bound, gap), under node limits that cut it,
     a gap, hints (whole, partial, with distances the tables do not have), no improvement, and threads with a node
     limit (serial)."""
-    calls = []
-    kernel = cc.best_found
-    monkeypatch.setattr(cc, "best_found", lambda *args: calls.append(1) or kernel(*args))
+    calls = _counted(monkeypatch, "best_found")
     rng = np.random.default_rng(17)
     seen = set()
     for _ in range(25):

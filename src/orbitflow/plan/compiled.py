@@ -1027,7 +1027,7 @@ def bb_search(ist, fst, order, same_as_prev, choice, pos, nk, ordk, lat_lb, aliv
         pos[d - 1] += 1
 
 
-# ==== a first-found search in one call ======================================================================
+# ==== whole searches in one call ===========================================================================
 # the link's schedule, for search_order's symmetry rule (BranchAndBound._interchangeable)
 EDF_LINK, PREEMPTIVE_LINK, OTHER_LINK = 0, 1, 2
 

@@ -414,10 +414,10 @@ def warm_up() -> None:
                 PlanRequest("c", 6, 90, 40, 0.0, 2e-2)]
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1).plan(requests)
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=1, time_limit_s=10.0).plan(requests)
-    # two prefetch slots: the search's bounds are not the compiled ones there (its moves run from Python)
-    Planner(model.with_updates(prefetch_slots=2), capacity_blocks=120, window=(1, 4), node_limit=1).plan(requests)
     # ... and by its deadline: the kernels' clock
     Planner(model, capacity_blocks=100, window=(1, 4), node_limit=None, time_limit_s=1e-9).plan(requests)
+    # two prefetch slots: the search's bounds are not the compiled ones there (its moves run from Python)
+    Planner(model.with_updates(prefetch_slots=2), capacity_blocks=120, window=(1, 4), node_limit=1).plan(requests)
     # a plan whose window passes a block boundary where it stalls: the expiry check's search (search.first_better)
     grows = [PlanRequest(q.request_id, q.blocks_per_layer, 16 * q.blocks_per_layer, 40, 0.0, 2e-2) for q in requests]
     Planner(model, capacity_blocks=100, window=(2, 16)).plan(grows)
