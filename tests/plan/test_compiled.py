@@ -24,6 +24,14 @@ def _edf_case(rng):
     return comp, [np.flatnonzero(h).tolist() for h in host], xfer
 
 
+def _step_added(comp, host, xfer, slots, host_layer_s, preemptive=False) -> float:
+    """What ``host`` adds to one step's compute by the compiled schedule (compiled.segments_added, one segment)."""
+    out = np.empty(1)
+    cc.segments_added(host.view(np.uint8), comp[None], cc.tail(comp)[None], np.asarray(xfer, dtype=float)[None],
+                      np.zeros(1, np.int64), np.int64(slots), float(host_layer_s), preemptive, out)
+    return float(out[0])
+
+
 def _reference_slots(comp, hosts, xfer, slots, host_layer_s=0.0):
     """Event-by-event simulation with ``slots`` buffer slots per request: a request's first ``slots`` host
     layers are released at t=0, its k-th (k >= slots) when its (k-slots)-th host layer has finished computing;
@@ -103,7 +111,7 @@ def test_host_layer_compute_matches_event_simulation_and_the_reference(slots):
         for r, hl in enumerate(hosts):
             host[r, hl] = True
         cm = CostModel(comp, 1.0, prefetch_slots=slots, host_layer_s=h)
-        added = cc.step_added(comp, cc.tail(comp), host, np.asarray(xfer, dtype=float), slots, h)
+        added = _step_added(comp, host, xfer, slots, h)
         assert added == sum(ref) + sum([h] * int(host.any(axis=0).sum()))
         assert added == cm.added_s(host, np.asarray(xfer, dtype=float), comp)  # the reference path's floats
 
@@ -125,7 +133,7 @@ def test_compiled_preemptive_link_is_the_reference_bit_for_bit(slots):
         for r, hl in enumerate(hosts):
             host[r, hl] = True
         cm = CostModel(comp, 1.0, transfer="preemptive", prefetch_slots=slots, host_layer_s=h)
-        added = cc.step_added(comp, cc.tail(comp), host, np.asarray(xfer, dtype=float), slots, h, preemptive=True)
+        added = _step_added(comp, host, xfer, slots, h, preemptive=True)
         assert added == cm.added_s(host, np.asarray(xfer, dtype=float), comp)
         total = float(np.sum(comp)) + sum(ref)
         for limit in (total * 0.8, total * (1 + 1e-9)):

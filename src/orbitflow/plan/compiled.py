@@ -326,17 +326,6 @@ def edf_stalls(
     return None if total < 0 else stall
 
 
-def step_added(comp: np.ndarray, tail: np.ndarray, host: np.ndarray, xfer: np.ndarray, slots: int = 1,
-               host_layer_s: float = 0.0, preemptive: bool = False) -> float:
-    """What a host mask adds to one step's compute (stalls and host-layer compute; ``CostModel.added_s``):
-    :func:`segments_added` of one segment; ``preemptive``: on the ``"preemptive"`` link."""
-    out = np.empty(1)
-    segments_added(np.ascontiguousarray(host, dtype=np.bool_).view(np.uint8), np.ascontiguousarray(comp)[None],
-                   np.ascontiguousarray(tail)[None], np.ascontiguousarray(xfer, dtype=np.float64)[None],
-                   np.zeros(1, np.int64), np.int64(slots), float(host_layer_s), bool(preemptive), out)
-    return float(out[0])
-
-
 @_jit
 def segments_added(host, comp, tails, xfer, segs, slots, host_layer_s, preemptive, out):
     """What the host mask ``host`` (uint8 ``[R, L]``) adds to the compute of each window segment ``segs[j]``
