@@ -6,7 +6,8 @@ searches with their set-up: an expiry check's first-found one (:func:`first_bett
 
 Compiled with numba (nopython, ``nogil``, ``cache=True``), so a solve on the planner thread does not hold the
 GIL while it searches and the engine's step loop keeps running beside it. Every function takes float64 / int64
-/ uint8 arrays only (one signature each, compiled once and cached on disk).
+/ uint8 / bool arrays only (one signature each, compiled once and cached on disk; the bool ones are flag arrays,
+``bb_search``'s ``same_as_prev`` and ``alive``).
 
 The pure Python / NumPy code stays the reference (:func:`orbitflow.plan.cost_model.edf_stalls`,
 :class:`orbitflow.plan.search.BranchAndBound`'s ``_node``) and the fallback when numba is missing or
