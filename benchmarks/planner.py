@@ -976,26 +976,14 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
 
     import torch
 
-    from orbitflow.config import EngineConfig
-    from orbitflow.llm import LLM
-    from orbitflow.policies import FixedPlacementPolicy, OrbitFlowPolicy
+    from orbitflow.policies import OrbitFlowPolicy
     from orbitflow.runtime.background_planner import BackgroundPlanner
     from orbitflow.runtime.controller import lead_steps
-    from orbitflow.runtime.sampling import SamplingParams
 
-    torch.set_num_threads(torch_threads)
-    llm = LLM(EngineConfig.build(model=model, max_num_seqs=4, device_kv_blocks=16384),
-              policy=FixedPlacementPolicy("none"), profile="rough")
-    engine = llm.engine
-    rng = np.random.default_rng(seed)
-    vocab = llm.loaded.config.vocab_size
     modes = (*ENGINE_MODES, POOL, *PACED_MODES, BUSY)
     conditions = ["idle", "burner"] + [f"{mode} {r}x{l}" for r, l in sizes for mode in modes]
-    for i in range(4):
-        engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
-                           SamplingParams(max_tokens=rounds * block * len(conditions) + 24, ignore_eos=True))
-    for _ in range(8):  # prefill and warm-up
-        engine.step()
+    llm = _decoding_llm(model, torch_threads, rounds * block * len(conditions), seed)
+    engine = llm.engine
     planners = {mode: BackgroundPlanner(OrbitFlowPolicy(), mode) for mode in ENGINE_MODES}
     planners[POOL] = _PoolPlanner()
     cases = {(r, l): [_engine_case(np.random.default_rng(seed + k), r, l) for k in range(16)] for r, l in sizes}
@@ -1075,6 +1063,29 @@ def bench_engine(rounds: int, block: int, seed: int, torch_threads: int, sizes, 
                f"the sequences are about as long: they grow by {block * len(conditions)} tokens a round), with a 95% "
                f"bootstrap interval over the rounds (`paired_slowdown`).\n")
     _engine_table(conditions, steps, solves, busy_s, seed, out, block)
+
+
+def _decoding_llm(model: str, torch_threads: int, steps: int, seed: int):
+    """The engine sections' engine: ``model`` with 4 sequences of 128 random prompt tokens, prefilled and warmed up,
+    that decode at least ``steps`` more steps; no offload."""
+    import torch
+
+    from orbitflow.config import EngineConfig
+    from orbitflow.llm import LLM
+    from orbitflow.policies import FixedPlacementPolicy
+    from orbitflow.runtime.sampling import SamplingParams
+
+    torch.set_num_threads(torch_threads)
+    llm = LLM(EngineConfig.build(model=model, max_num_seqs=4, device_kv_blocks=16384),
+              policy=FixedPlacementPolicy("none"), profile="rough")
+    rng = np.random.default_rng(seed)
+    vocab = llm.loaded.config.vocab_size
+    for i in range(4):
+        llm.engine.add_request(f"bench-{i}", rng.integers(100, vocab - 100, 128).tolist(),
+                               SamplingParams(max_tokens=steps + 24, ignore_eos=True))
+    for _ in range(8):  # prefill and warm-up
+        llm.engine.step()
+    return llm
 
 
 class _PoolPlanner:
@@ -1199,6 +1210,87 @@ def bench_gil(sizes, n: int, seed: int, out: list[str]) -> list[dict]:
     return rows
 
 
+# The synthetic planner of the gil_share section: one cycle is a 4x32 solve's wall time over its kernel calls
+# (docs/results/planner_gil.md: 0.511 ms over 8 calls); it holds the GIL for a share of each cycle.
+GIL_CYCLE_S = 64e-6
+GIL_SHARES = (0.56, 0.28, 0.12, 0.05, 0.02, 0.0)  # 0.56: a 4x32 solve's today (planner_gil.md); 0: CPU alone
+
+
+@njit(nogil=True)
+def _spin(n: int) -> float:
+    """``n`` iterations of arithmetic without the GIL: the synthetic planner's kernel part."""
+    x = 0.0
+    for i in range(n):
+        x += (i % 7) * 1e-9
+    return x
+
+
+def _spin_rate() -> float:
+    """Iterations of :func:`_spin` per second on this machine."""
+    _spin(1000)
+    n = 2_000_000
+    start = time.perf_counter()
+    _spin(n)
+    return n / (time.perf_counter() - start)
+
+
+def _held_loop(stop, held_s: float, free_iters: int, count: list[int]) -> None:
+    """A synthetic planner thread, back to back: holds the GIL ``held_s`` (a Python loop), then runs ``free_iters``
+    of :func:`_spin` without it."""
+    clock = time.perf_counter
+    while not stop.is_set():
+        end = clock() + held_s
+        while clock() < end:
+            pass
+        _spin(free_iters)
+        count[0] += 1
+
+
+def bench_gil_share(rounds: int, block: int, seed: int, torch_threads: int, out: list[str],
+                    model: str = "smollm2-135m", shares=GIL_SHARES) -> None:
+    """Decode step time of the real engine beside a synthetic planner thread that holds the GIL a given share of
+    each :data:`GIL_CYCLE_S` and runs without it the rest, back to back: how little of a solve may hold the GIL for a
+    planner thread solving continuously to cost the engine a few percent. Conditions interleaved in blocks of
+    ``block`` steps, as the engine section's."""
+    import threading
+
+    conditions = ["idle"] + [f"held {100 * share:.0f}%" for share in shares]
+    share_of = dict(zip(conditions[1:], shares))
+    llm = _decoding_llm(model, torch_threads, rounds * block * len(conditions), seed)
+    rate = _spin_rate()
+    steps: dict[str, list[float]] = {c: [] for c in conditions}
+    cycles: dict[str, list[int]] = {c: [0] for c in conditions}
+    busy_s: dict[str, float] = {c: 0.0 for c in conditions}
+    for rnd in tqdm(range(rounds), desc="gil_share rounds", leave=False):
+        for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
+            stop, th = threading.Event(), None
+            if cond in share_of:
+                share = share_of[cond]
+                th = threading.Thread(target=_held_loop, args=(stop, share * GIL_CYCLE_S,
+                                                              int((1 - share) * GIL_CYCLE_S * rate), cycles[cond]))
+                th.start()
+                time.sleep(0.002)
+            start = time.perf_counter()
+            for _ in range(block):
+                t = time.perf_counter()
+                llm.engine.step()
+                steps[cond].append(time.perf_counter() - t)
+            busy_s[cond] += time.perf_counter() - start
+            stop.set()
+            if th is not None:
+                th.join()
+    llm.close()
+    out.append(f"\n### Engine decode step beside a thread that holds the GIL a share of the time\n\n{model} on the "
+               f"CPU, 4 sequences of 128+ tokens, torch threads {torch_threads}, no offload, as the engine section. "
+               f"Beside it a synthetic planner thread runs back to back: in each cycle of {1e6 * GIL_CYCLE_S:.0f} us "
+               f"(a 4x32 solve's wall time over its kernel calls, `planner_gil.md`) it holds the GIL for the share "
+               f"shown (a Python loop) and runs a numba `nogil` loop the rest; 'held 56%' is what a 4x32 solve holds "
+               f"today, 'held 0%' the CPU it takes alone. {rounds} rounds x {block} steps per condition, interleaved; "
+               f"the columns as the engine section's (paired by round: `paired_slowdown`); the last one counts the "
+               f"thread's cycles per second.\n")
+    _engine_table(conditions, steps, cycles, busy_s, seed, out, block, rate_label="cycles/s beside the engine")
+
+
 def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):
     """A random batch as the background planner receives it: (requests, planning context)."""
     from orbitflow.policies.base import PlanContext
@@ -1274,9 +1366,10 @@ def paired_slowdown(xs, idle, block: int, rng, resamples: int = 1000) -> tuple[f
     return float(np.median(ratios)), float(lo), float(hi)
 
 
-def _engine_table(conditions, steps, solves, busy_s, seed: int, out: list[str], block: int) -> None:
+def _engine_table(conditions, steps, solves, busy_s, seed: int, out: list[str], block: int,
+                  rate_label: str = "solves/s beside the engine") -> None:
     out.append("| condition | median step ms | p90 step ms | slowdown vs idle | 95% CI | paired by round | 95% CI "
-               "| solves/s beside the engine |")
+               f"| {rate_label} |")
     out.append("|---|---|---|---|---|---|---|---|")
     idle = np.asarray(steps["idle"])
     boot = np.random.default_rng(seed)
@@ -1331,8 +1424,8 @@ def _numba_version() -> str:
         return "missing"
 
 
-SECTIONS = ("speed", "budget_seeds", "engine", "gil", "bruteforce", "floor", "uniform", "full", "proof", "link",
-            "gap", "replan")
+SECTIONS = ("speed", "budget_seeds", "engine", "gil", "gil_share", "bruteforce", "floor", "uniform", "full", "proof",
+            "link", "gap", "replan")
 
 
 def main() -> None:
@@ -1350,7 +1443,8 @@ def main() -> None:
                          "by default, the same batches planned for a preemptive link, ~3 min; gap: not by default, the "
                          "same batches solved within relative gaps 0, 1e-4 and 1e-3, ~3 min; replan: not by default, "
                          "what a re-plan at the plan's expiry could reuse of the last search, ~3 min; gil: not by "
-                         "default, where a solve in the engine's pattern holds the GIL, ~1 min)")
+                         "default, where a solve in the engine's pattern holds the GIL, ~1 min; gil_share: not by "
+                         "default, the engine's step beside a thread holding the GIL a given share, ~3 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
                     help="proof, replan: wall-clock cap of the search that knows its best plan (default "
                          "%(default)s)")
@@ -1367,7 +1461,8 @@ def main() -> None:
                     help="replan: seconds each traced search records its bounds (default %(default)s)")
     ap.add_argument("--budget-seeds", type=int, default=4,
                     help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
-    ap.add_argument("--engine-rounds", type=int, default=None, help="interleaved rounds (default 12, quick 3)")
+    ap.add_argument("--engine-rounds", type=int, default=None,
+                    help="engine, gil_share: interleaved rounds (default 12 and 20, quick 3)")
     ap.add_argument("--gil-batches", type=int, default=200,
                     help="gil: batches per size, each solved once to warm and once timed (default %(default)s)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
@@ -1431,6 +1526,9 @@ def main() -> None:
                      [(4, 32), (16, 80)], out, model=args.model)
     if "gil" in sections:
         bench_gil(sizes, 16 if args.quick else args.gil_batches, args.seed, out)
+    if "gil_share" in sections:
+        bench_gil_share(args.engine_rounds or (3 if args.quick else 20), 10, args.seed, args.torch_threads, out,
+                        model=args.model)
     if "bruteforce" in sections:
         bench_bruteforce(20 if args.quick else 100, args.seed)
     if "floor" in sections:
@@ -1463,10 +1561,14 @@ def main() -> None:
             title = "Planner: what a re-plan could reuse"
         elif sections == {"gil"}:
             title = "Planner: where a solve holds the GIL"
+        elif sections == {"gil_share"}:
+            title = "Planner: how much of a solve may hold the GIL"
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
         about = (f"seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` (8-1024 blocks per "
                  "layer, link 1.9-6x a layer's compute, capacity 0.3-0.6 of the KV, SLO 1.5-2.5x the no-offload step)")
+        if sections == {"gil_share"}:
+            about = f"seed {args.seed}. No planner solves here: the thread beside the engine is synthetic"
         write_fragment(args.md, title, cmd, started, machine, about, out)
 
 
