@@ -1572,6 +1572,13 @@ def main() -> None:
         write_fragment(args.md, title, cmd, started, machine, about, out)
 
 
+def require_positive(ap: argparse.ArgumentParser, args: argparse.Namespace, names) -> None:
+    """Exit through ``ap.error``, naming the flag, unless every option of ``names`` (attribute names) is > 0."""
+    for name in names:
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+
+
 def write_fragment(path: str, title: str, cmd: str, started: str, machine: str, about: str, out: list[str]) -> None:
     """Write a section's tables ``out`` as a Markdown fragment of docs/results.md, headed by ``title`` and the command,
     start time and machine (:func:`_machine` at the start) that made it (``about``: what it ran on)."""

@@ -39,7 +39,15 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from planner import EXACT, _machine, pct, speed_cases, traced_children, write_fragment  # noqa: E402
+from planner import (  # noqa: E402
+    EXACT,
+    _machine,
+    pct,
+    require_positive,
+    speed_cases,
+    traced_children,
+    write_fragment,
+)
 
 from orbitflow.plan import Placement, Planner, warm_up  # noqa: E402
 from orbitflow.plan.bounds import critical_windows, dp_bound  # noqa: E402
@@ -380,9 +388,7 @@ def main() -> None:
                     help="seconds of each traced reference search the fixing bound is checked on (default %(default)s)")
     ap.add_argument("--md", metavar="PATH", help="write the table as a Markdown fragment (docs/results/planner_lp.md)")
     args = ap.parse_args()
-    for name in ("calls", "exact_cap_s", "lp_cap_s", "fix_cap", "trace_cap_s"):
-        if getattr(args, name) <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    require_positive(ap, args, ("calls", "exact_cap_s", "lp_cap_s", "fix_cap", "trace_cap_s"))
     if not 0 <= args.gap < 1:
         ap.error(f"--gap must be in [0, 1), got {args.gap}")
     warm_up()

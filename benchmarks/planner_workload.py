@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from planner import _machine, pct, write_fragment  # noqa: E402
+from planner import _machine, pct, require_positive, write_fragment  # noqa: E402
 
 from orbitflow.plan import Plan, PlanRequest, warm_up  # noqa: E402
 from orbitflow.plan.hardware import load_preset  # noqa: E402
@@ -239,9 +239,7 @@ def main() -> None:
                     help="cap of each exact solve, s (default %(default)s, the speed table's)")
     ap.add_argument("--md", metavar="PATH", help="write the table as a Markdown fragment")
     args = ap.parse_args()
-    for name in ("num_requests", "rate_scale", "slo_scale", "per_run", "exact_cap_s"):
-        if not getattr(args, name) > 0:
-            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    require_positive(ap, args, ("num_requests", "rate_scale", "slo_scale", "per_run", "exact_cap_s"))
     if args.seed < 0:
         ap.error("--seed must be >= 0")
     try:
