@@ -363,16 +363,19 @@ def test_gil_section_splits_each_solve_into_kernel_and_python_time():
     assert "| 4x32 | 4 |" in table and "| 2x8 | 4 |" in table
 
 
-def test_gil_share_section_times_every_share_beside_the_engine(tiny_chat_dir):
+def test_gil_share_section_times_every_share_beside_the_engine_and_measures_what_it_held(tiny_chat_dir):
     """The gil_share section: a row per share and idle's, the synthetic thread ran its cycles beside the engine in
-    every held condition, and the engine's steps were timed in each."""
+    every held condition, the engine's steps were timed in each, and the share it held is measured: a thread told to
+    hold the GIL for most of each cycle holds it more than one told to hold none."""
     bench = load_benchmark("planner")
     out: list[str] = []
-    bench.bench_gil_share(2, 2, 0, 1, out, model=str(tiny_chat_dir), shares=(0.5, 0.0))
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in out if line.startswith("| ")}
-    assert set(rows) == {"condition", "idle", "held 50%", "held 0%"}
+    measured = bench.bench_gil_share(2, 2, 0, 1, out, model=str(tiny_chat_dir), shares=(0.6, 0.0))
+    rows = {line.split(" | ")[0].lstrip("| ").split(":")[0]: line.split(" | ") for line in out if line.startswith("| ")}
+    assert set(rows) == {"condition", "idle", "held 60%", "held 0%"}
     assert rows["condition"][-1] == "cycles/s beside the engine |"
     assert float(rows["idle"][-1].rstrip(" |")) == 0
-    for cond in ("held 50%", "held 0%"):
+    for cond in ("held 60%", "held 0%"):
         assert float(rows[cond][-1].rstrip(" |")) > 0 and float(rows[cond][1]) > 0
-    assert bench._spin_rate() > 0
+        assert all(0 <= share <= 1 for share in measured[cond])
+    assert measured["held 60%"][0] > 0.3 > measured["held 0%"][0]  # alone: 60% of a cycle against a loop's overhead
+    assert measured["held 60%"][1] > measured["held 0%"][1]

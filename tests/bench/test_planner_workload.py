@@ -2,6 +2,7 @@
 plan, samples the largest batches, and its exact re-solve is never beaten by the engine's where it proves."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 from benchmark_scripts import load_benchmark, run_benchmark
@@ -44,33 +45,67 @@ def test_a_recorded_call_solves_again_to_the_plan_the_run_got(recorded):
     assert checked >= 3
 
 
-def test_sample_takes_the_largest_batches_evenly_spaced_in_the_runs_order(bench):
-    def call(size, tag):
-        return bench.Call([PlanRequest(f"{tag}-{i}", 1, 16) for i in range(size)], ctx=None)
+def _calls(bench, sizes):
+    return [bench.Call([PlanRequest(f"{k}-{i}", 1, 16) for i in range(size)], ctx=None) for k, size in enumerate(sizes)]
 
-    calls = [call(s, k) for k, s in enumerate([2, 4, 3, 4, 1, 4, 4, 3, 4])]
+
+def test_sample_takes_the_largest_batches_whole_then_the_next_evenly_spaced(bench):
+    calls = _calls(bench, [2, 4, 3, 4, 1, 4, 4, 3, 4])
     fours = [c for c in calls if len(c.requests) == 4]
     assert bench.sample(calls, 5) == fours  # exactly the 4s
     assert bench.sample(calls, 2) == [fours[0], fours[-1]]  # evenly spaced: both ends
-    six = bench.sample(calls, 7)  # the 4s, then the 3s, in the run's order
-    assert six == [c for c in calls if len(c.requests) >= 3]
-
-
-def test_the_exact_re_solve_is_never_beaten_where_it_proves_and_the_summary_counts_it(bench, recorded):
-    calls, metrics = recorded
+    assert bench.sample(calls, 7) == [c for c in calls if len(c.requests) >= 3]  # the 4s, then the 3s, in order
+    # three 16s among ten 15s: every 16 stays, the 15s are thinned to what is left, evenly spaced
+    calls = _calls(bench, [15, 16, 15, 15, 15, 16, 15, 15, 15, 15, 16, 15, 15])
     picked = bench.sample(calls, 6)
-    rows = [bench.resolve(c, cap_s=5.0, engine_first=i % 2 == 0) for i, c in enumerate(picked)]
-    for r in rows:
+    fifteens = [c for c in calls if len(c.requests) == 15]
+    assert [c for c in picked if len(c.requests) == 16] == [c for c in calls if len(c.requests) == 16]
+    assert [c for c in picked if len(c.requests) == 15] == [fifteens[0], fifteens[4], fifteens[9]]
+    assert picked == [c for c in calls if c in picked]  # the run's order
+
+
+def _row(engine, exact, engine_s=0.01, exact_s=0.5, size=4):
+    def plan(feasible, step, proven, gap=None):
+        return SimpleNamespace(feasible=feasible, predicted_step_s=step, stats=SimpleNamespace(exact=proven, gap=gap))
+
+    return {"size": size, "engine": plan(*engine), "exact": plan(*exact), "engine_s": engine_s, "exact_s": exact_s}
+
+
+def test_summary_tells_optima_from_proofs_that_no_plan_fits_and_counts_a_cut_solve_as_longest(bench):
+    rows = [
+        _row((True, 1.02, False, 0.05), (True, 1.00, True), exact_s=0.4),  # engine 2% over a proven optimum
+        _row((False, math.inf, True), (False, math.inf, True), exact_s=0.1),  # both prove no plan fits
+        _row((True, 1.00, True, 0.0), (True, 1.00, False), exact_s=2.0),  # the exact search cut at the cap
+        _row((True, 0.50, False, 0.01), (True, 0.49, False), engine_s=0.9, exact_s=1.9),  # longer than its step
+    ]
+    s = bench.summarize(bench.Run.parse(RUN), [], rows, {}, cap_s=2.0)
+    assert (s["engine_optimal"], s["engine_none_fits"]) == (1, 1)
+    assert (s["exact_optimal"], s["exact_none_fits"], s["exact_cut"]) == (1, 1, 2)
+    assert s["feasible"] == 3 and s["both_feasible"] == 3 and s["longer_than_step"] == 1
+    assert s["excess_mean"] == pytest.approx((0.02 + 0.0 + 0.5 / 0.49 - 1) / 3)
+    assert s["proven_excess_max"] == pytest.approx(0.02) and s["proven_n"] == 1
+    assert s["exact_p50_ms"] == math.inf and s["exact_p99_ms"] == math.inf  # two of four cut: the median is cut
+    assert s["engine_p50_ms"] == pytest.approx(10.0)
+    assert s["gap_max"] == pytest.approx(0.05)
+    out: list[str] = []
+    bench.table([s], out)
+    assert "| > 2 s / > 2 s | 1 / 1 / 2 of 4 (cap 2 s) |" in out[-1]
+    rows[3]["exact"].stats.exact = True  # now three of four proven: the median is a proven solve's time
+    s = bench.summarize(bench.Run.parse(RUN), [], rows, {}, cap_s=2.0)
+    assert s["exact_p50_ms"] == pytest.approx(1900.0) and s["exact_p99_ms"] == math.inf
+
+
+def test_the_exact_re_solve_is_exact_and_never_beaten_where_it_proves(bench, recorded):
+    calls, _ = recorded
+    picked = bench.sample(calls, 6)
+    for i, call in enumerate(picked):
+        r = bench.resolve(call, cap_s=5.0, engine_first=i % 2 == 0)
+        assert r["exact"].stats.expiry_searches == 0  # check_better off: the optimisation alone
         if r["exact"].stats.exact and r["exact"].feasible:
             assert r["exact"].predicted_step_s <= r["engine"].predicted_step_s * (1 + 1e-9)
-        if r["exact"].stats.exact:  # a proof of infeasibility too
+        if r["exact"].stats.exact:  # a proof that no plan fits too
             assert r["engine"].feasible <= r["exact"].feasible
         assert r["engine_s"] > 0 and r["exact_s"] > 0
-    s = bench.summarize(bench.Run.parse(RUN), calls, rows, metrics, 5.0)
-    assert s["n"] == len(picked) and s["layers"] == 32 and s["largest"] == 4
-    assert s["exact_unproven"] == sum(not r["exact"].stats.exact for r in rows)
-    assert s["both_feasible"] == sum(r["engine"].feasible and r["exact"].feasible for r in rows)
-    assert math.isnan(s["excess_mean"]) or s["excess_mean"] >= -1e-9
 
 
 def test_runs_are_checked_and_their_errors_name_the_flag(bench):

@@ -33,12 +33,13 @@ per expiry, not back to back. In the engine's own pattern (one solve in flight, 
 solve per step at 4 x 32) both cost little on 2 cores, the process less: a planner thread +1.9% [+0.1%, +3.1%] at
 4 x 32 and +0.9% at 16 x 80, a planner process +0.5% [-0.7%, +1.9%] and +1.3% (100 rounds paired, 2026-12-04). At
 4 x 32 about half of a solve's wall time still holds the GIL (0.29 of 0.51 ms, benchmarks/planner.py --sections gil),
-so the thread's cost is that share. How small the share must be for a thread solving back to back to cost the
-engine a few percent: a synthetic thread holding the GIL 56% of each 64 us (a 4 x 32 solve's today) costs +64%,
-12% +10%, 5% +5%, 2% +2% (CPU alone: +2%) (benchmarks/planner.py --sections gil_share, 20 rounds paired,
-2026-12-07): a solve would have to hold it for about 10 us. A server runs long, so ``orbitflow serve`` starts the process on any core count
-(its ``--background-planner`` default); so should a caller that solves back to back from the engine's process (a
-library user's loop; the engine never does).
+so the thread's cost is that share. How small the share must be for a thread solving back to back to cost
+the engine only what its CPU does (benchmarks/planner.py --sections gil_share, a synthetic thread, 20 rounds
+paired, 2026-12-07; share measured alone): 53% held +50%, 27% +22%, 13% +8%, 5% +5%, 2% +5%, and
+0% (the CPU alone) +3%, the last three within each other's intervals. A solve would have to hold the GIL for
+about 5% of its time, some 25 us of a 4 x 32 solve. A server runs long, so ``orbitflow serve`` starts the
+process on any core count (its ``--background-planner`` default); so should a caller that solves back to back
+from the engine's process (a library user's loop; the engine never does).
 """
 
 from __future__ import annotations
