@@ -1314,10 +1314,9 @@ def bench_gil_share(rounds: int, block: int, seed: int, torch_threads: int, out:
                f"loop of the share shown of {1e6 * GIL_CYCLE_S:.0f} us (a 4x32 solve's wall time over its kernel "
                f"calls, `planner_gil.md`), then runs a numba `nogil` loop sized for the rest. 'held 56%' is the share "
                f"a 4x32 solve holds today (the gil section's, measured alone). After the colon, the share of its time "
-               f"it "
-               f"measurably held: alone (0.3 s before the rounds; comparable with the gil section's), and beside the "
-               f"engine, where its cycles stretch while it waits for the GIL in turn. 'held 0%' still takes the GIL "
-               f"for its loop's own Python each cycle: the least a Python-driven thread holds. {rounds} rounds x "
+               f"it measurably held: alone (0.3 s before the rounds; comparable with the gil section's), and beside "
+               f"the engine, where its cycles stretch while it waits for the GIL in turn. 'held 0%' still takes the "
+               f"GIL for its loop's own Python each cycle: the least a Python-driven thread holds. {rounds} rounds x "
                f"{block} steps per condition, interleaved; the columns as the engine section's (paired by round: "
                f"`paired_slowdown`); the last one counts the thread's cycles per second.\n")
     _engine_table([label[c] for c in conditions], {label[c]: steps[c] for c in conditions},

@@ -162,7 +162,7 @@ def _ms(xs: list[float], q: float) -> float:
     return 1e3 * float(np.percentile(np.asarray(xs), q, method="higher")) if xs else math.nan
 
 
-def summarize(run: Run, calls: list[Call], rows: list[dict], metrics: dict, cap_s: float) -> dict:
+def summarize(run: Run, calls: list[Call], rows: list[dict], cap_s: float) -> dict:
     """One table row: the run's calls and what their re-solves took. A proof is of the optimum (the plan is feasible)
     or that no plan fits (it is not); an exact solve that is neither was cut at the cap."""
     eng = [r["engine"] for r in rows]
@@ -178,7 +178,7 @@ def summarize(run: Run, calls: list[Call], rows: list[dict], metrics: dict, cap_
     return {
         "run": run, "layers": layers, "calls": len(calls), "sizes": sorted({len(c.requests) for c in calls}),
         "largest": max((len(c.requests) for c in calls), default=0), "n": len(rows),
-        "sampled_sizes": sorted({r["size"] for r in rows}), "tbt_attainment": metrics.get("tbt_attainment"),
+        "sampled_sizes": sorted({r["size"] for r in rows}),
         "engine_p50_ms": _ms(engine_s, 50), "engine_p99_ms": _ms(engine_s, 99),
         "step_p50_ms": 1e3 * pct(steps, 50), "longer_than_step": longer, "feasible": len(steps),
         "engine_optimal": sum(1 for p in eng if p.feasible and p.stats.exact),
@@ -229,12 +229,12 @@ def bench_workload(runs: list[Run], num_requests: int, rate_scale: float, slo_sc
     for run in runs:
         print(f"{run.preset}: simulating {num_requests} requests at batch {run.max_num_seqs} ...", flush=True)
         t = time.perf_counter()
-        calls, metrics = record_run(run, num_requests, rate_scale, slo_scale, seed)
+        calls, _ = record_run(run, num_requests, rate_scale, slo_scale, seed)
         print(f"{run.preset}: {len(calls)} planner calls recorded in {time.perf_counter() - t:.0f} s", flush=True)
         picked = sample(calls, per_run)
         rows = [resolve(c, cap_s, engine_first=i % 2 == 0)
                 for i, c in enumerate(tqdm(picked, desc=f"re-solve {run.preset}", unit="call"))]
-        summaries.append(summarize(run, calls, rows, metrics, cap_s))
+        summaries.append(summarize(run, calls, rows, cap_s))
     table(summaries, out)
     return summaries
 

@@ -78,7 +78,7 @@ def test_summary_tells_optima_from_proofs_that_no_plan_fits_and_counts_a_cut_sol
         _row((True, 1.00, True, 0.0), (True, 1.00, False), exact_s=2.0),  # the exact search cut at the cap
         _row((True, 0.50, False, 0.01), (True, 0.49, False), engine_s=0.9, exact_s=1.9),  # longer than its step
     ]
-    s = bench.summarize(bench.Run.parse(RUN), [], rows, {}, cap_s=2.0)
+    s = bench.summarize(bench.Run.parse(RUN), [], rows, cap_s=2.0)
     assert (s["engine_optimal"], s["engine_none_fits"]) == (1, 1)
     assert (s["exact_optimal"], s["exact_none_fits"], s["exact_cut"]) == (1, 1, 2)
     assert s["feasible"] == 3 and s["both_feasible"] == 3 and s["longer_than_step"] == 1
@@ -91,7 +91,7 @@ def test_summary_tells_optima_from_proofs_that_no_plan_fits_and_counts_a_cut_sol
     bench.table([s], out)
     assert "| > 2 s / > 2 s | 1 / 1 / 2 of 4 (cap 2 s) |" in out[-1]
     rows[3]["exact"].stats.exact = True  # now three of four proven: the median is a proven solve's time
-    s = bench.summarize(bench.Run.parse(RUN), [], rows, {}, cap_s=2.0)
+    s = bench.summarize(bench.Run.parse(RUN), [], rows, cap_s=2.0)
     assert s["exact_p50_ms"] == pytest.approx(1900.0) and s["exact_p99_ms"] == math.inf
 
 
