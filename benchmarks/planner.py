@@ -1254,15 +1254,24 @@ def _held_loop(stop, held_s: float, free_iters: int, tally: list[float]) -> None
     tally[2] += clock() - first
 
 
+def _held_thread(stop, share: float, rate: float, tally: list[float]):
+    """A started :func:`_held_loop` thread holding the GIL ``share`` of each :data:`GIL_CYCLE_S` (``rate``: what
+    :func:`_spin_rate` measured), run until ``stop`` is set."""
+    import threading
+
+    th = threading.Thread(target=_held_loop, args=(stop, share * GIL_CYCLE_S, int((1 - share) * GIL_CYCLE_S * rate),
+                                                   tally))
+    th.start()
+    return th
+
+
 def _held_alone(share: float, rate: float, seconds: float = 0.3) -> float:
     """The share of its time the synthetic thread holds the GIL with nothing beside it (what the gil section measures
     of a real solve)."""
     import threading
 
     stop, tally = threading.Event(), [0.0, 0.0, 0.0]
-    th = threading.Thread(target=_held_loop, args=(stop, share * GIL_CYCLE_S, int((1 - share) * GIL_CYCLE_S * rate),
-                                                   tally))
-    th.start()
+    th = _held_thread(stop, share, rate, tally)
     time.sleep(seconds)
     stop.set()
     th.join()
@@ -1290,10 +1299,7 @@ def bench_gil_share(rounds: int, block: int, seed: int, torch_threads: int, out:
         for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
             stop, th = threading.Event(), None
             if cond in share_of:
-                share = share_of[cond]
-                th = threading.Thread(target=_held_loop, args=(stop, share * GIL_CYCLE_S,
-                                                              int((1 - share) * GIL_CYCLE_S * rate), tally[cond]))
-                th.start()
+                th = _held_thread(stop, share_of[cond], rate, tally[cond])
                 time.sleep(0.002)
             start = time.perf_counter()
             for _ in range(block):

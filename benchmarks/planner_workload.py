@@ -1,7 +1,7 @@
 """The planner on the engine's own batches: the plan() calls of a simulated paper-scale run, re-solved.
 
 Run: ``python benchmarks/planner_workload.py [--md docs/results/planner_workload.md]`` (from the repo root; about
-10 minutes on 2 cores, most of it the 70B run's simulation).
+13 minutes on 2 cores, 11 of them the 70B run's simulation).
 
 ``benchmarks/planner.py``'s speed table draws random batches (``random_instance``). This script takes instead the
 batches the engine's own planner is handed: it runs ``orbitflow simulate``'s engine (the real scheduler, controller,
@@ -14,11 +14,12 @@ evenly spaced sample of the largest batches twice, back to back, alternating whi
 * exactly: the same call with ``node_limit=None, check_better=False`` (what the speed table's 'exact' is), stopped at
   ``--exact-cap-s``.
 
-It reports what the issue's exact goal asks on these batches (exact p50 / p99, how many were not proven by the cap),
-what the engine pays per call against the step it plans (the plan's predicted step: a solve hidden behind the steps
-before its expiry must take less), and how far the engine's plan can be from the optimum: its excess over the best
-plan the exact search found (a lower bound on its distance from the optimum where that search was cut) and the gap the
-engine's own search certified (an upper bound).
+It reports what the issue's exact goal asks on these batches (exact p50 / p99, how many proved an optimum, how many
+proved that no plan fits and how many were cut at the cap), what the engine pays per call against the step it plans
+(the plan's predicted step: a solve hidden behind the steps before its expiry must take less), and how far the
+engine's plan can be from the optimum: its excess over the best plan the exact search found (a lower bound on its
+distance from the optimum where that search was cut) and the gap ``g`` the engine's own search certified (which
+bounds that distance by ``g / (1 - g)``).
 """
 
 from __future__ import annotations
