@@ -1331,6 +1331,91 @@ def bench_gil_share(rounds: int, block: int, seed: int, torch_threads: int, out:
     return measured
 
 
+GIL_SWITCH_INTERVALS = (5e-3, 1e-3, 1e-4, 2e-5, 5e-6)  # Python's default, the KV copy thread's, and shorter
+
+
+def aten_calls_per_step(engine) -> int:
+    """The aten operator calls of one ``engine.step()``: each is a torch call that releases the GIL and takes it
+    back, where a thread beside it may hold it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        engine.step()
+    return Count.calls
+
+
+def bench_gil_switch(rounds: int, block: int, seed: int, torch_threads: int, out: list[str],
+                     model: str = "smollm2-135m", intervals=GIL_SWITCH_INTERVALS, size=(4, 32)) -> int:
+    """Decode step time of the real engine beside the engine's planner thread solving ``size`` batches back to back
+    (the engine section's 'thread' condition) under several ``sys.setswitchinterval`` values: whether a thread
+    that must hand the GIL back sooner costs the engine less. Conditions interleaved in blocks of ``block`` steps,
+    as the engine section's; the interval is set for the condition's block only. Returns the aten calls of one
+    step (:func:`aten_calls_per_step`)."""
+    import threading
+
+    from orbitflow.policies import OrbitFlowPolicy
+    from orbitflow.runtime.background_planner import BackgroundPlanner
+
+    conditions = ["idle"] + [f"thread {size[0]}x{size[1]}, switch interval {1e6 * v:g} us" for v in intervals]
+    interval_of = dict(zip(conditions[1:], intervals))
+    llm = _decoding_llm(model, torch_threads, rounds * block * len(conditions) + 1, seed)
+    calls = aten_calls_per_step(llm.engine)
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "thread")
+    cases = [_engine_case(np.random.default_rng(seed + k), *size) for k in range(16)]
+    planner.submit(*cases[0]).result()  # load the compiled code before timing
+    before = sys.getswitchinterval()
+    steps: dict[str, list[float]] = {c: [] for c in conditions}
+    solves: dict[str, list[int]] = {c: [0] for c in conditions}
+    busy_s: dict[str, float] = {c: 0.0 for c in conditions}
+    try:
+        for rnd in tqdm(range(rounds), desc="gil_switch rounds", leave=False):
+            for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
+                stop, th = threading.Event(), None
+                if cond in interval_of:
+                    sys.setswitchinterval(interval_of[cond])
+                    th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[cond]))
+                    th.start()
+                    time.sleep(0.002)
+                start = time.perf_counter()
+                for _ in range(block):
+                    t = time.perf_counter()
+                    llm.engine.step()
+                    steps[cond].append(time.perf_counter() - t)
+                busy_s[cond] += time.perf_counter() - start
+                stop.set()
+                if th is not None:
+                    th.join()
+                sys.setswitchinterval(before)
+    finally:
+        sys.setswitchinterval(before)
+        planner.close()
+        llm.close()
+    out.append(f"\n### Engine decode step beside a planner thread, by GIL switch interval\n\n{model} on the CPU, 4 "
+               f"sequences of 128+ tokens, torch threads {torch_threads}, no offload, as the engine section. Beside "
+               f"it the engine's planner thread (runtime/background_planner.py) solves {size[0]}x{size[1]} batches "
+               f"back to back (the engine section's 'thread' condition), with `sys.setswitchinterval` set to the "
+               f"value shown for that condition's steps (the engine's process runs at {1e6 * before:g} us otherwise; "
+               f"Python's default is 5000 us): how long a thread may keep the GIL while another waits for it. One "
+               f"decode step makes {calls} aten calls, each a torch call that releases the GIL and takes it back. "
+               f"{rounds} rounds x {block} steps per condition, interleaved; the columns as the engine section's "
+               f"(paired by round: `paired_slowdown`).\n")
+    _engine_table(conditions, steps, solves, busy_s, seed, out, block)
+    idle = float(np.median(steps["idle"]))
+    extra = ", ".join(f"{1e6 * (float(np.median(steps[c])) - idle) / calls:.0f} us at {1e6 * v:g} us"
+                      for c, v in interval_of.items())
+    out.append(f"\nThe step time the thread adds, over the step's {calls} aten calls (median step over idle's): "
+               f"{extra}.")
+    print(out[-1], flush=True)
+    return calls
+
+
 def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):
     """A random batch as the background planner receives it: (requests, planning context)."""
     from orbitflow.policies.base import PlanContext
@@ -1464,8 +1549,8 @@ def _numba_version() -> str:
         return "missing"
 
 
-SECTIONS = ("speed", "budget_seeds", "engine", "gil", "gil_share", "bruteforce", "floor", "uniform", "full", "proof",
-            "link", "gap", "replan")
+SECTIONS = ("speed", "budget_seeds", "engine", "gil", "gil_share", "gil_switch", "bruteforce", "floor", "uniform",
+            "full", "proof", "link", "gap", "replan")
 
 
 def main() -> None:
@@ -1484,7 +1569,9 @@ def main() -> None:
                          "same batches solved within relative gaps 0, 1e-4 and 1e-3, ~3 min; replan: not by default, "
                          "what a re-plan at the plan's expiry could reuse of the last search, ~3 min; gil: not by "
                          "default, where a solve in the engine's pattern holds the GIL, ~1 min; gil_share: not by "
-                         "default, the engine's step beside a thread holding the GIL a given share, ~3 min)")
+                         "default, the engine's step beside a thread holding the GIL a given share, ~3 min; "
+                         "gil_switch: not by default, the engine's step beside a planner thread at several GIL "
+                         "switch intervals, ~4 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
                     help="proof, replan: wall-clock cap of the search that knows its best plan (default "
                          "%(default)s)")
@@ -1502,7 +1589,7 @@ def main() -> None:
     ap.add_argument("--budget-seeds", type=int, default=4,
                     help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
     ap.add_argument("--engine-rounds", type=int, default=None,
-                    help="engine, gil_share: interleaved rounds (default 12 and 20, quick 3)")
+                    help="engine, gil_share, gil_switch: interleaved rounds (default 12, 20 and 20, quick 3)")
     ap.add_argument("--gil-batches", type=int, default=200,
                     help="gil: batches per size, each solved once to warm and once timed (default %(default)s)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
@@ -1569,6 +1656,9 @@ def main() -> None:
     if "gil_share" in sections:
         bench_gil_share(args.engine_rounds or (3 if args.quick else 20), 10, args.seed, args.torch_threads, out,
                         model=args.model)
+    if "gil_switch" in sections:
+        bench_gil_switch(args.engine_rounds or (3 if args.quick else 20), 6, args.seed, args.torch_threads, out,
+                         model=args.model)
     if "bruteforce" in sections:
         bench_bruteforce(20 if args.quick else 100, args.seed)
     if "floor" in sections:
@@ -1603,6 +1693,8 @@ def main() -> None:
             title = "Planner: where a solve holds the GIL"
         elif sections == {"gil_share"}:
             title = "Planner: how much of a solve may hold the GIL"
+        elif sections == {"gil_switch"}:
+            title = "Planner: a planner thread by GIL switch interval"
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
         about = (f"seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` (8-1024 blocks per "

@@ -2,6 +2,7 @@
 executor's schedule and only ever shorten it, and its table reads right."""
 
 import math
+import sys
 import time
 
 import numpy as np
@@ -379,3 +380,25 @@ def test_gil_share_section_times_every_share_beside_the_engine_and_measures_what
         assert all(0 <= share <= 1 for share in measured[cond])
     assert measured["held 60%"][0] > 0.3 > measured["held 0%"][0]  # alone: 60% of a cycle against a loop's overhead
     assert measured["held 60%"][1] > measured["held 0%"][1]
+
+
+def test_gil_switch_section_times_the_planner_thread_at_every_interval_and_puts_the_interval_back(tiny_chat_dir):
+    """The gil_switch section: a row per switch interval and idle's, the planner thread solved beside the engine in
+    each, the engine's aten calls per step are counted, and the process's switch interval is what it was before."""
+    bench = load_benchmark("planner")
+    out: list[str] = []
+    original = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)  # below the 1 ms the engine's KV copy thread sets where it is longer
+    try:
+        calls = bench.bench_gil_switch(2, 2, 0, 1, out, model=str(tiny_chat_dir), intervals=(1e-3, 1e-5), size=(2, 8))
+        assert sys.getswitchinterval() == 5e-4
+    finally:
+        sys.setswitchinterval(original)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in out if line.startswith("| ")}
+    threads = ("thread 2x8, switch interval 1000 us", "thread 2x8, switch interval 10 us")
+    assert set(rows) == {"condition", "idle", *threads}
+    assert float(rows["idle"][-1].rstrip(" |")) == 0
+    for cond in threads:
+        assert float(rows[cond][-1].rstrip(" |")) > 0 and float(rows[cond][1]) > 0
+    assert calls > 0 and f"makes {calls} aten calls" in out[0]
+

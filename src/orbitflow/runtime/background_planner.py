@@ -37,7 +37,10 @@ so the thread's cost is that share. How small the share must be for a thread sol
 the engine only what its CPU does (benchmarks/planner.py --sections gil_share, a synthetic thread, 20 rounds
 paired, 2026-12-07; share measured alone): 53% held +50%, 27% +22%, 13% +8%, 5% +5%, 2% +5%, and
 0% (the CPU alone) +3%, the last three within each other's intervals. A solve would have to hold the GIL for
-about 5% of its time, some 25 us of a 4 x 32 solve. A server runs long, so ``orbitflow serve`` starts the
+about 5% of its time, some 25 us of a 4 x 32 solve. Handing the GIL back sooner does not help: with
+``sys.setswitchinterval`` at 5000, 1000, 100, 20 or 5 us a planner thread solving back to back cost +64% to +77%
+(benchmarks/planner.py --sections gil_switch, 2026-12-07): the step grew by some 34-42 us for each of its 2175
+torch calls, each of which gives the GIL up and takes it back. A server runs long, so ``orbitflow serve`` starts the
 process on any core count (its ``--background-planner`` default); so should a caller that solves back to back
 from the engine's process (a library user's loop; the engine never does).
 """
