@@ -1416,6 +1416,89 @@ def bench_gil_switch(rounds: int, block: int, seed: int, torch_threads: int, out
     return calls
 
 
+GIL_GRAIN_CALLS = (2176, 272, 34)  # a SmolLM2 decode step's aten calls (gil_switch), 8 per call, 64 per call
+GIL_GRAIN_ROWS = 6 * 2176  # rows of the step's matrix products in all, split among its calls
+
+
+def _grain_step(x: np.ndarray, w, n_calls: int) -> None:
+    """A synthetic decode step: the products of ``x``'s rows (torch, ``[GIL_GRAIN_ROWS, d]``) with ``w``, in
+    ``n_calls`` torch calls of equal rows: the same arithmetic whatever ``n_calls``, released to the GIL in as many
+    pieces."""
+    import torch
+
+    for piece in x.chunk(n_calls):
+        torch.mm(piece, w)
+
+
+def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out: list[str], calls=GIL_GRAIN_CALLS,
+                    rows: int = GIL_GRAIN_ROWS, dim: int = 576, size=(4, 32)) -> dict[int, tuple[float, float, float]]:
+    """A synthetic decode step (:func:`_grain_step`: the same products in ``calls`` torch calls) alone and beside the
+    engine's planner thread solving ``size`` batches back to back: whether a step made of fewer, longer GIL-free
+    calls loses less to the thread (gil_switch: the engine's step grows by some 40 us per torch call). Per round and
+    granularity, ``block`` steps alone and ``block`` beside the thread, in alternating order. Returns per number of
+    calls the paired slowdown (median, 95% interval)."""
+    import threading
+
+    import torch
+
+    from orbitflow.policies import OrbitFlowPolicy
+    from orbitflow.runtime.background_planner import BackgroundPlanner
+
+    torch.set_num_threads(torch_threads)
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, dim, generator=gen), torch.randn(dim, dim, generator=gen)
+    planner = BackgroundPlanner(OrbitFlowPolicy(), "thread")
+    cases = [_engine_case(np.random.default_rng(seed + k), *size) for k in range(16)]
+    planner.submit(*cases[0]).result()  # load the compiled code before timing
+    for n in calls:
+        _grain_step(x, w, n)  # warm
+    alone = {n: [] for n in calls}
+    beside = {n: [] for n in calls}
+    solves, busy_s = {n: [0] for n in calls}, {n: 0.0 for n in calls}
+    try:
+        for rnd in tqdm(range(rounds), desc="gil_grain rounds", leave=False):
+            for n in calls:
+                for with_thread in ((False, True) if rnd % 2 == 0 else (True, False)):
+                    stop, th = threading.Event(), None
+                    if with_thread:
+                        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[n]))
+                        th.start()
+                        time.sleep(0.002)
+                    start = time.perf_counter()
+                    for _ in range(block):
+                        t = time.perf_counter()
+                        _grain_step(x, w, n)
+                        (beside if with_thread else alone)[n].append(time.perf_counter() - t)
+                    stop.set()
+                    if th is not None:
+                        th.join()
+                        busy_s[n] += time.perf_counter() - start
+    finally:
+        planner.close()
+    out.append(f"\n### A synthetic step beside a planner thread, by how many torch calls make it\n\nA synthetic decode "
+               f"step: the products of a {rows} x {dim} matrix with a {dim} x {dim} one (torch, {torch_threads} "
+               f"thread(s)), split by rows into the number of torch calls shown: the same arithmetic each time, "
+               f"released to the GIL in that many pieces ({calls[0]}: about the SmolLM2 decode step's aten calls, "
+               f"gil_switch). Beside it the engine's planner thread (runtime/background_planner.py) solves "
+               f"{size[0]}x{size[1]} batches back to back, as in the engine section's 'thread' condition. Per round "
+               f"and number of calls, {block} steps alone and {block} beside the thread, in alternating order; "
+               f"{rounds} rounds. slowdown: paired by round (`paired_slowdown`: each round's median beside the thread "
+               f"over its median alone), with a 95% bootstrap interval over the rounds.\n")
+    out.append("| torch calls per step | rows per call | step alone, median ms | beside the thread, median ms | "
+               "slowdown, paired | 95% CI | solves/s beside the step |")
+    out.append("|---|---|---|---|---|---|---|")
+    boot, result = np.random.default_rng(seed), {}
+    for n in calls:
+        med, lo, hi = paired_slowdown(beside[n], alone[n], block, boot)
+        result[n] = (med, lo, hi)
+        rate = solves[n][0] / busy_s[n] if busy_s[n] > 0 else 0.0
+        out.append(f"| {n} | {rows // n} | {1e3 * float(np.median(alone[n])):.2f} | "
+                   f"{1e3 * float(np.median(beside[n])):.2f} | {100 * (med - 1):+.1f}% | "
+                   f"[{100 * (lo - 1):+.1f}%, {100 * (hi - 1):+.1f}%] | {rate:.0f} |")
+    print("\n".join(out[-len(calls) - 2:]), flush=True)
+    return result
+
+
 def _engine_case(rng: np.random.Generator, n_req: int, n_layers: int):
     """A random batch as the background planner receives it: (requests, planning context)."""
     from orbitflow.policies.base import PlanContext
@@ -1549,8 +1632,8 @@ def _numba_version() -> str:
         return "missing"
 
 
-SECTIONS = ("speed", "budget_seeds", "engine", "gil", "gil_share", "gil_switch", "bruteforce", "floor", "uniform",
-            "full", "proof", "link", "gap", "replan")
+SECTIONS = ("speed", "budget_seeds", "engine", "gil", "gil_share", "gil_switch", "gil_grain", "bruteforce", "floor",
+            "uniform", "full", "proof", "link", "gap", "replan")
 
 
 def main() -> None:
@@ -1571,7 +1654,8 @@ def main() -> None:
                          "default, where a solve in the engine's pattern holds the GIL, ~1 min; gil_share: not by "
                          "default, the engine's step beside a thread holding the GIL a given share, ~3 min; "
                          "gil_switch: not by default, the engine's step beside a planner thread at several GIL "
-                         "switch intervals, ~4 min)")
+                         "switch intervals, ~4 min; gil_grain: not by default, a synthetic step made of more or "
+                         "fewer torch calls beside a planner thread, ~3 min)")
     ap.add_argument("--proof-cap-s", type=float, default=10.0,
                     help="proof, replan: wall-clock cap of the search that knows its best plan (default "
                          "%(default)s)")
@@ -1589,7 +1673,8 @@ def main() -> None:
     ap.add_argument("--budget-seeds", type=int, default=4,
                     help="budget_seeds: how many other seeds (seed+1..) re-draw the first size's batches (default 4)")
     ap.add_argument("--engine-rounds", type=int, default=None,
-                    help="engine, gil_share, gil_switch: interleaved rounds (default 12, 20 and 20, quick 3)")
+                    help="engine, gil_share, gil_switch, gil_grain: interleaved rounds (default 12, 20, 20 and "
+                         "20, quick 3)")
     ap.add_argument("--gil-batches", type=int, default=200,
                     help="gil: batches per size, each solved once to warm and once timed (default %(default)s)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the engine")
@@ -1659,6 +1744,8 @@ def main() -> None:
     if "gil_switch" in sections:
         bench_gil_switch(args.engine_rounds or (3 if args.quick else 20), 6, args.seed, args.torch_threads, out,
                          model=args.model)
+    if "gil_grain" in sections:
+        bench_gil_grain(args.engine_rounds or (3 if args.quick else 20), 4, args.seed, args.torch_threads, out)
     if "bruteforce" in sections:
         bench_bruteforce(20 if args.quick else 100, args.seed)
     if "floor" in sections:
@@ -1695,6 +1782,8 @@ def main() -> None:
             title = "Planner: how much of a solve may hold the GIL"
         elif sections == {"gil_switch"}:
             title = "Planner: a planner thread by GIL switch interval"
+        elif sections == {"gil_grain"}:
+            title = "Planner: a planner thread beside a step of fewer torch calls"
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
         about = (f"seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` (8-1024 blocks per "

@@ -402,3 +402,25 @@ def test_gil_switch_section_times_the_planner_thread_at_every_interval_and_puts_
         assert float(rows[cond][-1].rstrip(" |")) > 0 and float(rows[cond][1]) > 0
     assert calls > 0 and f"makes {calls} aten calls" in out[0]
 
+
+
+def test_gil_grain_section_times_each_granularity_alone_and_beside_the_planner_thread(monkeypatch):
+    """The gil_grain section: a row per number of torch calls, each with steps timed alone and beside the planner
+    thread, which solved beside every one; the synthetic step does the same products in any number of calls."""
+    import torch
+
+    bench = load_benchmark("planner")
+    x, w = torch.randn(48, 16), torch.randn(16, 16)
+    calls, real_mm = [], torch.mm
+    with monkeypatch.context() as m:
+        m.setattr(torch, "mm", lambda a, b: calls.append(a.shape[0]) or real_mm(a, b))
+        bench._grain_step(x, w, 8)
+        bench._grain_step(x, w, 2)
+    assert calls == [6] * 8 + [24] * 2
+    out: list[str] = []
+    result = bench.bench_gil_grain(2, 2, 0, 1, out, calls=(16, 2), rows=64, dim=32, size=(2, 8))
+    assert set(result) == {16, 2} and all(lo <= med <= hi for med, lo, hi in result.values())
+    rows = [line.split(" | ") for line in out if line.startswith("| ") and line[2].isdigit()]
+    assert [r[0].lstrip("| ") for r in rows] == ["16", "2"] and [r[1] for r in rows] == ["4", "32"]
+    for r in rows:
+        assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[-1].rstrip(" |")) > 0
