@@ -1420,7 +1420,7 @@ GIL_GRAIN_CALLS = (2176, 272, 34)  # a SmolLM2 decode step's aten calls (gil_swi
 GIL_GRAIN_ROWS = 6 * 2176  # rows of the step's matrix products in all, split among its calls
 
 
-def _grain_step(x: np.ndarray, w, n_calls: int) -> None:
+def _grain_step(x, w, n_calls: int) -> None:
     """A synthetic decode step: the products of ``x``'s rows (torch, ``[GIL_GRAIN_ROWS, d]``) with ``w``, in
     ``n_calls`` torch calls of equal rows: the same arithmetic whatever ``n_calls``, released to the GIL in as many
     pieces."""
@@ -1430,13 +1430,39 @@ def _grain_step(x: np.ndarray, w, n_calls: int) -> None:
         torch.mm(piece, w)
 
 
+def _scripted_grain_step(x, w, n_calls: int, per_call: int, scripted) -> None:
+    """:func:`_grain_step` with ``n_calls * per_call`` products, made in ``n_calls`` calls of ``scripted`` (the
+    TorchScript function of :func:`_script_products`) of ``per_call`` products each: the same arithmetic as
+    ``_grain_step(x, w, n_calls * per_call)``, handing the GIL back ``n_calls`` times."""
+    for piece in x.chunk(n_calls):
+        scripted(piece, w, per_call)
+
+
+def _script_products():
+    """A TorchScript function ``(x, w, n)`` returning the products of ``n`` equal row pieces of ``x`` with ``w``: one
+    call from Python that releases the GIL for all ``n`` (torch 2.13 calls ``torch.jit.script`` deprecated: the
+    warning is silenced here, where it is only a measuring tool)."""
+    import warnings
+
+    import torch
+
+    def products(x: torch.Tensor, w: torch.Tensor, n: int) -> list[torch.Tensor]:
+        return [torch.mm(piece, w) for piece in torch.chunk(x, n)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated")
+        return torch.jit.script(products)
+
+
 def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out: list[str], calls=GIL_GRAIN_CALLS,
-                    rows: int = GIL_GRAIN_ROWS, dim: int = 576, size=(4, 32)) -> dict[int, tuple[float, float, float]]:
-    """A synthetic decode step (:func:`_grain_step`: the same products in ``calls`` torch calls) alone and beside the
-    engine's planner thread solving ``size`` batches back to back: whether a step made of fewer, longer GIL-free
-    calls loses less to the thread (gil_switch: the engine's step grows by some 40 us per torch call). Per round and
-    granularity, ``block`` steps alone and ``block`` beside the thread, in alternating order. Returns per number of
-    calls the paired slowdown (median, 95% interval)."""
+                    rows: int = GIL_GRAIN_ROWS, dim: int = 576, size=(4, 32)) -> dict[str, tuple[float, float, float]]:
+    """A synthetic decode step (:func:`_grain_step`: the same products in ``calls`` torch calls; and the finest of
+    them made in as many calls as the coarsest, each a TorchScript function doing its share,
+    :func:`_scripted_grain_step`) alone and beside the engine's planner thread solving ``size`` batches back to back:
+    whether a step made of fewer, longer GIL-free calls loses less to the thread (gil_switch: the engine's step grows
+    by some 40 us per torch call). Per round and step, ``block`` steps alone and ``block`` beside the thread, in
+    alternating order. Returns per step (its row's label) the paired slowdown (median, 95% interval)."""
     import threading
 
     import torch
@@ -1447,55 +1473,64 @@ def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out:
     torch.set_num_threads(torch_threads)
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, dim, generator=gen), torch.randn(dim, dim, generator=gen)
+    fine, coarse = max(calls), min(calls)
+    scripted = _script_products()
+    steps = {f"{n}": (n, rows // n, lambda n=n: _grain_step(x, w, n)) for n in calls}
+    steps[f"{coarse}, TorchScript"] = (coarse, rows // fine,
+                                       lambda: _scripted_grain_step(x, w, coarse, fine // coarse, scripted))
     planner = BackgroundPlanner(OrbitFlowPolicy(), "thread")
     cases = [_engine_case(np.random.default_rng(seed + k), *size) for k in range(16)]
     planner.submit(*cases[0]).result()  # load the compiled code before timing
-    for n in calls:
-        _grain_step(x, w, n)  # warm
-    alone = {n: [] for n in calls}
-    beside = {n: [] for n in calls}
-    solves, busy_s = {n: [0] for n in calls}, {n: 0.0 for n in calls}
+    for _, _, step in steps.values():
+        step()  # warm (TorchScript profiles its first runs)
+        step()
+    alone = {label: [] for label in steps}
+    beside = {label: [] for label in steps}
+    solves, busy_s = {label: [0] for label in steps}, {label: 0.0 for label in steps}
     try:
         for rnd in tqdm(range(rounds), desc="gil_grain rounds", leave=False):
-            for n in calls:
+            for label, (_, _, step) in steps.items():
                 for with_thread in ((False, True) if rnd % 2 == 0 else (True, False)):
                     stop, th = threading.Event(), None
                     if with_thread:
-                        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[n]))
+                        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[label]))
                         th.start()
                         time.sleep(0.002)
                     start = time.perf_counter()
                     for _ in range(block):
                         t = time.perf_counter()
-                        _grain_step(x, w, n)
-                        (beside if with_thread else alone)[n].append(time.perf_counter() - t)
+                        step()
+                        (beside if with_thread else alone)[label].append(time.perf_counter() - t)
                     stop.set()
                     if th is not None:
                         th.join()
-                        busy_s[n] += time.perf_counter() - start
+                        busy_s[label] += time.perf_counter() - start
     finally:
         planner.close()
     out.append(f"\n### A synthetic step beside a planner thread, by how many torch calls make it\n\nA synthetic decode "
                f"step: the products of a {rows} x {dim} matrix with a {dim} x {dim} one (torch, {torch_threads} "
                f"thread(s)), split by rows into the number of torch calls shown: the same arithmetic each time, "
-               f"released to the GIL in that many pieces ({calls[0]}: about the SmolLM2 decode step's aten calls, "
-               f"gil_switch). Beside it the engine's planner thread (runtime/background_planner.py) solves "
-               f"{size[0]}x{size[1]} batches back to back, as in the engine section's 'thread' condition. Per round "
-               f"and number of calls, {block} steps alone and {block} beside the thread, in alternating order; "
-               f"{rounds} rounds. slowdown: paired by round (`paired_slowdown`: each round's median beside the thread "
-               f"over its median alone), with a 95% bootstrap interval over the rounds.\n")
-    out.append("| torch calls per step | rows per call | step alone, median ms | beside the thread, median ms | "
+               f"released to the GIL in that many pieces ({fine}: about the SmolLM2 decode step's aten calls, "
+               f"gil_switch). '{coarse}, TorchScript': the {fine} products of {rows // fine} rows, made in {coarse} "
+               f"calls of a `torch.jit.script` function doing {fine // coarse} each (the same aten calls as the "
+               f"{fine}-call step, run without the GIL from one call from Python). Beside it the engine's planner "
+               f"thread (runtime/background_planner.py) solves {size[0]}x{size[1]} batches back to back, as in the "
+               f"engine section's 'thread' condition. Per round and step, {block} steps alone and {block} beside the "
+               f"thread, in alternating order; {rounds} rounds. slowdown: paired by round (`paired_slowdown`: each "
+               f"round's median beside the thread over its median alone), with a 95% bootstrap interval over the "
+               f"rounds.\n")
+    out.append("| torch calls per step | rows per product | step alone, median ms | beside the thread, median ms | "
                "slowdown, paired | 95% CI | solves/s beside the step |")
     out.append("|---|---|---|---|---|---|---|")
     boot, result = np.random.default_rng(seed), {}
-    for n in calls:
-        med, lo, hi = paired_slowdown(beside[n], alone[n], block, boot)
-        result[n] = (med, lo, hi)
-        rate = solves[n][0] / busy_s[n] if busy_s[n] > 0 else 0.0
-        out.append(f"| {n} | {rows // n} | {1e3 * float(np.median(alone[n])):.2f} | "
-                   f"{1e3 * float(np.median(beside[n])):.2f} | {100 * (med - 1):+.1f}% | "
+    for label, (_, per_product, _) in steps.items():
+        med, lo, hi = paired_slowdown(beside[label], alone[label], block, boot)
+        result[label] = (med, lo, hi)
+        rate = solves[label][0] / busy_s[label] if busy_s[label] > 0 else 0.0
+        out.append(f"| {label} | {per_product} | {1e3 * float(np.median(alone[label])):.2f} | "
+                   f"{1e3 * float(np.median(beside[label])):.2f} | {100 * (med - 1):+.1f}% | "
                    f"[{100 * (lo - 1):+.1f}%, {100 * (hi - 1):+.1f}%] | {rate:.0f} |")
-    print("\n".join(out[-len(calls) - 2:]), flush=True)
+    print("\n".join(out[-len(steps) - 2:]), flush=True)
     return result
 
 

@@ -404,9 +404,10 @@ def test_gil_switch_section_times_the_planner_thread_at_every_interval_and_puts_
 
 
 
-def test_gil_grain_section_times_each_granularity_alone_and_beside_the_planner_thread(monkeypatch):
-    """The gil_grain section: a row per number of torch calls, each with steps timed alone and beside the planner
-    thread, which solved beside every one; the synthetic step does the same products in any number of calls."""
+def test_gil_grain_section_times_each_step_alone_and_beside_the_planner_thread(monkeypatch):
+    """The gil_grain section: the synthetic steps split their rows evenly, the TorchScript one makes the same products
+    as the finest step (equal results) in as many calls as the coarsest; a row per step, each timed alone and beside
+    the planner thread, which solved beside every one."""
     import torch
 
     bench = load_benchmark("planner")
@@ -417,10 +418,16 @@ def test_gil_grain_section_times_each_granularity_alone_and_beside_the_planner_t
         bench._grain_step(x, w, 8)
         bench._grain_step(x, w, 2)
     assert calls == [6] * 8 + [24] * 2
+    scripted, pieces = bench._script_products(), []
+    bench._scripted_grain_step(x, w, 2, 4, lambda piece, w_, n: pieces.append(scripted(piece, w_, n)))
+    assert [len(p) for p in pieces] == [4, 4] and all(p.shape == (6, 16) for group in pieces for p in group)
+    got = torch.cat([p for group in pieces for p in group])
+    assert torch.equal(got, torch.cat([real_mm(piece, w) for piece in x.chunk(8)]))
     out: list[str] = []
     result = bench.bench_gil_grain(2, 2, 0, 1, out, calls=(16, 2), rows=64, dim=32, size=(2, 8))
-    assert set(result) == {16, 2} and all(lo <= med <= hi for med, lo, hi in result.values())
+    assert set(result) == {"16", "2", "2, TorchScript"} and all(lo <= med <= hi for med, lo, hi in result.values())
     rows = [line.split(" | ") for line in out if line.startswith("| ") and line[2].isdigit()]
-    assert [r[0].lstrip("| ") for r in rows] == ["16", "2"] and [r[1] for r in rows] == ["4", "32"]
+    assert [r[0].lstrip("| ") for r in rows] == ["16", "2", "2, TorchScript"]
+    assert [r[1] for r in rows] == ["4", "32", "4"]
     for r in rows:
         assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[-1].rstrip(" |")) > 0
