@@ -1216,6 +1216,35 @@ GIL_CYCLE_S = 64e-6
 GIL_SHARES = (0.56, 0.28, 0.12, 0.05, 0.02, 0.0)  # 0.56: a 4x32 solve's today (planner_gil.md); 0: CPU alone
 
 
+def interleaved_rounds(rounds: int, block: int, conditions, step, beside, desc: str):
+    """Time ``block`` calls of ``step()`` per condition and round, the conditions in turn (the order rotated by one
+    each round): ``beside(cond, stop)`` starts what runs beside that condition's block (a started thread, or None)
+    and returns it; after the block ``stop`` is set and the thread joined. Returns per condition its step times (in
+    round order, ``block`` per round, as :func:`paired_slowdown` reads them) and the seconds its blocks ran."""
+    import threading
+
+    steps: dict[str, list[float]] = {c: [] for c in conditions}
+    busy_s: dict[str, float] = {c: 0.0 for c in conditions}
+    for rnd in tqdm(range(rounds), desc=desc, leave=False):
+        for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
+            stop = threading.Event()
+            th = beside(cond, stop)
+            if th is not None:
+                time.sleep(0.002)
+            try:
+                start = time.perf_counter()
+                for _ in range(block):
+                    t = time.perf_counter()
+                    step()
+                    steps[cond].append(time.perf_counter() - t)
+                busy_s[cond] += time.perf_counter() - start
+            finally:
+                stop.set()
+                if th is not None:
+                    th.join()
+    return steps, busy_s
+
+
 @njit(nogil=True)
 def _spin(n: int) -> float:
     """``n`` iterations of arithmetic without the GIL: the synthetic planner's kernel part."""
@@ -1285,31 +1314,17 @@ def bench_gil_share(rounds: int, block: int, seed: int, torch_threads: int, out:
     planner thread solving continuously to cost the engine a few percent. Conditions interleaved in blocks of
     ``block`` steps, as the engine section's. Returns each condition's measured share held (alone, beside the
     engine)."""
-    import threading
-
     conditions = ["idle"] + [f"held {100 * share:.0f}%" for share in shares]
     share_of = dict(zip(conditions[1:], shares))
     llm = _decoding_llm(model, torch_threads, rounds * block * len(conditions), seed)
     rate = _spin_rate()
     alone = {cond: _held_alone(share, rate) for cond, share in share_of.items()}
-    steps: dict[str, list[float]] = {c: [] for c in conditions}
     tally: dict[str, list[float]] = {c: [0.0, 0.0, 0.0] for c in conditions}
-    busy_s: dict[str, float] = {c: 0.0 for c in conditions}
-    for rnd in tqdm(range(rounds), desc="gil_share rounds", leave=False):
-        for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
-            stop, th = threading.Event(), None
-            if cond in share_of:
-                th = _held_thread(stop, share_of[cond], rate, tally[cond])
-                time.sleep(0.002)
-            start = time.perf_counter()
-            for _ in range(block):
-                t = time.perf_counter()
-                llm.engine.step()
-                steps[cond].append(time.perf_counter() - t)
-            busy_s[cond] += time.perf_counter() - start
-            stop.set()
-            if th is not None:
-                th.join()
+
+    def beside(cond, stop):
+        return _held_thread(stop, share_of[cond], rate, tally[cond]) if cond in share_of else None
+
+    steps, busy_s = interleaved_rounds(rounds, block, conditions, llm.engine.step, beside, "gil_share rounds")
     llm.close()
     measured = {c: (alone[c], tally[c][1] / tally[c][2] if tally[c][2] > 0 else 0.0) for c in share_of}
     label = {c: c if c not in share_of else f"{c}: {100 * measured[c][0]:.0f}% / {100 * measured[c][1]:.0f}%"
@@ -1371,28 +1386,18 @@ def bench_gil_switch(rounds: int, block: int, seed: int, torch_threads: int, out
     cases = [_engine_case(np.random.default_rng(seed + k), *size) for k in range(16)]
     planner.submit(*cases[0]).result()  # load the compiled code before timing
     before = sys.getswitchinterval()
-    steps: dict[str, list[float]] = {c: [] for c in conditions}
     solves: dict[str, list[int]] = {c: [0] for c in conditions}
-    busy_s: dict[str, float] = {c: 0.0 for c in conditions}
+
+    def beside(cond, stop):
+        sys.setswitchinterval(interval_of.get(cond, before))  # idle's steps run at the process's own
+        if cond not in interval_of:
+            return None
+        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[cond]))
+        th.start()
+        return th
+
     try:
-        for rnd in tqdm(range(rounds), desc="gil_switch rounds", leave=False):
-            for cond in conditions[rnd % len(conditions):] + conditions[: rnd % len(conditions)]:
-                stop, th = threading.Event(), None
-                if cond in interval_of:
-                    sys.setswitchinterval(interval_of[cond])
-                    th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[cond]))
-                    th.start()
-                    time.sleep(0.002)
-                start = time.perf_counter()
-                for _ in range(block):
-                    t = time.perf_counter()
-                    llm.engine.step()
-                    steps[cond].append(time.perf_counter() - t)
-                busy_s[cond] += time.perf_counter() - start
-                stop.set()
-                if th is not None:
-                    th.join()
-                sys.setswitchinterval(before)
+        steps, busy_s = interleaved_rounds(rounds, block, conditions, llm.engine.step, beside, "gil_switch rounds")
     finally:
         sys.setswitchinterval(before)
         planner.close()
