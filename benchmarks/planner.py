@@ -1217,10 +1217,10 @@ GIL_SHARES = (0.56, 0.28, 0.12, 0.05, 0.02, 0.0)  # 0.56: a 4x32 solve's today (
 
 
 def interleaved_rounds(rounds: int, block: int, conditions, step, beside, desc: str):
-    """Time ``block`` calls of ``step()`` per condition and round, the conditions in turn (the order rotated by one
-    each round): ``beside(cond, stop)`` starts what runs beside that condition's block (a started thread, or None)
-    and returns it; after the block ``stop`` is set and the thread joined. Returns per condition its step times (in
-    round order, ``block`` per round, as :func:`paired_slowdown` reads them) and the seconds its blocks ran."""
+    """Time ``block`` calls of ``step(cond)`` per condition and round, the conditions in turn (the order rotated by
+    one each round): ``beside(cond, stop)`` starts what runs beside that condition's block (a started thread, or
+    None) and returns it; after the block ``stop`` is set and the thread joined. Returns per condition its step times
+    (in round order, ``block`` per round, as :func:`paired_slowdown` reads them) and the seconds its blocks ran."""
     import threading
 
     steps: dict[str, list[float]] = {c: [] for c in conditions}
@@ -1235,7 +1235,7 @@ def interleaved_rounds(rounds: int, block: int, conditions, step, beside, desc: 
                 start = time.perf_counter()
                 for _ in range(block):
                     t = time.perf_counter()
-                    step()
+                    step(cond)
                     steps[cond].append(time.perf_counter() - t)
                 busy_s[cond] += time.perf_counter() - start
             finally:
@@ -1324,7 +1324,8 @@ def bench_gil_share(rounds: int, block: int, seed: int, torch_threads: int, out:
     def beside(cond, stop):
         return _held_thread(stop, share_of[cond], rate, tally[cond]) if cond in share_of else None
 
-    steps, busy_s = interleaved_rounds(rounds, block, conditions, llm.engine.step, beside, "gil_share rounds")
+    steps, busy_s = interleaved_rounds(rounds, block, conditions, lambda _: llm.engine.step(), beside,
+                                        "gil_share rounds")
     llm.close()
     measured = {c: (alone[c], tally[c][1] / tally[c][2] if tally[c][2] > 0 else 0.0) for c in share_of}
     label = {c: c if c not in share_of else f"{c}: {100 * measured[c][0]:.0f}% / {100 * measured[c][1]:.0f}%"
@@ -1397,7 +1398,8 @@ def bench_gil_switch(rounds: int, block: int, seed: int, torch_threads: int, out
         return th
 
     try:
-        steps, busy_s = interleaved_rounds(rounds, block, conditions, llm.engine.step, beside, "gil_switch rounds")
+        steps, busy_s = interleaved_rounds(rounds, block, conditions, lambda _: llm.engine.step(), beside,
+                                           "gil_switch rounds")
     finally:
         sys.setswitchinterval(before)
         planner.close()
@@ -1466,8 +1468,9 @@ def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out:
     them made in as many calls as the coarsest, each a TorchScript function doing its share,
     :func:`_scripted_grain_step`) alone and beside the engine's planner thread solving ``size`` batches back to back:
     whether a step made of fewer, longer GIL-free calls loses less to the thread (gil_switch: the engine's step grows
-    by some 40 us per torch call). Per round and step, ``block`` steps alone and ``block`` beside the thread, in
-    alternating order. Returns per step (its row's label) the paired slowdown (median, 95% interval)."""
+    by some 40 us per torch call). Each step runs as two conditions of :func:`interleaved_rounds`, alone and beside
+    the thread, ``block`` steps each per round. Returns per step (its row's label) the paired slowdown (median, 95%
+    interval)."""
     import threading
 
     import torch
@@ -1475,41 +1478,36 @@ def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out:
     from orbitflow.policies import OrbitFlowPolicy
     from orbitflow.runtime.background_planner import BackgroundPlanner
 
+    fine, coarse = max(calls), min(calls)
+    if any(rows % n for n in calls) or fine % coarse:
+        raise ValueError(f"gil_grain: {rows} rows must split evenly into each of {calls} calls, and {fine} products "
+                         f"into {coarse} calls")
     torch.set_num_threads(torch_threads)
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, dim, generator=gen), torch.randn(dim, dim, generator=gen)
-    fine, coarse = max(calls), min(calls)
     scripted = _script_products()
-    steps = {f"{n}": (n, rows // n, lambda n=n: _grain_step(x, w, n)) for n in calls}
-    steps[f"{coarse}, TorchScript"] = (coarse, rows // fine,
-                                       lambda: _scripted_grain_step(x, w, coarse, fine // coarse, scripted))
+    grains = {f"{n}": (rows // n, lambda n=n: _grain_step(x, w, n)) for n in calls}
+    grains[f"{coarse}, TorchScript"] = (rows // fine,
+                                        lambda: _scripted_grain_step(x, w, coarse, fine // coarse, scripted))
     planner = BackgroundPlanner(OrbitFlowPolicy(), "thread")
     cases = [_engine_case(np.random.default_rng(seed + k), *size) for k in range(16)]
     planner.submit(*cases[0]).result()  # load the compiled code before timing
-    for _, _, step in steps.values():
+    for _, step in grains.values():
         step()  # warm (TorchScript profiles its first runs)
         step()
-    alone = {label: [] for label in steps}
-    beside = {label: [] for label in steps}
-    solves, busy_s = {label: [0] for label in steps}, {label: 0.0 for label in steps}
+    conditions = [(label, thread) for label in grains for thread in (False, True)]
+    solves = {cond: [0] for cond in conditions}
+
+    def beside(cond, stop):
+        if not cond[1]:
+            return None
+        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[cond]))
+        th.start()
+        return th
+
     try:
-        for rnd in tqdm(range(rounds), desc="gil_grain rounds", leave=False):
-            for label, (_, _, step) in steps.items():
-                for with_thread in ((False, True) if rnd % 2 == 0 else (True, False)):
-                    stop, th = threading.Event(), None
-                    if with_thread:
-                        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[label]))
-                        th.start()
-                        time.sleep(0.002)
-                    start = time.perf_counter()
-                    for _ in range(block):
-                        t = time.perf_counter()
-                        step()
-                        (beside if with_thread else alone)[label].append(time.perf_counter() - t)
-                    stop.set()
-                    if th is not None:
-                        th.join()
-                        busy_s[label] += time.perf_counter() - start
+        steps, busy_s = interleaved_rounds(rounds, block, conditions, lambda cond: grains[cond[0]][1](), beside,
+                                           "gil_grain rounds")
     finally:
         planner.close()
     out.append(f"\n### A synthetic step beside a planner thread, by how many torch calls make it\n\nA synthetic decode "
@@ -1520,22 +1518,25 @@ def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out:
                f"calls of a `torch.jit.script` function doing {fine // coarse} each (the same aten calls as the "
                f"{fine}-call step, run without the GIL from one call from Python). Beside it the engine's planner "
                f"thread (runtime/background_planner.py) solves {size[0]}x{size[1]} batches back to back, as in the "
-               f"engine section's 'thread' condition. Per round and step, {block} steps alone and {block} beside the "
-               f"thread, in alternating order; {rounds} rounds. slowdown: paired by round (`paired_slowdown`: each "
+               f"engine section's 'thread' condition. Each step alone and beside the thread are two conditions, "
+               f"{block} steps each per round, all of them interleaved (their order rotated by one each round); "
+               f"{rounds} rounds. slowdown: paired by round (`paired_slowdown`: each "
                f"round's median beside the thread over its median alone), with a 95% bootstrap interval over the "
                f"rounds.\n")
     out.append("| torch calls per step | rows per product | step alone, median ms | beside the thread, median ms | "
                "slowdown, paired | 95% CI | solves/s beside the step |")
     out.append("|---|---|---|---|---|---|---|")
     boot, result = np.random.default_rng(seed), {}
-    for label, (_, per_product, _) in steps.items():
-        med, lo, hi = paired_slowdown(beside[label], alone[label], block, boot)
+    for label, (per_product, _) in grains.items():
+        alone, with_thread = steps[(label, False)], steps[(label, True)]
+        med, lo, hi = paired_slowdown(with_thread, alone, block, boot)
         result[label] = (med, lo, hi)
-        rate = solves[label][0] / busy_s[label] if busy_s[label] > 0 else 0.0
-        out.append(f"| {label} | {per_product} | {1e3 * float(np.median(alone[label])):.2f} | "
-                   f"{1e3 * float(np.median(beside[label])):.2f} | {100 * (med - 1):+.1f}% | "
+        ran = busy_s[(label, True)]
+        rate = solves[(label, True)][0] / ran if ran > 0 else 0.0
+        out.append(f"| {label} | {per_product} | {1e3 * float(np.median(alone)):.2f} | "
+                   f"{1e3 * float(np.median(with_thread)):.2f} | {100 * (med - 1):+.1f}% | "
                    f"[{100 * (lo - 1):+.1f}%, {100 * (hi - 1):+.1f}%] | {rate:.0f} |")
-    print("\n".join(out[-len(steps) - 2:]), flush=True)
+    print("\n".join(out[-len(grains) - 2:]), flush=True)
     return result
 
 
