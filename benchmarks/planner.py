@@ -1351,8 +1351,9 @@ GIL_SWITCH_INTERVALS = (5e-3, 1e-3, 1e-4, 2e-5, 5e-6)  # Python's default, the K
 
 
 def aten_calls_per_step(engine) -> int:
-    """The aten operator calls of one ``engine.step()``: each is a torch call that releases the GIL and takes it
-    back, where a thread beside it may hold it."""
+    """The aten operator calls of one ``engine.step()``, as its torch calls from Python dispatch them (one call may
+    dispatch more than one, ``torch.tensor`` two): each such call releases the GIL and takes it back, where a thread
+    beside it may hold it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -1410,7 +1411,8 @@ def bench_gil_switch(rounds: int, block: int, seed: int, torch_threads: int, out
                f"back to back (the engine section's 'thread' condition), with `sys.setswitchinterval` set to the "
                f"value shown for that condition's steps (the engine's process runs at {1e6 * before:g} us otherwise; "
                f"Python's default is 5000 us): how long a thread may keep the GIL while another waits for it. One "
-               f"decode step makes {calls} aten calls, each a torch call that releases the GIL and takes it back. "
+               f"decode step dispatches {calls} aten calls from its torch calls, each of which releases the GIL and "
+               f"takes it back (a torch call may dispatch more than one, so it makes somewhat fewer handoffs). "
                f"{rounds} rounds x {block} steps per condition, interleaved; the columns as the engine section's "
                f"(paired by round: `paired_slowdown`).\n")
     _engine_table(conditions, steps, solves, busy_s, seed, out, block)
@@ -1468,7 +1470,7 @@ def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out:
     them made in as many calls as the coarsest, each a TorchScript function doing its share,
     :func:`_scripted_grain_step`) alone and beside the engine's planner thread solving ``size`` batches back to back:
     whether a step made of fewer, longer GIL-free calls loses less to the thread (gil_switch: the engine's step grows
-    by some 40 us per torch call). Each step runs as two conditions of :func:`interleaved_rounds`, alone and beside
+    by some 40-50 us per aten call). Each step runs as two conditions of :func:`interleaved_rounds`, alone and beside
     the thread, ``block`` steps each per round. Returns per step (its row's label) the paired slowdown (median, 95%
     interval)."""
     import threading

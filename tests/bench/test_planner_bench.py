@@ -410,7 +410,7 @@ def test_gil_switch_section_times_the_planner_thread_at_every_interval_and_puts_
     assert float(rows["idle"][-1].rstrip(" |")) == 0
     for cond in threads:
         assert float(rows[cond][-1].rstrip(" |")) > 0 and float(rows[cond][1]) > 0
-    assert calls > 0 and f"makes {calls} aten calls" in out[0]
+    assert calls > 0 and f"dispatches {calls} aten calls" in out[0]
 
 
 def test_gil_grain_section_times_each_step_alone_and_beside_the_planner_thread(monkeypatch):

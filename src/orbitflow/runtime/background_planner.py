@@ -38,10 +38,10 @@ the engine only what its CPU does (benchmarks/planner.py --sections gil_share, a
 paired, 2026-12-07; share measured alone): 53% held +50%, 27% +22%, 13% +8%, 5% +5%, 2% +5%, and
 0% (the CPU alone) +3%, the last three within each other's intervals. A solve would have to hold the GIL for
 about 5% of its time, some 25 us of a 4 x 32 solve. Handing the GIL back sooner does not help: with
-``sys.setswitchinterval`` at 5000, 1000, 100, 20 or 5 us a planner thread solving back to back cost +76% to +98%
-(benchmarks/planner.py --sections gil_switch, 2026-12-08; +64% to +104% over three runs, with no trend in the
-interval): the step's median grew by some 42-50 us for each of its 2175 aten calls, each a torch call that gives
-the GIL up and takes it back. The other side of it is the step's
+``sys.setswitchinterval`` at 5000, 1000, 100, 20 or 5 us a planner thread solving back to back cost +69% to +76%
+(benchmarks/planner.py --sections gil_switch, 2026-12-08; +64% to +104% over four runs, with no trend in the
+interval): the step's median grew by some 32-39 us (32-50 us over the four runs) for each of the 2175 aten calls
+its torch calls dispatch, each torch call giving the GIL up and taking it back. The other side of it is the step's
 grain: a synthetic step doing the same products in 2176, 272 or 34 torch calls lost +97%, +23% and +5% beside that
 thread, and the 2176 products made in 34 calls of a TorchScript function (which runs them without the GIL) +8%
 (--sections gil_grain, 2026-12-08; in three runs the 272 and 34 rows spanned +22% to +35% and +5% to +10%). A
