@@ -1464,15 +1464,20 @@ def _script_products():
         return torch.jit.script(products)
 
 
+GIL_GRAIN_HELD = (0.05,)  # gil_share's synthetic thread: a planner holding the GIL for about 10 us of a solve
+
+
 def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out: list[str], calls=GIL_GRAIN_CALLS,
-                    rows: int = GIL_GRAIN_ROWS, dim: int = 576, size=(4, 32)) -> dict[str, tuple[float, float, float]]:
+                    rows: int = GIL_GRAIN_ROWS, dim: int = 576, size=(4, 32),
+                    held=GIL_GRAIN_HELD) -> dict[tuple[str, str], tuple[float, float, float]]:
     """A synthetic decode step (:func:`_grain_step`: the same products in ``calls`` torch calls; and the finest of
     them made in as many calls as the coarsest, each a TorchScript function doing its share,
-    :func:`_scripted_grain_step`) alone and beside the engine's planner thread solving ``size`` batches back to back:
-    whether a step made of fewer, longer GIL-free calls loses less to the thread (gil_switch: the engine's step grows
-    by some 40-50 us per aten call). Each step runs as two conditions of :func:`interleaved_rounds`, alone and beside
-    the thread, ``block`` steps each per round. Returns per step (its row's label) the paired slowdown (median, 95%
-    interval)."""
+    :func:`_scripted_grain_step`) alone, beside the engine's planner thread solving ``size`` batches back to back, and
+    beside gil_share's synthetic thread holding the GIL each share of ``held``: whether a step made of fewer, longer
+    GIL-free calls loses less to the thread (gil_switch: the engine's step grows by some 40 us per aten call), and
+    what the two levers give together. Each (step, what runs beside it) is a condition of
+    :func:`interleaved_rounds`, ``block`` steps per round. Returns per (step's label, beside) the paired slowdown over
+    the step alone (median, 95% interval)."""
     import threading
 
     import torch
@@ -1491,19 +1496,24 @@ def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out:
     grains = {f"{n}": (rows // n, lambda n=n: _grain_step(x, w, n)) for n in calls}
     grains[f"{coarse}, TorchScript"] = (rows // fine,
                                         lambda: _scripted_grain_step(x, w, coarse, fine // coarse, scripted))
+    share_of = {f"a thread holding the GIL {100 * h:.0f}%": h for h in held}
+    rate = _spin_rate() if held else 0.0
     planner = BackgroundPlanner(OrbitFlowPolicy(), "thread")
     cases = [_engine_case(np.random.default_rng(seed + k), *size) for k in range(16)]
     planner.submit(*cases[0]).result()  # load the compiled code before timing
     for _, step in grains.values():
         step()  # warm (TorchScript profiles its first runs)
         step()
-    conditions = [(label, thread) for label in grains for thread in (False, True)]
-    solves = {cond: [0] for cond in conditions}
+    kinds = ("the planner thread", *share_of)
+    conditions = [(label, kind) for label in grains for kind in ("alone", *kinds)]
+    counts = {cond: [0.0, 0.0, 0.0] for cond in conditions}  # solves, or the held thread's tally
 
     def beside(cond, stop):
-        if not cond[1]:
+        if cond[1] in share_of:
+            return _held_thread(stop, share_of[cond[1]], rate, counts[cond])
+        if cond[1] == "alone":
             return None
-        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, solves[cond]))
+        th = threading.Thread(target=_solve_loop, args=(stop, planner, cases, counts[cond]))
         th.start()
         return th
 
@@ -1512,33 +1522,38 @@ def bench_gil_grain(rounds: int, block: int, seed: int, torch_threads: int, out:
                                            "gil_grain rounds")
     finally:
         planner.close()
+    held_text = "".join(f"; '{k}': gil_share's synthetic planner thread, back to back, holding the GIL for that "
+                        f"share of each {1e6 * GIL_CYCLE_S:.0f} us cycle and running without it the rest (the "
+                        f"planner thread holds it for about half of its time today, planner_gil.md)"
+                        for k in share_of)
     out.append(f"\n### A synthetic step beside a planner thread, by how many torch calls make it\n\nA synthetic decode "
                f"step: the products of a {rows} x {dim} matrix with a {dim} x {dim} one (torch, {torch_threads} "
                f"thread(s)), split by rows into the number of torch calls shown: the same arithmetic each time, "
                f"released to the GIL in that many pieces ({fine}: about the SmolLM2 decode step's aten calls, "
                f"gil_switch). '{coarse}, TorchScript': the {fine} products of {rows // fine} rows, made in {coarse} "
                f"calls of a `torch.jit.script` function doing {fine // coarse} each (the same aten calls as the "
-               f"{fine}-call step, run without the GIL from one call from Python). Beside it the engine's planner "
-               f"thread (runtime/background_planner.py) solves {size[0]}x{size[1]} batches back to back, as in the "
-               f"engine section's 'thread' condition. Each step alone and beside the thread are two conditions, "
-               f"{block} steps each per round, all of them interleaved (their order rotated by one each round); "
-               f"{rounds} rounds. slowdown: paired by round (`paired_slowdown`: each "
-               f"round's median beside the thread over its median alone), with a 95% bootstrap interval over the "
-               f"rounds.\n")
-    out.append("| torch calls per step | rows per product | step alone, median ms | beside the thread, median ms | "
-               "slowdown, paired | 95% CI | solves/s beside the step |")
-    out.append("|---|---|---|---|---|---|---|")
+               f"{fine}-call step, run without the GIL from one call from Python). Beside it: the engine's planner "
+               f"thread (runtime/background_planner.py) solving {size[0]}x{size[1]} batches back to back, as in the "
+               f"engine section's 'thread' condition{held_text}. Each step alone and with each thread beside it is a "
+               f"condition, {block} steps per round, all of them interleaved (their order rotated by one each "
+               f"round); {rounds} rounds. slowdown: paired by round (`paired_slowdown`: each round's median beside "
+               f"the thread over its median alone), with a 95% bootstrap interval over the rounds; the last column "
+               f"counts the planner thread's solves or the synthetic thread's cycles.\n")
+    out.append("| torch calls per step | rows per product | beside | step alone, median ms | beside, median ms | "
+               "slowdown, paired | 95% CI | solves or cycles/s |")
+    out.append("|---|---|---|---|---|---|---|---|")
     boot, result = np.random.default_rng(seed), {}
     for label, (per_product, _) in grains.items():
-        alone, with_thread = steps[(label, False)], steps[(label, True)]
-        med, lo, hi = paired_slowdown(with_thread, alone, block, boot)
-        result[label] = (med, lo, hi)
-        ran = busy_s[(label, True)]
-        rate = solves[(label, True)][0] / ran if ran > 0 else 0.0
-        out.append(f"| {label} | {per_product} | {1e3 * float(np.median(alone)):.2f} | "
-                   f"{1e3 * float(np.median(with_thread)):.2f} | {100 * (med - 1):+.1f}% | "
-                   f"[{100 * (lo - 1):+.1f}%, {100 * (hi - 1):+.1f}%] | {rate:.0f} |")
-    print("\n".join(out[-len(grains) - 2:]), flush=True)
+        alone = steps[(label, "alone")]
+        for kind in kinds:
+            cond = (label, kind)
+            med, lo, hi = paired_slowdown(steps[cond], alone, block, boot)
+            result[cond] = (med, lo, hi)
+            rate_s = counts[cond][0] / busy_s[cond] if busy_s[cond] > 0 else 0.0
+            out.append(f"| {label} | {per_product} | {kind} | {1e3 * float(np.median(alone)):.2f} | "
+                       f"{1e3 * float(np.median(steps[cond])):.2f} | {100 * (med - 1):+.1f}% | "
+                       f"[{100 * (lo - 1):+.1f}%, {100 * (hi - 1):+.1f}%] | {rate_s:.0f} |")
+    print("\n".join(out[-len(result) - 2:]), flush=True)
     return result
 
 

@@ -415,8 +415,8 @@ def test_gil_switch_section_times_the_planner_thread_at_every_interval_and_puts_
 
 def test_gil_grain_section_times_each_step_alone_and_beside_the_planner_thread(monkeypatch):
     """The gil_grain section: the synthetic steps split their rows evenly, the TorchScript one makes the same products
-    as the finest step (equal results) in as many calls as the coarsest; a row per step, each timed alone and beside
-    the planner thread, which solved beside every one."""
+    as the finest step (equal results) in as many calls as the coarsest; a row per step and thread beside it (the
+    planner thread, a synthetic one holding the GIL a share), each timed against the step alone, and each thread ran."""
     import torch
 
     bench = load_benchmark("planner")
@@ -435,11 +435,14 @@ def test_gil_grain_section_times_each_step_alone_and_beside_the_planner_thread(m
     out: list[str] = []
     with pytest.raises(ValueError, match="split evenly"):
         bench.bench_gil_grain(2, 2, 0, 1, out, calls=(16, 3), rows=64, dim=32, size=(2, 8))
-    result = bench.bench_gil_grain(2, 2, 0, 1, out, calls=(16, 2), rows=64, dim=32, size=(2, 8))
-    assert set(result) == {"16", "2", "2, TorchScript"}
+    result = bench.bench_gil_grain(2, 2, 0, 1, out, calls=(16, 2), rows=64, dim=32, size=(2, 8), held=(0.5,))
+    beside = ("the planner thread", "a thread holding the GIL 50%")
+    assert set(result) == {(label, kind) for label in ("16", "2", "2, TorchScript") for kind in beside}
     assert all(0 < lo and math.isfinite(hi) for _, lo, hi in result.values())
     rows = [line.split(" | ") for line in out if line.startswith("| ") and line[2].isdigit()]
-    assert [r[0].lstrip("| ") for r in rows] == ["16", "2", "2, TorchScript"]
-    assert [r[1] for r in rows] == ["4", "32", "4"]
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
-    assert sum(float(r[-1].rstrip(" |")) for r in rows) > 0  # the thread solved beside the steps
+    assert [(r[0].lstrip("| "), r[2]) for r in rows] == [(label, kind) for label in ("16", "2", "2, TorchScript")
+                                                         for kind in beside]
+    assert [r[1] for r in rows] == ["4", "4", "32", "32", "4", "4"]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
+    for kind in beside:  # each thread ran beside the steps
+        assert sum(float(r[-1].rstrip(" |")) for r in rows if r[2] == kind) > 0

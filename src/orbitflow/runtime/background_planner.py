@@ -42,12 +42,14 @@ about 5% of its time, some 25 us of a 4 x 32 solve. Handing the GIL back sooner 
 (benchmarks/planner.py --sections gil_switch, 2026-12-08; +64% to +104% over four runs, with no trend in the
 interval): the step's median grew by some 32-39 us (32-50 us over the four runs) for each of the 2175 aten calls
 its torch calls dispatch, each torch call giving the GIL up and taking it back. The other side of it is the step's
-grain: a synthetic step doing the same products in 2176, 272 or 34 torch calls lost +97%, +23% and +5% beside that
-thread, and the 2176 products made in 34 calls of a TorchScript function (which runs them without the GIL) +8%
-(--sections gil_grain, 2026-12-08; in three runs the 272 and 34 rows spanned +22% to +35% and +5% to +10%). A
-server runs long, so ``orbitflow serve`` starts the process on any core count (its ``--background-planner``
-default); so should a caller that solves back to back from the engine's process (a library user's loop; the engine
-never does).
+grain: a synthetic step doing the same products in 2176, 272 or 34 torch calls lost +91%, +19% and +4% beside that
+thread, and the 2176 products made in 34 calls of a TorchScript function (which runs them without the GIL) +6%
+(--sections gil_grain, 2026-12-08; over four runs the 272 and 34 rows spanned +19% to +35% and +4% to +10%). The
+two levers together: that TorchScript step beside a synthetic thread holding the GIL 5% of its time lost +2.2%
+[+0.5%, +5.2%] (the eager 2176-call step +5.2%): a step of a few dozen GIL-free calls and a planner with some
+10 us of Python per solve would put a thread solving back to back near 3%. A server runs long, so ``orbitflow
+serve`` starts the process on any core count (its ``--background-planner`` default); so should a caller that
+solves back to back from the engine's process (a library user's loop; the engine never does).
 """
 
 from __future__ import annotations
