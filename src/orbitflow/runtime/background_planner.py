@@ -27,29 +27,28 @@ it: one planner, one solve at a time), so the controller's rules (start early en
 its window, wait past it) run as in the engine. What it leaves out is the planner's own cost to the steps beside it
 (a thread's share of the GIL, a process's round trip), which benchmarks/planner.py --sections engine measures.
 
-``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a
-process per engine (about 1 s of CPU and 190 MB) costs more than it saves in short runs and tests, which solve once
-per expiry, not back to back. In the engine's own pattern (one solve in flight, due at the step that reads it: a
-solve per step at 4 x 32) both cost little on 2 cores, the process less: a planner thread +1.9% [+0.1%, +3.1%] at
-4 x 32 and +0.9% at 16 x 80, a planner process +0.5% [-0.7%, +1.9%] and +1.3% (100 rounds paired, 2026-12-04). At
-4 x 32 about half of a solve's wall time still holds the GIL (0.29 of 0.51 ms, benchmarks/planner.py --sections gil),
-so the thread's cost is that share. How small the share must be for a thread solving back to back to cost
-the engine only what its CPU does (benchmarks/planner.py --sections gil_share, a synthetic thread, 20 rounds
-paired, 2026-12-07; share measured alone): 53% held +50%, 27% +22%, 13% +8%, 5% +5%, 2% +5%, and
-0% (the CPU alone) +3%, the last three within each other's intervals. A solve would have to hold the GIL for
-about 5% of its time, some 25 us of a 4 x 32 solve. Handing the GIL back sooner does not help: with
-``sys.setswitchinterval`` at 5000, 1000, 100, 20 or 5 us a planner thread solving back to back cost +69% to +76%
-(benchmarks/planner.py --sections gil_switch, 2026-12-08; +64% to +104% over four runs, with no trend in the
-interval): the step's median grew by some 32-39 us (32-50 us over the four runs) for each of the 2175 aten calls
-its torch calls dispatch, each torch call giving the GIL up and taking it back. The other side of it is the step's
-grain: a synthetic step doing the same products in 2176, 272 or 34 torch calls lost +91%, +19% and +4% beside that
-thread, and the 2176 products made in 34 calls of a TorchScript function (which runs them without the GIL) +6%
-(--sections gil_grain, 2026-12-08; over four runs the 272 and 34 rows spanned +19% to +35% and +4% to +10%). The
-two levers together: that TorchScript step beside a synthetic thread holding the GIL 5% of its time lost +2.2%
-[+0.5%, +5.2%] (the eager 2176-call step +5.2%): a step of a few dozen GIL-free calls and a planner with some
-10 us of Python per solve would put a thread solving back to back near 3%. A server runs long, so ``orbitflow
-serve`` starts the process on any core count (its ``--background-planner`` default); so should a caller that
-solves back to back from the engine's process (a library user's loop; the engine never does).
+``auto`` picks the process where there are cores to spare (4 or more) and the thread otherwise: starting a process per
+engine (about 1 s of CPU and 190 MB) costs more than it saves in short runs and tests, which solve once per expiry,
+not back to back. In the engine's own pattern (one solve in flight, due at the step that reads it: a solve per step at
+4 x 32) both cost little on 2 cores, the process less: a planner thread +1.9% [+0.1%, +3.1%] at 4 x 32 and +0.9% at 16
+x 80, a planner process +0.5% [-0.7%, +1.9%] and +1.3% (100 rounds paired, 2026-12-04). At 4 x 32 about half of a
+solve's wall time still holds the GIL (0.29 of 0.51 ms, benchmarks/planner.py --sections gil), so the thread's cost is
+that share. How small the share must be for a thread solving back to back to cost the engine only what its CPU does
+(benchmarks/planner.py --sections gil_share, a synthetic thread, 20 rounds paired, 2026-12-07; share measured alone):
+53% held +50%, 27% +22%, 13% +8%, 5% +5%, 2% +5%, and 0% (the CPU alone) +3%, the last three within each other's
+intervals. A solve would have to hold the GIL for about 5% of its time: some 10 us of Python beside its 180 us of
+kernels at 4 x 32. Handing the GIL back sooner does not help: with ``sys.setswitchinterval`` at 5000, 1000, 100, 20 or
+5 us a planner thread solving back to back cost +69% to +76% (benchmarks/planner.py --sections gil_switch, 2026-12-08;
++64% to +104% over four runs, with no trend in the interval): the step's median grew by some 32-39 us (32-50 us over
+the four runs) for each of the 2175 aten calls its torch calls dispatch, each torch call giving the GIL up and taking
+it back. The other side of it is the step's grain: a synthetic step doing the same products in 2176, 272 or 34 torch
+calls lost +91%, +19% and +4% beside that thread, and the 2176 products made in 34 calls of a TorchScript function
+(which runs them without the GIL) +6% (--sections gil_grain, 2026-12-08; over four runs the 272 and 34 rows spanned
++19% to +35% and +4% to +10%). The two levers together: that TorchScript step beside a synthetic thread holding the
+GIL 5% of its time lost +2.2% [+0.5%, +5.2%] (the eager 2176-call step +5.2%): a step of a few dozen GIL-free calls
+and a planner with some 10 us of Python per solve would put a thread solving back to back near 3%. A server runs long,
+so ``orbitflow serve`` starts the process on any core count (its ``--background-planner`` default); so should a caller
+that solves back to back from the engine's process (a library user's loop; the engine never does).
 """
 
 from __future__ import annotations
