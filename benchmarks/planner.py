@@ -1690,6 +1690,16 @@ def _numba_version() -> str:
         return "missing"
 
 
+SECTION_TITLES = {  # the --md page's title of a section run alone
+    "proof": "Planner: what an exact proof at (16, 80) takes",
+    "link": "Planner: the executor's link vs a preemptive one",
+    "gap": "Planner: exact, or within a gap",
+    "replan": "Planner: what a re-plan could reuse",
+    "gil": "Planner: where a solve holds the GIL",
+    "gil_share": "Planner: how much of a solve may hold the GIL",
+    "gil_switch": "Planner: a planner thread by GIL switch interval",
+    "gil_grain": "Planner: a planner thread beside a step of fewer torch calls",
+}
 SECTIONS = ("speed", "budget_seeds", "engine", "gil", "gil_share", "gil_switch", "gil_grain", "bruteforce", "floor",
             "uniform", "full", "proof", "link", "gap", "replan")
 
@@ -1826,22 +1836,8 @@ def main() -> None:
         cmd = "python benchmarks/planner.py " + " ".join(sys.argv[1:])
         if sections & {"speed", "budget_seeds"}:
             title = "Planner speed: compiled vs pure Python / NumPy reference"
-        elif sections == {"proof"}:
-            title = "Planner: what an exact proof at (16, 80) takes"
-        elif sections == {"link"}:
-            title = "Planner: the executor's link vs a preemptive one"
-        elif sections == {"gap"}:
-            title = "Planner: exact, or within a gap"
-        elif sections == {"replan"}:
-            title = "Planner: what a re-plan could reuse"
-        elif sections == {"gil"}:
-            title = "Planner: where a solve holds the GIL"
-        elif sections == {"gil_share"}:
-            title = "Planner: how much of a solve may hold the GIL"
-        elif sections == {"gil_switch"}:
-            title = "Planner: a planner thread by GIL switch interval"
-        elif sections == {"gil_grain"}:
-            title = "Planner: a planner thread beside a step of fewer torch calls"
+        elif len(sections) == 1 and next(iter(sections)) in SECTION_TITLES:
+            title = SECTION_TITLES[next(iter(sections))]
         else:
             title = f"The planner beside the engine ({_engine_device()}, {os.cpu_count()} cores)"
         about = (f"seed {args.seed}. Random batches from `benchmarks/planner.py:random_instance` (8-1024 blocks per "
