@@ -2,10 +2,13 @@
 
 import json
 import os
+import signal
+import threading
 
 import pytest
 
 from orbitflow.cli import main
+from orbitflow.plan import SearchControl
 
 
 def test_plan_prints_a_feasible_plan_as_json(capsys):
@@ -459,6 +462,48 @@ def test_commands_that_load_a_model_say_what_they_are_doing(caplog):
         assert any(r.levelno == logging.INFO and "loading" in r.getMessage() for r in caplog.records)
     finally:
         logger.setLevel(level)
+
+
+_LONG_BATCH = [f for t in range(1000, 9000, 500) for f in ("--request", f"tokens={t}")]  # 16 requests: minutes exact
+
+
+class _CtrlCWhileSearching(SearchControl):
+    """Presses Ctrl-C (SIGINT to this process) once the search has reported 1000 nodes: the interrupt lands while the
+    command waits for the search, whatever the machine's speed."""
+
+    _nodes = 0
+
+    @property
+    def nodes(self) -> int:
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, value: int) -> None:
+        if self._nodes < 1000 <= value:
+            os.kill(os.getpid(), signal.SIGINT)
+        self._nodes = value
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="Ctrl-C reaches the main thread")
+def test_plan_ctrl_c_stops_the_search_with_the_best_plan_found(capsys, monkeypatch):
+    """An exact solve of 16 requests x 80 layers runs for minutes in compiled code, where Python's Ctrl-C cannot reach
+    it: the command waits for it on another thread, stops it at the first Ctrl-C and prints the best plan found, with
+    the gap its search certifies."""
+    monkeypatch.setattr("orbitflow.plan.SearchControl", _CtrlCWhileSearching)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main(["plan", "--json", "--preset", "a6000-llama3-70b-tp4", "--slo-scale", "2", "--plan-node-limit",
+                     "none", *_LONG_BATCH])
+    except KeyboardInterrupt:  # not main's to let through: it would stop the whole test session
+        pytest.fail("Ctrl-C escaped orbitflow plan")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = json.loads(captured.out)
+    assert out["search"] == "stopped by Ctrl-C: the best plan found" and out["feasible"]
+    assert 0 < out["optimality_gap"] < 1 and out["solve_s"] < 30
+    assert "stopping the search" in captured.err
 
 
 def test_plan_stops_within_the_plan_gap(capsys):

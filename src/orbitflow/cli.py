@@ -362,6 +362,61 @@ def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks", s
             f"{1000 * device.predicted_step_s:.1f} ms)")
 
 
+WATCH_AFTER_S = 1.0  # a solve running this long shows its progress (a live line on a terminal)
+WATCH_EVERY_S = 30.0  # ... and, on a stream that is not a terminal, a line this often after the first
+
+
+def _watched_plan(planner, requests) -> tuple:
+    """``planner.plan(requests)`` on a worker thread, watched from this one: Ctrl-C stops the search there with the best
+    plan found so far (a second one quits), and a solve that runs past ``WATCH_AFTER_S`` shows its progress on stderr:
+    a live line on a terminal, else a line now and then. Returns ``(plan, stopped)``. A search runs in compiled code
+    that Python's Ctrl-C cannot reach, so this thread waits for it and asks it to stop
+    (:class:`orbitflow.plan.SearchControl`)."""
+    import threading
+    import time
+
+    from tqdm import tqdm
+
+    from orbitflow.plan import SearchControl
+
+    control, result, done = SearchControl(), {}, threading.Event()
+
+    def solve() -> None:
+        try:
+            result["plan"] = planner.plan(requests, control=control)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = exc
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=solve, name="orbitflow-plan", daemon=True)
+    start, say_at = time.perf_counter(), WATCH_AFTER_S
+    live = tqdm(total=None, unit=" nodes", file=sys.stderr, delay=WATCH_AFTER_S, disable=not sys.stderr.isatty(),
+                desc="searching (Ctrl-C: stop with the best plan found)", dynamic_ncols=True)
+    worker.start()
+    with live:
+        while not done.is_set():
+            try:  # an Event, not Thread.join: a join that Ctrl-C interrupts can leave the thread looking finished
+                done.wait(0.2)
+                best = f"best {1000 * control.best_s:.3f} ms" if math.isfinite(control.best_s) else "no plan yet"
+                live.update(control.nodes - live.n)
+                live.set_postfix_str(best, refresh=False)
+                waited = time.perf_counter() - start
+                if live.disable and waited >= say_at and not control.stopped:
+                    say_at = waited + WATCH_EVERY_S
+                    print(f"searching: {waited:.0f} s, {control.nodes} nodes, {best} (Ctrl-C: stop with the best "
+                          "plan found)", file=sys.stderr, flush=True)
+            except KeyboardInterrupt:
+                if control.stopped:
+                    raise  # a second Ctrl-C: quit (the worker is a daemon thread)
+                control.stop()
+                live.write("stopping the search: the best plan found so far follows (Ctrl-C again to quit)",
+                           file=sys.stderr)
+    if "error" in result:
+        raise result["error"]
+    return result["plan"], control.stopped
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from orbitflow.bench.metrics import finite_or_none
     from orbitflow.plan import warm_up
@@ -382,7 +437,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     guarded = config.planner.deposit_guard_ms != 0
     planner = PlanContext.from_profile(config, profile).planner(space=args.space)
     warm_up()  # load the compiled planner first: solve_s is the solve's, not numba's cache load (~1-3 s cold)
-    plan = planner.plan(requests)
+    plan, stopped = _watched_plan(planner, requests)
     out = {
         "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(
             planner, requests, cap_source, "the pace (the SLO less --deposit-guard-ms)" if guarded else "the SLO"),
@@ -392,7 +447,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.cache.device_kv_blocks,
         "victims": list(plan.victims), "solve_s": plan.stats.solve_s, "slo_s": slo_s,
         "search": "local search, no proof" if args.space == "full" else (
-            "complete" if plan.stats.exact else
+            "complete" if plan.stats.exact else "stopped by Ctrl-C: the best plan found" if stopped else
             f"within --plan-gap {planner.gap:g}" if plan.stats.proven(planner.gap) else "budget reached"),
         "optimality_gap": plan.stats.gap,
     }

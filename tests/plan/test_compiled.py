@@ -564,9 +564,9 @@ def test_plans_are_the_same_with_the_expiry_checks_in_one_call(variant, monkeypa
     compiled.first_better as through BranchAndBound(first_only=True)."""
     import orbitflow.plan.planner as planner_module
 
-    def through_branch_and_bound(rules, win, stats, upper, *, gap=0.0, node_limit=None, deadline=None):
+    def through_branch_and_bound(rules, win, stats, upper, *, gap=0.0, node_limit=None, deadline=None, control=None):
         return BranchAndBound(rules, win, stats, upper, first_only=True, gap=gap, node_limit=node_limit,
-                              deadline=deadline).run() is not None
+                              deadline=deadline, control=control).run() is not None
 
     rng = np.random.default_rng(13)
     searched = 0

@@ -1,5 +1,6 @@
 """The branch and bound's parallel search (BranchAndBound._search_parallel): the serial search's optimum, a certified
-bound when a deadline stops it, and the serial path wherever it does not apply."""
+bound when a deadline stops it, and the serial path wherever it does not apply; and a search watched and stopped from
+another thread (SearchControl), serial or parallel."""
 
 import math
 import threading
@@ -10,7 +11,7 @@ import pytest
 from plan.test_planner import brute_force_case, plan_matches_brute_force, random_case
 
 import orbitflow.plan.search as search
-from orbitflow.plan import Planner
+from orbitflow.plan import Planner, SearchControl
 from orbitflow.plan import compiled as cc
 
 pytestmark = pytest.mark.skipif(not cc.HAVE_NUMBA, reason="the parallel search runs the compiled kernels")
@@ -351,3 +352,87 @@ def test_compute_tables_are_memoised_by_value_and_hold_the_direct_floats():
         assert np.array_equal(ct.suffix, cc.tail(comp)) and np.array_equal(ct.cum, cum)
         assert np.array_equal(ct.sep_off, float(comp.sum()) - t.sep.between @ cum) and np.array_equal(ct.gaps, gaps)
         assert ct.comp0.flags.writeable and ct.suffix.flags.c_contiguous  # the kernels' signatures
+
+
+# ---- SearchControl ------------------------------------------------------------------------------------------------
+class _StopAfter(SearchControl):
+    """Asks the search to stop once it has reported ``after`` nodes (at a look, so at a known point of the search)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+
+    @property
+    def stopped(self) -> bool:
+        return self.nodes >= self.after
+
+
+def _watched(cm, cap, reqs, threads, control, compiled=True):
+    """``_solve``'s search, watched by ``control``."""
+    pl = Planner(cm, cap, alpha=1.0, window=(2, 10), check_better=False, compiled=compiled, threads=threads,
+                 node_limit=None)
+    return pl.plan(reqs, control=control)
+
+
+def _certifies(stopped, exact) -> None:
+    """A stopped search's plan, and the bound it certifies, against the same batch's proven optimum."""
+    assert not stopped.stats.exact and stopped.feasible
+    assert stopped.stats.lower_bound_s <= exact.predicted_step_s * (1 + 1e-12)
+    assert exact.predicted_step_s <= stopped.predicted_step_s * (1 + 1e-12)
+    assert stopped.stats.gap == pytest.approx(
+        (stopped.predicted_step_s - stopped.stats.lower_bound_s) / stopped.predicted_step_s)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_search_stopped_from_another_thread_returns_its_best_plan_with_a_certified_bound(compiled):
+    # stopped before it starts: it runs its first dive (never stopped), then ends at its first look
+    rng = np.random.default_rng(11)
+    cut = 0
+    for _ in range(8):
+        cm, cap, reqs = random_case(rng, 8, 24)
+        exact = _watched(cm, cap, reqs, 1, None, compiled)
+        if not exact.feasible:
+            continue
+        control = SearchControl()
+        control.stop()
+        stopped = _watched(cm, cap, reqs, 1, control, compiled)
+        assert stopped.stats.exact or (
+            stopped.stats.nodes + stopped.stats.leaves < exact.stats.nodes + exact.stats.leaves)
+        if stopped.stats.exact:  # the whole search fit before its first look
+            continue
+        cut += 1
+        _certifies(stopped, exact)
+        assert control.best_s == stopped.predicted_step_s  # its final incumbent, reported as the search ends
+    assert cut >= 3
+
+
+def test_a_watched_search_nobody_stops_finds_the_plan_an_unwatched_one_does():
+    rng = np.random.default_rng(12)
+    for _ in range(6):
+        cm, cap, reqs = random_case(rng, int(rng.integers(4, 8)), int(rng.integers(12, 25)))
+        control = SearchControl()
+        watched = _watched(cm, cap, reqs, 1, control)  # through BranchAndBound, looking every WATCH_S
+        plain = _solve(cm, cap, reqs, 1)  # the one-call kernel
+        assert watched.stats.exact and watched.feasible == plain.feasible
+        assert watched.distances == plain.distances
+        assert watched.stats.nodes == plain.stats.nodes and watched.stats.leaves == plain.stats.leaves
+        assert control.nodes == watched.stats.nodes + watched.stats.leaves  # the main search's nodes, leaves included
+        assert control.best_s == (watched.predicted_step_s if watched.feasible else math.inf)
+
+
+def test_a_parallel_search_stops_on_every_thread_with_a_certified_bound(splits):
+    rng = np.random.default_rng(13)
+    cut = 0
+    for _ in range(8):
+        cm, cap, reqs = random_case(rng, 8, 24)
+        exact = _solve(cm, cap, reqs, 1)
+        if not exact.feasible or exact.stats.nodes + exact.stats.leaves < 200:
+            continue
+        control = _StopAfter(60)  # past the split (3 nodes here), each thread looking every 3 nodes
+        stopped = _watched(cm, cap, reqs, 2, control)
+        if stopped.stats.exact:
+            continue
+        cut += 1
+        _certifies(stopped, exact)
+        assert stopped.stats.nodes + stopped.stats.leaves < 60 + 2 * 8 * search.SYNC_NODES + 50  # stopped soon after
+    assert cut >= 3 and splits

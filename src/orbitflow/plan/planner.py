@@ -49,7 +49,7 @@ from orbitflow.plan.cost_model import CostModel
 from orbitflow.plan.full_search import improve_full
 from orbitflow.plan.horizon import Constraints, Horizon
 from orbitflow.plan.placement import Placement
-from orbitflow.plan.search import best_plan, candidate_tables, first_better
+from orbitflow.plan.search import SearchControl, best_plan, candidate_tables, first_better
 from orbitflow.plan.types import REL_TOL, Plan, PlanRequest, PlanStats, better, is_whole
 
 __all__ = ["Planner", "VICTIM_ORDERS", "resolve_victim_order", "warm_up"]
@@ -222,13 +222,16 @@ class Planner:
         return self.cost_model.num_layers
 
     # ==== public entry points ===========================================================================
-    def plan(self, requests: Sequence[PlanRequest], hint: Mapping[Hashable, int | None] | None = None) -> Plan:
+    def plan(self, requests: Sequence[PlanRequest], hint: Mapping[Hashable, int | None] | None = None,
+             control: SearchControl | None = None) -> Plan:
         """Best feasible placement for the batch (see module docstring).
 
         ``hint``: offload distance per request id (typically the previous plan's, for the batch as it is now);
         the search tries it first, with requests it does not name at their greedy choice, so that a budget
         that runs out early still returns a plan at least as good. It changes no proven optimum (only which of
         equally fast plans is returned).
+        ``control``: a :class:`~orbitflow.plan.search.SearchControl` another thread watches the solve with (its
+        progress) and may stop it with, as a budget would (``orbitflow plan``'s Ctrl-C).
         """
         t0 = time.perf_counter()
         reqs = list(requests)
@@ -240,12 +243,14 @@ class Planner:
         win = self.constraints.horizon(reqs)
         stats = PlanStats()
         deadline = None if self.time_limit_s is None else t0 + self.time_limit_s
-        mask = self._search(win, stats, deadline, None if hint is None else [hint.get(q.request_id, -1) for q in reqs])
+        mask = self._search(win, stats, deadline, None if hint is None else [hint.get(q.request_id, -1) for q in reqs],
+                            control)
         if mask is None:
             plan = Plan(tuple(q.request_id for q in reqs), None, None, False, 0, None, math.inf,
                         victims=tuple(self._victims(reqs)), stats=stats)
         else:
-            plan = self._make_plan(reqs, win, mask, stats, search_better=self.check_better, deadline=deadline)
+            plan = self._make_plan(reqs, win, mask, stats, search_better=self.check_better, deadline=deadline,
+                                   control=control)
         stats.solve_s = time.perf_counter() - t0
         return plan
 
@@ -270,6 +275,7 @@ class Planner:
         stats: PlanStats,
         search_better: bool,
         deadline: float | None = None,
+        control: SearchControl | None = None,
     ) -> Plan:
         rules = self.constraints
         mem_all = rules.memory(host, win.blocks)
@@ -282,7 +288,7 @@ class Planner:
         if feasible and search_better and self.space != "uniform":
             # only boundaries inside the window matter (the runtime re-plans at its end), and the window
             # never reaches the capacity expiry
-            better_at = self._better_expiry(reqs, win, host, seg_lat, window, stats, deadline)
+            better_at = self._better_expiry(reqs, win, host, seg_lat, window, stats, deadline, control)
             if better_at is not None:
                 expiry = better_at
         placement = Placement(~host)
@@ -315,6 +321,7 @@ class Planner:
         stop: int,
         stats: PlanStats,
         deadline: float | None = None,
+        control: SearchControl | None = None,
     ) -> int | None:
         """First block boundary before ``stop`` at which some feasible plan is strictly faster (None if none), but
         not before ``min_steps``: the paper's Delta_min, the fewest steps between two solves (a boundary before it
@@ -333,7 +340,8 @@ class Planner:
             if t == searched:
                 continue  # several boundaries before min_steps: searched once, there
             searched = t
-            if deadline is not None and time.perf_counter() > deadline:  # out of time: end the plan here
+            if (deadline is not None and time.perf_counter() > deadline) or (control is not None and control.stopped):
+                # out of time, or stopped: end the plan here
                 stats.expiry_exact = False
                 return t
             # the batch as it will be at step t (finished requests stop growing)
@@ -343,7 +351,7 @@ class Planner:
                 continue  # nothing can beat a stall-free step
             sub = PlanStats()
             found = first_better(rules, win_t, sub, cur * (1 - 1e-9), gap=self.gap, node_limit=self.expiry_node_limit,
-                                 deadline=deadline)
+                                 deadline=deadline, control=control)
             stats.nodes += sub.nodes
             stats.expiry_searches += 1
             if found:
@@ -354,12 +362,13 @@ class Planner:
         return None
 
     # ==== searches ======================================================================================
-    def _search(self, win: Horizon, stats: PlanStats, deadline: float | None, hint: list | None) -> np.ndarray | None:
+    def _search(self, win: Horizon, stats: PlanStats, deadline: float | None, hint: list | None,
+                control: SearchControl | None = None) -> np.ndarray | None:
         """The host mask of the best plan of the planner's space (None: none is feasible)."""
         if self.space == "uniform":
             return self._solve_uniform(win, stats)
         mask = best_plan(self.constraints, win, stats, gap=self.gap, node_limit=self.node_limit, deadline=deadline,
-                         hint=hint, improve_evals=self.improve_evals, threads=self.threads)
+                         hint=hint, improve_evals=self.improve_evals, threads=self.threads, control=control)
         if mask is not None and self.space == "full":
             mask = improve_full(self.constraints, win, mask, stats, deadline, self.full_max_evals)
         return mask

@@ -117,6 +117,36 @@ PROBE_S = 6e-9  # seconds per K * R^2 * L the root's probes take (measured: 3.5-
 PARALLEL_AFTER = 4096  # nodes a search that may use threads runs alone first (most searches end before)
 SYNC_NODES = 1024  # nodes a thread of a parallel search runs between two looks at the shared incumbent
 PACED_FIRST = 16  # ... its first chunk where the kernels have no clock (then paced_chunk, at most SYNC_NODES)
+WATCH_S = 0.05  # a search watched by a SearchControl: seconds between two looks at it (about)
+WATCH_FIRST = 64  # ... nodes before its first look (a (16, 80) batch's first dive takes 17)
+
+
+class SearchControl:
+    """A handle on a solve for another thread (``Planner.plan(..., control=)``): :meth:`stop` ends its searches at their
+    next look, about every ``WATCH_S`` seconds, as a spent budget ends them: the best plan found so far is returned,
+    ``stats.exact`` False, with the gap its search certifies (an expiry search stopped ends the plan's validity
+    there, to be safe). The first dive is never stopped, so a stopped search still returns a plan where its first
+    dive finds one. ``nodes`` and ``best_s`` follow the main search: its nodes so far and its incumbent's step-0
+    latency (inf before it has one). The plan is the same as without a control when nobody stops it."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self.nodes = 0
+        self.best_s = math.inf
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+
+def watch_chunk(now: float, since: float, units: int) -> int:
+    """Units of work (search nodes) to run before a watched search's next look: about ``WATCH_S`` seconds at the cost
+    per unit of the last chunk (``units`` done since ``since``); at least 1."""
+    per = (now - since) / max(units, 1)
+    return int(max(1, min(1 << 40, WATCH_S / per))) if per > 0 else SYNC_NODES
 
 
 def paced_chunk(now: float, since: float, units: int, deadline: float) -> int:
@@ -264,14 +294,16 @@ _LINK_KIND = {"edf": cc.EDF_LINK, "preemptive": cc.PREEMPTIVE_LINK}
 
 
 def first_better(rules: Constraints, win: Horizon, stats: PlanStats, upper: float, *, gap: float = 0.0,
-                 node_limit: int | None = None, deadline: float | None = None) -> bool:
+                 node_limit: int | None = None, deadline: float | None = None,
+                 control: SearchControl | None = None) -> bool:
     """Whether some feasible plan of ``win`` beats ``upper`` at step 0: ``BranchAndBound(..., first_only=True)``'s
     search (the planner's expiry check), its nodes, leaves and exactness into ``stats``. On the compiled path it runs
     in one call (:func:`orbitflow.plan.compiled.first_better`: the same search, its set-up included, without the
-    GIL); otherwise, or where the kernels cannot read a deadline's clock, through :class:`BranchAndBound`."""
-    if not _in_one_call(rules) or not (deadline is None or cc.HAVE_CLOCK):
+    GIL); otherwise, where the kernels cannot read a deadline's clock, or watched by a ``control``, through
+    :class:`BranchAndBound`."""
+    if not _in_one_call(rules) or not (deadline is None or cc.HAVE_CLOCK) or control is not None:
         return BranchAndBound(rules, win, stats, upper, first_only=True, gap=gap, node_limit=node_limit,
-                              deadline=deadline).run() is not None
+                              deadline=deadline, control=control).run() is not None
     ist, clock = _kernel_state(node_limit)
     found = cc.first_better(ist, upper, gap, cc.kernel_deadline(deadline, clock), *_kernel_inputs(rules, win), clock,
                             np.zeros(win.blocks.shape[1], dtype=np.int64))
@@ -281,14 +313,15 @@ def first_better(rules: Constraints, win: Horizon, stats: PlanStats, upper: floa
 
 def best_plan(rules: Constraints, win: Horizon, stats: PlanStats, *, gap: float = 0.0, node_limit: int | None = None,
               deadline: float | None = None, hint: list | None = None, improve_evals: int = 0,
-              threads: int = 1) -> np.ndarray | None:
+              threads: int = 1, control: SearchControl | None = None) -> np.ndarray | None:
     """The host mask of the best plan of the pruned space for ``win`` (None: none is feasible), the search's
-    statistics into ``stats``: ``BranchAndBound(...).run()``. Without a deadline or threads (the engine's solves)
-    on the compiled path it runs in one call (:func:`orbitflow.plan.compiled.best_found`: the same search, its
-    set-up, seeds and improvement included, without the GIL)."""
-    if not _in_one_call(rules) or deadline is not None or (threads > 1 and node_limit is None):
+    statistics into ``stats``: ``BranchAndBound(...).run()``. Without a deadline, threads or a ``control`` (the
+    engine's solves) on the compiled path it runs in one call (:func:`orbitflow.plan.compiled.best_found`: the same
+    search, its set-up, seeds and improvement included, without the GIL)."""
+    if (not _in_one_call(rules) or deadline is not None or (threads > 1 and node_limit is None)
+            or control is not None):
         return BranchAndBound(rules, win, stats, gap=gap, node_limit=node_limit, deadline=deadline, hint=hint,
-                              improve_evals=improve_evals, threads=threads).run()
+                              improve_evals=improve_evals, threads=threads, control=control).run()
     t = candidate_tables(rules.num_layers)
     k_of_dist = {d: k for k, d in enumerate(t.distances)}
     hint_k = np.array([-1 if h == -1 else k_of_dist.get(h, -1) for h in hint or ()], dtype=np.int64)
@@ -367,7 +400,8 @@ class _Children(NamedTuple):
 
 
 class BranchAndBound:
-    """One exact search of the pruned space for a horizon; :meth:`run` returns the host mask or None."""
+    """One exact search of the pruned space for a horizon; :meth:`run` returns the host mask or None. ``control``:
+    another thread's handle on it (:class:`SearchControl`: its progress out, a stop in, looked at every ``WATCH_S``)."""
 
     def __init__(
         self,
@@ -383,8 +417,9 @@ class BranchAndBound:
         hint: list | None = None,
         improve_evals: int = 0,
         threads: int = 1,
+        control: SearchControl | None = None,
     ) -> None:
-        self.rules, self.win, self.stats = rules, win, stats
+        self.rules, self.win, self.stats, self.control = rules, win, stats, control
         self.threads = threads  # a search without a node limit splits its subtrees among them (_search_parallel)
         self.first_only, self.gap, self.hint = first_only, gap, hint
         self.node_limit = node_limit  # None: unlimited
@@ -421,8 +456,7 @@ class BranchAndBound:
         self.improve_evals = improve_evals
         self._feas_data: tuple | None = None
         self.choice = [0] * self.n_req
-        self.done = False
-        self.dive_start = 0
+        self.done, self.dive_start = False, 0
         self.open_lb = math.inf  # least lower bound of the subtrees left unexplored when the budget ran out
         self.trace: list | None = None  # tests: (assigned candidates, children's bounds, children alive)
         # per depth: the share of the children the tail bound prunes (a moving average), nodes since it last ran
@@ -515,6 +549,8 @@ class BranchAndBound:
                     self.stats.exact = False
             self.stats.lower_bound_s = lower
             self.stats.gap = (best - lower) / best if best > 0 else 0.0
+        if self.control is not None and not self.first_only:
+            self.control.nodes, self.control.best_s = self.nodes, self.best_key[0]
         return self.best_host
 
     def _try_no_offload(self) -> bool:
@@ -867,9 +903,22 @@ class BranchAndBound:
                 states, shared = self._search_parallel(state, tasks)
                 break
             chunk = self._pace(ist, now, since, done) if paced else never
+            if self.control is not None:
+                chunk = min(chunk, self._look(ist, fst, ist[cc.NODES], now, since, done))
             ist[cc.CHUNK_STOP] = min(nodes + chunk, split_at if nodes < split_at else nodes + SYNC_NODES)
             since, done = now, nodes
         self._collect(states, shared)
+
+    def _look(self, ist: np.ndarray, fst: np.ndarray, nodes: int, now: float, since: float, done: int) -> int:
+        """A watched search's pause: its progress into the control (``nodes`` so far, all threads'; the main search
+        only); if the control asks it to stop, it is timed out (the kernel then ends it at its next node, with the
+        bound of what it left, as at a deadline). Returns the nodes to run before the next look (``done`` nodes
+        having run at ``since`` in this thread)."""
+        if not self.first_only:
+            self.control.nodes, self.control.best_s = int(nodes), float(fst[cc.BEST_LAT])
+        if self.control.stopped:
+            ist[cc.TIMED_OUT] = 1
+        return watch_chunk(now, since, int(ist[cc.NODES]) - done)
 
     def _pace(self, ist: np.ndarray, now: float, since: float, done: int) -> int:
         """Where the kernels have no clock, a paused search looks at it for them: past its deadline (the plan's own
@@ -927,6 +976,7 @@ class BranchAndBound:
         _, fst, best_k, _ = state
         shared = _Shared(tasks, (float(fst[cc.BEST_LAT]), float(fst[cc.BEST_MOVED])), best_k, self.threads)
         states = [state] + [self._worker_state() for _ in range(self.threads - 1)]
+        self._states = states  # what a watched search reports (_work)
         for other, *_ in states[1:]:  # the first dive is done: budgets apply to the new threads from their first node
             other[cc.DIVE_START] = other[cc.NODES] - self.n_req - 2
 
@@ -1002,6 +1052,10 @@ class BranchAndBound:
                     break
                 if paced:
                     chunk = min(SYNC_NODES, self._pace(ist, time.perf_counter(), since, done))
+                if self.control is not None:  # every thread looks, each at its own pause (about every SYNC_NODES)
+                    nodes = int(self._states[0][0][cc.NODES]) + sum(int(o[0][cc.NODES]) - self.nodes
+                                                                    for o in self._states[1:])
+                    self._look(ist, fst, nodes, time.perf_counter(), since, done)
                 if shared.hungry():
                     shared.give(self._donate(state))
             shared.swap(fst, best_k, ist)
@@ -1028,6 +1082,8 @@ class BranchAndBound:
         never = 1 << 62
         paced = self.deadline is not None and not cc.HAVE_CLOCK  # the caller checks the deadline, after the first dive
         ist[cc.CHUNK_STOP] = self.nodes + self.n_req + 2 if paced else never
+        if self.control is not None:  # watched: a first look soon (then every WATCH_S)
+            ist[cc.CHUNK_STOP] = min(int(ist[cc.CHUNK_STOP]), self.nodes + max(WATCH_FIRST, self.n_req + 2))
         fst = np.zeros(cc.N_FST)
         fst[cc.DEADLINE] = cc.kernel_deadline(self.deadline, self.clock)
         fst[cc.LATE_DEADLINE] = cc.kernel_deadline(self.improve_deadline, self.clock)
@@ -1069,9 +1125,12 @@ class BranchAndBound:
         chance to find a plan (it may still end at a dead end or an infeasible leaf). Once the search has ``gained``
         its deadline is the plan's own (``improve_deadline``), the local improvement's share included."""
         limit = self.node_limit
+        if self.control is not None and not self.first_only:
+            self.control.nodes, self.control.best_s = self.nodes, self.best_key[0]
         if self.first_only or self.nodes - self.dive_start > self.n_req + 1:
             deadline = self.improve_deadline if self.gained else self.deadline
             self.timed_out = self.timed_out or (deadline is not None and time.perf_counter() > deadline)
+            self.timed_out = self.timed_out or (self.control is not None and self.control.stopped)
             if (limit is not None and self.nodes > limit) or self.timed_out:
                 self.stats.exact = False  # best found so far, optimality not proven
                 self.done = True
