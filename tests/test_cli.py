@@ -84,8 +84,7 @@ def test_plan_budget_flags(capsys):
     assert main([*base, "--plan-node-limit", "3"]) == 0
     cut = json.loads(capsys.readouterr().out)
     assert cut["feasible"] and cut["predicted_step_s"] >= exact["predicted_step_s"]
-    if cut["search"] == "budget reached":
-        assert cut["optimality_gap"] > 0
+    assert cut["search"] == "budget reached" and cut["optimality_gap"] > 0  # 3 nodes do not prove this batch
 
 
 def test_plan_budget_flags_reject_bad_values(capsys):

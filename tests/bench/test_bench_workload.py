@@ -120,7 +120,7 @@ def test_scale_trace_and_arrivals():
         assert b.arrival_s == a.arrival_s and b.request_id == a.request_id
     fast = scale_arrivals(t, 2.0)
     assert fast.requests[-1].arrival_s == pytest.approx(t.requests[-1].arrival_s / 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="token_scale must be > 0"):
         scale_trace(t, 0)
 
 

@@ -158,5 +158,5 @@ def test_from_hf_config_legacy_rope_keys() -> None:
     assert config.num_kv_heads == 2 and config.head_dim == 4
     assert config.rope_theta == 500000.0 and config.rope_scaling["rope_type"] == "llama3"
     assert config.eos_token_ids == (128001, 128009)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_hf_config({"model_type": "gpt2"})

@@ -132,11 +132,11 @@ def test_token_dependent_compute_and_updates():
 
 
 def test_cost_model_bad_inputs():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="link_blocks_per_s must be > 0"):
         CostModel([1.0], 0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="transfer must be one of"):
         CostModel([1.0], 1.0, transfer="magic")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="placement has 3 layers, cost model 2"):
         CostModel([1.0, 1.0], 1.0).step(Placement.from_distances(3, [None]), [1])
 
 

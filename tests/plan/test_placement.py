@@ -25,7 +25,7 @@ def test_from_mask_roundtrip_and_custom_rows():
     assert np.array_equal(p.mask, mask)
     assert p.distances() is None  # row 1 offloads layers 1 and 4: not distance-driven
     assert p.row_distance(0) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="row 1 is not a distance-driven placement"):
         p.row_distance(1)
     with pytest.raises(ValueError):
         p.mask[0, 0] = False  # read-only
@@ -54,11 +54,11 @@ def test_memory_blocks_matches_definition_random():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"distances\[0\] must be >= 1 or None, got 0"):
         Placement.from_distances(4, [0])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="placement mask must be 2-D"):
         Placement.from_mask(np.ones(3, bool))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="blocks_per_layer must have length 1"):
         Placement.from_distances(4, [2]).memory_blocks([1, 2])
 
 

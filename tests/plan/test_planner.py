@@ -211,7 +211,7 @@ def test_victim_orders():
     assert sorted(rnd) == sorted(["small", "big", "mid"])
     custom = Planner(cm, 0, victim_order=lambda rs: [r.request_id for r in rs][::-1]).plan(reqs)
     assert custom.victims == ("mid", "big", "small")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="victim_order must be one of"):
         Planner(cm, 0, victim_order="nope")
 
 
@@ -484,9 +484,9 @@ def test_empty_batch_and_bad_args():
     cm = CostModel([1.0] * 3, 1.0)
     p = Planner(cm, 10).plan([])
     assert p.feasible and p.predicted_step_s == 3.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="window must satisfy 1 <= min_steps <= max_steps"):
         Planner(cm, 10, window=(3, 2))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="space must be 'pruned', 'uniform' or 'full'"):
         Planner(cm, 10, space="nope")
     with pytest.raises(ValueError, match="'x' appears twice"):
         Planner(cm, 10).plan([PlanRequest("x", 1, 1), PlanRequest("x", 1, 1)])

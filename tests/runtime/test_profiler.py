@@ -109,19 +109,23 @@ def test_host_layer_compute_is_the_all_host_step_over_its_device_twin_per_depth(
         host = ids == ["s"]
         per_layer = base / layers + (extra_per_layer[transfer.prefetch_slots] if host else 0.0)
         return SimpleNamespace(compute_s=per_layer * layers, layer_compute_s=[per_layer] * layers,
-                               stall_s=0.001 if host else 0.0, step_s=per_layer * layers)
+                               stall_s=0.010 if host else 0.0, step_s=per_layer * layers)
 
     kv = SimpleNamespace(apply_placement=lambda rid, row: None, transfer=transfer, blocks_for=lambda n: 2,
                          host_pool=SimpleNamespace(bytes_per_block=1000))
     bench = SimpleNamespace(layers=layers, kv=kv, pos={"s": 64}, decode=decode, free=freed.append,
                             prefill=lambda rid, ctx: None)
     deviations: list = []
-    latency, host_layer = _measure_copy_thread(bench, link=1e6, steps=5, extra={}, deviations=deviations)
+    extra: dict = {}
+    latency, host_layer = _measure_copy_thread(bench, link=1e6, steps=5, extra=extra, deviations=deviations)
     assert host_layer == [pytest.approx(0.0003, abs=1e-4), pytest.approx(0.0007, abs=1e-4)]
     # the jitter sample: every all-host step, 5 per depth plus 15 more back to back at depth 1
     assert len(deviations) == 25 and max(abs(d) for d in deviations) < 0.2
     assert transfer.prefetch_slots == 1 and freed == ["t"]  # the engine's depth back, the twin gone
-    assert latency >= 0
+    # every layer on the host, one slot: each layer waits for its own copy, fetched once the layer before is done,
+    # so a step stalls 4 x (2 blocks x 1000 B / 1 MB/s + latency): 10 ms of stall is a latency of 0.5 ms
+    assert latency == pytest.approx(0.010 / layers - 2 * 1000 / 1e6, abs=1e-9)
+    assert extra == {"offloaded_stall_s": 0.010}
 
 
 def test_per_request_phase_measures_every_batch_size_whatever_the_drift():

@@ -22,9 +22,12 @@ def burst(url: str, count: int) -> list[httpx.Response]:
         return list(pool.map(one, range(count)))
 
 
-@pytest.mark.parametrize("max_queue_len", [None, 2])
-def test_burst_beyond_the_kv_budget_waits_or_gets_503(tiny_chat_dir, max_queue_len):
-    llm = make_server_llm(tiny_chat_dir, device_kv_blocks=24, host_kv_blocks=40, max_num_seqs=8,
+@pytest.mark.parametrize("max_queue_len, max_num_seqs", [(None, 8), (2, HELD_AT_ONCE)])
+def test_burst_beyond_the_kv_budget_waits_or_gets_503(tiny_chat_dir, max_queue_len, max_num_seqs):
+    """Without a queue limit the whole burst waits for KV; with --max-queue-len 2 beside as many seats as the KV holds,
+    the burst overflows the seats and the queue (2 + 2 of 6), so some requests get 503 (as many as overflowed, fewer
+    if one finished before the last came)."""
+    llm = make_server_llm(tiny_chat_dir, device_kv_blocks=24, host_kv_blocks=40, max_num_seqs=max_num_seqs,
                           max_queue_len=max_queue_len, token_deposit=False)
     with live_server(llm) as live:
         replies = burst(live.url, 3 * HELD_AT_ONCE)
@@ -37,6 +40,8 @@ def test_burst_beyond_the_kv_budget_waits_or_gets_503(tiny_chat_dir, max_queue_l
                 assert reply.json()["usage"]["completion_tokens"] == 30
         if max_queue_len is None:
             assert statuses == [200] * len(statuses)  # nobody is turned away: they wait their turn
+        else:
+            assert 1 <= statuses.count(503) <= len(statuses) - max_num_seqs - max_queue_len, statuses
         assert len({r.json()["choices"][0]["text"] for r in replies if r.status_code == 200}) == 1
         wait_until_idle(llm)
         assert kv_empty(llm)

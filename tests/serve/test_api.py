@@ -293,6 +293,9 @@ def test_completion_logprobs_always_hold_the_sampled_token(http):
     token was missing from its own top_logprobs nearly every time, and logprobs: 0 gave empty entries."""
     for k in (0, 1):
         reply = http.post("/v1/completions", json={**GOOD, "temperature": 1.5, "seed": 7, "logprobs": k})
-        lp = reply.json()["choices"][0]["logprobs"]
+        choice = reply.json()["choices"][0]
+        lp = choice["logprobs"]
+        n = reply.json()["usage"]["completion_tokens"]
+        assert n >= 1 and len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["token_logprobs"]) == n
         assert all(tok in top and top[tok] == chosen and len(top) <= k + 1
                    for tok, top, chosen in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"]))
