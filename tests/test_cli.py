@@ -95,9 +95,33 @@ def test_plan_budget_flags_reject_bad_values(capsys):
     assert "--plan-time-limit-ms" in capsys.readouterr().err
 
 
-def test_plan_rejects_a_malformed_request(capsys):
-    assert main(["plan", "--request", "tokenz=3"]) == 2
-    assert "--request" in capsys.readouterr().err
+@pytest.mark.parametrize("request_text, why", [
+    ("tokenz=3", "expected tokens=N"),
+    ("tokens=100,deposit=-5", "deposit must be >= 0"),
+    ("tokens=100,tokens=200", "tokens is given twice"),
+])
+def test_plan_rejects_a_malformed_request(capsys, request_text, why):
+    assert main(["plan", "--request", request_text]) == 2
+    err = capsys.readouterr().err
+    assert f"--request {request_text!r}" in err and why in err
+
+
+def test_simulate_says_which_flag_a_failed_write_was_for_after_the_tables(tmp_path, capsys, monkeypatch):
+    """The paths are checked before the sweep, but a write can still fail (a path the checks cannot see into, as
+    /proc's): a one-line error naming the flag, not a traceback, and the tables already printed."""
+    import orbitflow.bench.plots
+
+    def unwritable(runs, out_dir):
+        raise FileNotFoundError(2, "No such file or directory", str(out_dir))
+
+    monkeypatch.setattr(orbitflow.bench.plots, "write_plots", unwritable)
+    argv = ["simulate", "--policies", "orbitflow", "--slo-scales", "1.5", "--rate-scales", "2", "--num-requests", "2",
+            "--seeds", "1", "--workers", "1", "--plots", str(tmp_path / "plots")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "orbitflow" in captured.out  # the table
+    assert f"--plots {tmp_path / 'plots'}: No such file or directory" in captured.err
+    assert "Traceback" not in captured.err
 
 
 def test_simulate_writes_json_and_plots(tmp_path, capsys):

@@ -181,6 +181,7 @@ def test_cli_errors_are_one_line(capsys):
     assert main(["generate", "--prompt", "x", "--placement", "distance:31"]) == 2  # once silently "none"
     err = capsys.readouterr().err
     assert "--placement distance:31 offloads no layer of the model's 30" in err and "Traceback" not in err, err
+    assert "max_tokens" not in err and "prompt" not in err  # the flag's mistake, found before measuring
 
 
 def test_slow_link_stalls_grow_with_offloaded_layers(loaded):

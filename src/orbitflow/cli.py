@@ -256,15 +256,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     summary = summarize(runs)
     config = config_record(profile, setup, points)
     print_simulate_tables(summary, config)
+    # the flags' paths were checked before the sweep; a write can still fail (a full disk, a path the checks
+    # cannot see into): say which flag, after the tables above
     if args.json:
-        with open(args.json, "w") as fh:  # strict JSON: a statistic of nothing (NaN) is null
-            json.dump(finite_or_none({"config": config, "summary": summary, "runs": runs}), fh, indent=1,
-                      allow_nan=False)
+        try:
+            with open(args.json, "w") as fh:  # strict JSON: a statistic of nothing (NaN) is null
+                json.dump(finite_or_none({"config": config, "summary": summary, "runs": runs}), fh, indent=1,
+                          allow_nan=False)
+        except OSError as exc:
+            raise CLIError(f"--json {args.json}: {exc.strerror or exc} (the tables above hold the summary)") from None
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
         from orbitflow.bench.plots import write_plots
 
-        for path in write_plots(with_no_deposit(runs), args.plots):
+        try:
+            paths = write_plots(with_no_deposit(runs), args.plots)
+        except OSError as exc:
+            raise CLIError(f"--plots {args.plots}: {exc.strerror or exc}") from None
+        for path in paths:
             print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -301,6 +310,8 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
         key, sep, value = part.partition("=")
         if not sep or key.strip() not in ("tokens", "left", "deposit", "slo_ms"):
             raise CLIError(f"--request {text!r}: expected tokens=N[,left=N][,deposit=N][,slo_ms=X]")
+        if key.strip() in fields:
+            raise CLIError(f"--request {text!r}: {key.strip()} is given twice")
         try:
             fields[key.strip()] = float(value)
         except ValueError:
@@ -309,6 +320,8 @@ def _plan_request(text: str, index: int, block_size: int, slo_s: float):
             raise CLIError(f"--request {text!r}: {key} must be a finite number")
     if "tokens" not in fields or fields["tokens"] < 1:
         raise CLIError(f"--request {text!r}: tokens=N (N >= 1) is required")
+    if fields.get("deposit", 0.0) < 0:  # a Token-Deposit balance: the planner would read a negative one as 0
+        raise CLIError(f"--request {text!r}: deposit must be >= 0 (the request's banked Token-Deposit balance)")
     for key in ("tokens", "left"):
         if key in fields and not fields[key].is_integer():
             raise CLIError(f"--request {text!r}: {key} must be a whole number of tokens")

@@ -311,7 +311,7 @@ class PlannerConfig(_Validated):
 class ServerConfig(_Validated):
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on", type=int)
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     served_model_name: str | None = option(None, "model name clients send (default: --model)")
     shutdown_timeout: float = option(10.0, "on SIGTERM, let requests in flight finish for S seconds, then abort "
                                            "them", type=float, check="positive", metavar="S")

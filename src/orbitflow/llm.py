@@ -64,6 +64,7 @@ class LLM:
             log.info("loading %s%s", cfg.model.name, f" on {tp} tensor-parallel ranks" if tp > 1 else "")
         self.loaded = loaded or load_model(cfg.model.name, weights=tp == 1)
         mc = self.loaded.config
+        self.policy.check_model(mc.num_layers)  # e.g. --placement distance:D past the last layer, before measuring
         # Past the model's context: allowed, as transformers allows it (benchmarks/engine_vs_hf.py decodes past 8192
         # tokens beside it), but said, since vLLM refuses it by default.
         if (cfg.scheduler.max_model_len or 0) > mc.max_position_embeddings:

@@ -187,7 +187,7 @@ def test_rejects_what_can_never_fit(tiny_llama):
 
     llm = make_llm(tiny_llama, profile=tiny_profile(), max_model_len=128)
     try:
-        with pytest.raises(RequestRejected, match="context length of 128"):
+        with pytest.raises(RequestRejected, match="exceeds the 128 tokens a request may hold here"):
             llm.engine.add_request("x", list(range(3, 100)), SamplingParams(max_tokens=64))
         with pytest.raises(RequestRejected, match="at least one token"):
             llm.engine.add_request("y", [], SamplingParams(max_tokens=4))

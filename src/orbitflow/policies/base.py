@@ -102,6 +102,10 @@ class Policy:
         None when it can. The engine rejects such a request when it is added, before it runs."""
         return None
 
+    def check_model(self, num_layers: int) -> None:
+        """Raise a ValueError naming the flag if this policy cannot run on a model of ``num_layers`` layers whatever
+        the requests (``LLM`` asks once the model's config is read, before it measures anything)."""
+
     def describe(self) -> str:
         return self.name
 

@@ -58,9 +58,17 @@ class FixedPlacementPolicy(KeptPlacementPolicy):
     def placement_name(self) -> str:
         return f"placement {self.spec!r}"
 
-    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
+    def _no_layer(self, num_layers: int) -> str | None:
         kind, value = parse_placement_spec(self.spec)
-        if kind == "distance" and value is not None and value > ctx.num_layers:  # would silently be "none"
-            return (f"--placement {self.spec} offloads no layer of the model's {ctx.num_layers} (D must be at most "
-                    f"{ctx.num_layers}; --placement none keeps every layer on the device)")
-        return super().unservable(request, ctx)
+        if kind == "distance" and value is not None and value > num_layers:  # would silently be "none"
+            return (f"--placement {self.spec} offloads no layer of the model's {num_layers} (D must be at most "
+                    f"{num_layers}; --placement none keeps every layer on the device)")
+        return None
+
+    def check_model(self, num_layers: int) -> None:
+        reason = self._no_layer(num_layers)
+        if reason is not None:
+            raise PlacementError(reason)
+
+    def unservable(self, request: PlanRequest, ctx: PlanContext) -> str | None:
+        return self._no_layer(ctx.num_layers) or super().unservable(request, ctx)

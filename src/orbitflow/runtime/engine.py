@@ -220,7 +220,8 @@ class Engine:
         """Why a request whose KV grows to ``total_tokens`` could never be served, even alone; None when it can.
         ``request``: the planner's view of it, for the policy's own check."""
         if self.max_model_len is not None and total_tokens > self.max_model_len:
-            return f"exceeds the model's context length of {self.max_model_len} tokens"
+            return (f"exceeds the {self.max_model_len} tokens a request may hold here (--max-model-len, or the "
+                    "model's context length)")
         # What admission asks of an empty engine (`Scheduler.kv_fits`): every layer plus the prefetch buffer.
         # A request that passes waits until memory frees up; one that does not could never be admitted.
         per_layer = math.ceil(total_tokens / self.block_size)
