@@ -189,3 +189,41 @@ def test_slow_link_stalls_grow_with_offloaded_layers(loaded):
              for spec in ("none", "distance:4", "all")}
     assert stall["none"] == 0.0
     assert 0 < stall["distance:4"] < stall["all"]
+
+
+def _profile_file(tmp_path, num_layers, kv_bytes=1536):  # SmolLM2-135M: 3 KV heads x 64 x K and V x float32
+    from orbitflow.plan.hardware import HardwareProfile
+
+    path = tmp_path / f"profile-{num_layers}-{kv_bytes}.json"
+    path.write_text(HardwareProfile(name="saved", num_layers=num_layers, kv_bytes_per_token_per_layer=kv_bytes,
+                                    decode_a=1e-7, decode_b=0.03, link_bytes_per_s=1e10, device_kv_blocks=4096,
+                                    host_kv_blocks=4096, block_size=16).to_json())
+    return str(path)
+
+
+def test_generate_with_a_saved_profile_measures_nothing(reference, capsys, tmp_path, monkeypatch):
+    """`orbitflow profile --out FILE` once, then `--profile FILE`: generate starts without its minutes of measuring
+    (the plans come from the file), with the same greedy tokens."""
+    import orbitflow.runtime.profiler
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured the machine despite --profile")
+
+    monkeypatch.setattr(orbitflow.runtime.profiler, "profile_executor", measured)
+    argv = ["generate", "--json", "--max-tokens", str(MAX_TOKENS), "--prompt", PROMPTS[0],
+            "--profile", _profile_file(tmp_path, 30)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["outputs"][0]["token_ids"] == reference[0]
+
+
+@pytest.mark.parametrize("layers, kv_bytes, says", [
+    (4, 1536, "hardware profile 'saved' is of 4 layers and 16-token blocks, this engine runs 30 layers"),
+    (30, 768, "hardware profile 'saved' moves 768 KV bytes per token and layer, this engine 1536"),
+    (None, None, "--profile /nonexistent/p.json: No such file or directory"),
+])
+def test_generate_refuses_a_profile_of_another_model_or_none(capsys, tmp_path, layers, kv_bytes, says):
+    path = "/nonexistent/p.json" if layers is None else _profile_file(tmp_path, layers, kv_bytes)
+    assert main(["generate", "--prompt", "x", "--max-tokens", "2", "--profile", path]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err

@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from orbitflow.config import (
     LINK_CHOICES,
+    PROFILE_FLAG_HELP,
     SERVING_ONLY,
     VICTIM_CHOICES,
     CacheConfig,
@@ -56,7 +57,7 @@ def _check_no_planner_flags(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from orbitflow.llm import LLM
+    from orbitflow.llm import LLM, machine_profile
     from orbitflow.policies import FixedPlacementPolicy
     from orbitflow.runtime.engine import RequestRejected
     from orbitflow.runtime.sampling import SamplingParams
@@ -69,7 +70,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _check_no_planner_flags(args)
     policy = FixedPlacementPolicy(args.placement) if args.placement else None
     config = engine_config(args, max_num_seqs=len(args.prompt) if args.max_num_seqs is None else args.max_num_seqs)
-    llm = LLM(config, policy=policy, profile="rough" if policy else "measure")
+    profile = machine_profile(args.profile)  # before the model loads: a bad file costs no minute
+    llm = LLM(config, policy=policy, profile="rough" if policy and args.profile is None else profile)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                               ignore_eos=args.ignore_eos)
     bar = tqdm(desc="decode steps", unit="step", disable=args.json or not sys.stderr.isatty(), leave=False)
@@ -502,6 +504,8 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help=PROFILE_FLAG_HELP + "; with --placement: a rough one, enough for a fixed placement")
     add_engine_args(p, defaults={"max_num_seqs": None}, skip=SERVING_ONLY,
                     helps={"max_num_seqs": "sequences decoded together (default: one per --prompt)"})
     p.set_defaults(func=cmd_generate)
@@ -614,7 +618,8 @@ def _add_profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure this machine's engine and print a hardware profile (JSON)",
                        formatter_class=HelpFormatter)
     p.add_argument("--out", "--output", "-o", dest="output", default=None,
-                   help="also write the profile to this file (then: orbitflow simulate --profile FILE)")
+                   help="also write the profile to this file (then: orbitflow serve, generate, simulate or plan "
+                        "--profile FILE)")
     # what the measurement depends on: the model, its device and threads, the KV pools and link, tensor parallelism,
     # and --max-num-seqs (the largest batch whose decode cost it measures); the other scheduler and planner flags, and
     # the seed (of sampling, the random victim rule and the simulator's noise), change nothing it measures

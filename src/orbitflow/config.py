@@ -486,6 +486,9 @@ def add_config_args(parser, cls, title: str | None = None, only: Iterable[str] |
     return group
 
 
+# serve's and generate's --profile (plan's and simulate's take a preset too: they plan for other machines)
+PROFILE_FLAG_HELP = ("a hardware profile JSON from `orbitflow profile --out FILE` on this machine, for this model "
+                     "(default: measure this machine at start, a minute or more)")
 SERVING_ONLY = ("max_queue_len",)  # engine flags that only mean something behind the HTTP API
 
 

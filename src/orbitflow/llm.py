@@ -18,8 +18,9 @@ from orbitflow.config import ConfigError, EngineConfig
 from orbitflow.kv.manager import KVManager
 from orbitflow.kv.pool import block_bytes
 from orbitflow.plan.hardware import HardwareProfile
+from orbitflow.plan.placement import most_blocks
 from orbitflow.policies import Policy, make_policy
-from orbitflow.policies.base import PlanContext, default_slo_s
+from orbitflow.policies.base import PlanContext, default_slo_s, prefetch_slots_for
 from orbitflow.runtime.clock import WallClock
 from orbitflow.runtime.engine import Engine
 from orbitflow.runtime.executor import ModelExecutor
@@ -41,6 +42,45 @@ class GenerateStats:
     solver_calls: int
     link_preemptions: int = 0  # prefetches that yielded the link to an earlier layer's (--kv-link preemptive)
     overflow_blocks_peak: int = 0  # most prefetch staging blocks held outside the device budget at once
+
+
+def machine_profile(path: str | None) -> HardwareProfile | str:
+    """What ``--profile FILE`` gives LLM: the profile in the file, or "measure" without one (ConfigError naming the
+    flag for a file that is missing or not a profile)."""
+    from orbitflow.plan.hardware import ProfileError
+
+    if path is None:
+        return "measure"
+    try:
+        return HardwareProfile.load(path)
+    except (OSError, ProfileError) as exc:
+        raise ConfigError(f"--profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _check_profile_fits(profile: HardwareProfile, num_layers: int, block_size: int, kv_bytes: int) -> None:
+    """A profile measured for another model, dtype or block size would plan with the wrong layers or KV sizes
+    (``kv_bytes``: this engine's KV bytes per token and layer)."""
+    if profile.kv_bytes_per_token_per_layer != kv_bytes and profile.num_layers == num_layers:
+        raise ConfigError(f"hardware profile {profile.name!r} moves {profile.kv_bytes_per_token_per_layer} KV bytes "
+                          f"per token and layer, this engine {kv_bytes} (another model, dtype or "
+                          "--tensor-parallel-size): measure it with `orbitflow profile --out FILE` and the same flags")
+    if (profile.num_layers, profile.block_size) != (num_layers, block_size):
+        raise ConfigError(f"hardware profile {profile.name!r} is of {profile.num_layers} layers and "
+                          f"{profile.block_size}-token blocks, this engine runs {num_layers} layers and {block_size}-"
+                          "token blocks: measure this model with `orbitflow profile --out FILE` (same --model and "
+                          "--block-size)")
+
+
+def _check_pools_hold_a_request(cfg: EngineConfig, policy: Policy, num_layers: int) -> None:
+    """Raise ConfigError naming the pool flags when together they cannot hold even the shortest request (one block a
+    layer and its prefetch buffer), before minutes of measuring; the server checks the exact longest request the
+    policy can serve once the engine is up (``OpenAIServer.local``)."""
+    cache = cfg.cache
+    least = most_blocks(1, num_layers, prefetch_slots_for(cfg, policy))
+    if cache.device_kv_blocks + cache.host_kv_blocks < least:
+        raise ConfigError(f"--device-kv-blocks {cache.device_kv_blocks} and --host-kv-blocks {cache.host_kv_blocks} "
+                          f"hold no request: the shortest one takes {least:g} blocks (one a layer, {num_layers} "
+                          "layers, and its prefetch buffer); raise them")
 
 
 class LLM:
@@ -65,6 +105,7 @@ class LLM:
         self.loaded = loaded or load_model(cfg.model.name, weights=tp == 1)
         mc = self.loaded.config
         self.policy.check_model(mc.num_layers)  # e.g. --placement distance:D past the last layer, before measuring
+        _check_pools_hold_a_request(cfg, self.policy, mc.num_layers)
         # Past the model's context: allowed, as transformers allows it (benchmarks/engine_vs_hf.py decodes past 8192
         # tokens beside it), but said, since vLLM refuses it by default.
         if (cfg.scheduler.max_model_len or 0) > mc.max_position_embeddings:
@@ -108,6 +149,8 @@ class LLM:
 
         cfg, cache = self.config, self.config.cache
         if isinstance(profile, HardwareProfile):
+            _check_profile_fits(profile, mc.num_layers, cache.block_size,
+                                self.kv.device_pool.bytes_per_block // cache.block_size)
             return profile
         if profile == "measure":
             started = time.perf_counter()

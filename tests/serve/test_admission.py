@@ -71,12 +71,19 @@ def test_more_choices_than_the_server_ever_holds_is_a_400_naming_n(tiny_chat_dir
         assert live.metric(http, 'orbitflow:requests_total{finish_reason="length"}') == 4
 
 
-def test_pools_that_hold_no_request_are_refused_at_start_naming_the_flags(tiny_chat_dir):
+def test_pools_that_hold_no_request_are_refused_at_start_naming_the_flags(tiny_chat_dir, monkeypatch):
     """A server whose KV pools cannot hold one prompt token and one output token started, and answered every request
-    with a 400; it now refuses to start, naming the flags to raise."""
+    with a 400; it now refuses to start, naming the flags to raise: as soon as the model's layers are known (before
+    `serve` measures the machine for a minute or more), and, for pools that pass that check but hold no request the
+    policy can serve, once the engine is up."""
+    import orbitflow.llm
     from orbitflow.config import ConfigError
     from orbitflow.serve.api import build_app
 
+    with pytest.raises(ConfigError, match="--device-kv-blocks 1 and --host-kv-blocks 1 hold no request: the shortest "
+                                          "one takes 5 blocks"):  # 4 layers and a prefetch slot
+        make_server_llm(tiny_chat_dir, device_kv_blocks=1, host_kv_blocks=1)
+    monkeypatch.setattr(orbitflow.llm, "_check_pools_hold_a_request", lambda *_: None)
     llm = make_server_llm(tiny_chat_dir, device_kv_blocks=1, host_kv_blocks=1)
     try:
         with pytest.raises(ConfigError, match="--device-kv-blocks 1 and --host-kv-blocks 1 hold no request"):

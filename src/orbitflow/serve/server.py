@@ -13,6 +13,7 @@ import signal
 import socket
 
 from orbitflow.config import (
+    PROFILE_FLAG_HELP,
     ClusterConfig,
     ConfigError,
     EngineConfig,
@@ -32,7 +33,7 @@ DEFAULT_MAX_QUEUE_LEN = 256
 SERVE_BACKGROUND_PLANNER = "process"
 
 
-def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None:
+def run_server(config: EngineConfig, server: ServerConfig | None = None, profile="measure") -> None:
     import uvicorn
 
     from orbitflow.llm import LLM
@@ -41,7 +42,7 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None
     server = server or ServerConfig()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check_port_free(server.host, server.port)  # before a minute of loading and profiling, not after
-    llm = LLM(config, profile="measure")  # the SLO derives from this machine's measured decode step
+    llm = LLM(config, profile=profile)  # the SLO derives from this machine's decode step (measured, or --profile's)
     model_name = server.served_model_name or config.model.name
     app = build_app(llm, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
                     watchdog_s=server.watchdog_s)
@@ -94,6 +95,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                               formatter_class=HelpFormatter)
     add_config_args(p, ServerConfig, "server")
+    p.add_argument("--profile", default=None, metavar="FILE", help=PROFILE_FLAG_HELP)
     add_config_args(p, ClusterConfig, "cluster (Ray Serve; pip install 'orbitflow[cluster]')")
     add_engine_args(p, defaults={"max_queue_len": DEFAULT_MAX_QUEUE_LEN, "deposit_guard_ms": "auto",
                                  "background_planner": SERVE_BACKGROUND_PLANNER},
@@ -103,17 +105,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                                  "or more cores, else thread"})
 
     def handler(args: argparse.Namespace) -> int:
+        from orbitflow.llm import machine_profile
+
         server, cluster = config_from_args(ServerConfig, args), config_from_args(ClusterConfig, args)
+        profile = machine_profile(args.profile)  # a bad file: before a minute of loading, not after
         if cluster.replicas is not None:
-            return _run_replicas(engine_config(args), server, cluster)
-        run_server(engine_config(args), server)
+            return _run_replicas(engine_config(args), server, cluster, profile)
+        run_server(engine_config(args), server, profile)
         return 0
 
     p.set_defaults(func=handler)
     return p
 
 
-def _run_replicas(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> int:
+def _run_replicas(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig, profile="measure") -> int:
     """`serve --replicas N`: the same API on N engine replicas (serve/cluster.py, on Ray Serve)."""
     try:
         from orbitflow.serve.cluster import run_cluster
@@ -125,5 +130,5 @@ def _run_replicas(config: EngineConfig, server: ServerConfig, cluster: ClusterCo
                 shutdown_timeout=server.shutdown_timeout, served_model_name=server.served_model_name,
                 api_key=server.api_key,
                 max_body_bytes=server.max_body_bytes, watchdog_s=server.watchdog_s, replica_cpus=cluster.replica_cpus,
-                replica_gpus=cluster.replica_gpus)
+                replica_gpus=cluster.replica_gpus, profile=profile)
     return 0
