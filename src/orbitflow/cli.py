@@ -214,10 +214,9 @@ SIMULATE_SCHEDULER_FLAGS = ("scheduling", "chunked_prefill")
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from orbitflow.bench.metrics import finite_or_none
     from orbitflow.bench.workload import STEP_S_WITHOUT_TRACE, TraceError, load_trace_file
     from orbitflow.plan.hardware import ProfileError, resolve_profile
-    from orbitflow.sim.sweep import SimSetup, config_record, noise_cv_for, run_points, summarize, with_no_deposit
+    from orbitflow.sim.sweep import SimSetup, config_record, noise_cv_for, run_points, summarize
 
     try:
         profile = resolve_profile(args.profile or args.preset)
@@ -258,13 +257,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     summary = summarize(runs)
     config = config_record(profile, setup, points)
     print_simulate_tables(summary, config)
-    # the flags' paths were checked before the sweep; a write can still fail (a full disk, a path the checks
-    # cannot see into): say which flag, after the tables above
+    _write_simulate_outputs(args, {"config": config, "summary": summary, "runs": runs})
+    return 0
+
+
+def _write_simulate_outputs(args: argparse.Namespace, result: dict) -> None:
+    """--json and --plots of a finished sweep. Their paths were checked before it; a write can still fail (a full
+    disk, a path the checks cannot see into): then say which flag, after the tables."""
+    from orbitflow.bench.metrics import finite_or_none
+    from orbitflow.sim.sweep import with_no_deposit
+
     if args.json:
         try:
             with open(args.json, "w") as fh:  # strict JSON: a statistic of nothing (NaN) is null
-                json.dump(finite_or_none({"config": config, "summary": summary, "runs": runs}), fh, indent=1,
-                          allow_nan=False)
+                json.dump(finite_or_none(result), fh, indent=1, allow_nan=False)
         except OSError as exc:
             raise CLIError(f"--json {args.json}: {exc.strerror or exc} (the tables above hold the summary)") from None
         print(f"wrote {args.json}", file=sys.stderr)
@@ -272,12 +278,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from orbitflow.bench.plots import write_plots
 
         try:
-            paths = write_plots(with_no_deposit(runs), args.plots)
+            paths = write_plots(with_no_deposit(result["runs"]), args.plots)
         except OSError as exc:
             raise CLIError(f"--plots {args.plots}: {exc.strerror or exc}") from None
         for path in paths:
             print(f"wrote {path}", file=sys.stderr)
-    return 0
 
 
 def print_simulate_tables(summary: list[dict], config: dict) -> None:
