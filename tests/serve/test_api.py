@@ -299,3 +299,15 @@ def test_completion_logprobs_always_hold_the_sampled_token(http):
         assert n >= 1 and len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["token_logprobs"]) == n
         assert all(tok in top and top[tok] == chosen and len(top) <= k + 1
                    for tok, top, chosen in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"]))
+
+
+def test_a_user_turn_without_content_is_a_400_naming_it(http):
+    """OpenAI refuses it; it was served as an empty turn. The server then serves the next request as before."""
+    reply = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": None}]})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"].startswith("messages") and "a user message needs content" in error["message"], error
+    ok = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200, ok.text

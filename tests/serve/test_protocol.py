@@ -182,3 +182,12 @@ def test_chat_content_parts_stay_apart():
     chat = ChatCompletionRequest.model_validate(_chat([{"role": "user", "content": [
         {"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]}]))
     assert chat.messages[0].text == "line one\nline two"  # was "line oneline two"
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "system", "content": None}, {"role": "tool"}])
+def test_a_turn_without_content_is_refused_unless_the_assistants(message):
+    with pytest.raises(ValidationError, match=f"a {message['role']} message needs content"):
+        ChatCompletionRequest.model_validate(_chat([message]))
+    chat = ChatCompletionRequest.model_validate(_chat([{"role": "user", "content": "hi"}, {"role": "assistant"}]))
+    assert chat.messages[1].text == ""

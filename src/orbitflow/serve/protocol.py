@@ -394,6 +394,14 @@ class ChatMessage(BaseModel):
     content: Annotated[StrictStr | list[TextPart] | None,
                        BeforeValidator(lambda value: _items_checked(value, TextPart))] = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        """Only an assistant turn may come without content (OpenAI's rule: its tool calls stand in for it); any other
+        turn without it was a mistake the chat template rendered as an empty turn."""
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing", "a {role} message needs content", {"role": self.role})
+        return self
+
     @property
     def text(self) -> str:
         if self.content is None:
