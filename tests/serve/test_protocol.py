@@ -191,3 +191,11 @@ def test_a_turn_without_content_is_refused_unless_the_assistants(message):
         ChatCompletionRequest.model_validate(_chat([message]))
     chat = ChatCompletionRequest.model_validate(_chat([{"role": "user", "content": "hi"}, {"role": "assistant"}]))
     assert chat.messages[1].text == ""
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_number_that_is_not_finite_is_named_as_such(value):
+    """Python's JSON reader takes NaN and Infinity; NaN was refused as 'less than or equal to 2'."""
+    body = '{"model": "m", "prompt": "x", "temperature": ' + value + "}"
+    with pytest.raises(ValidationError, match="temperature\\n  Input should be a finite number"):
+        CompletionRequest.model_validate_json(body)

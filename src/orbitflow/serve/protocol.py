@@ -10,6 +10,7 @@ than silently ignored. Checks that need the model (context length, vocabulary) a
 from __future__ import annotations
 
 import itertools
+import math
 from contextvars import ContextVar
 from functools import cache
 from typing import Annotated, Any, Literal, get_args
@@ -52,6 +53,8 @@ def _json_number(value: Any) -> Any:
     union reports the member the value was meant as (serve/errors.py)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise PydanticCustomError("float_type", "Input should be a number")
+    if isinstance(value, float) and not math.isfinite(value):  # NaN and Infinity, which Python's JSON reader takes
+        raise PydanticCustomError("finite_number", "Input should be a finite number")
     return value
 
 
