@@ -1,6 +1,7 @@
 """`orbitflow serve`: build the engine from a config and run the OpenAI-compatible API under uvicorn.
 
-Shutdown on SIGTERM or Ctrl-C is graceful: the listening socket closes, new requests get 503, requests in
+Shutdown on SIGTERM or Ctrl-C is graceful: the listening socket closes (a new connection is refused; a new request
+on a connection already open gets 503), requests in
 flight may finish for `--shutdown-timeout` seconds and are then aborted (their streams end with
 finish_reason "abort"), the engine frees every block, and the process exits 0 without a traceback.
 """
