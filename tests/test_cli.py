@@ -541,3 +541,35 @@ def test_plan_stops_within_the_plan_gap(capsys):
     assert near["feasible"] and near["search"] == "within --plan-gap 0.05"  # the gap cut it short
     assert 0 <= near["optimality_gap"] <= 0.05 + 1e-12
     assert exact["predicted_step_s"] <= near["predicted_step_s"] <= exact["predicted_step_s"] / (1 - 0.05)
+
+
+def test_a_search_cut_before_any_plan_does_not_claim_there_is_none():
+    """A plan search stopped (Ctrl-C, or its budget) before its first feasible plan proves nothing: plan says so, where
+    it used to say that no placement meets the SLO."""
+    from types import SimpleNamespace
+
+    from orbitflow.cli import _search_outcome, _why_infeasible
+    from orbitflow.config import EngineConfig
+    from orbitflow.plan import PlanRequest
+    from orbitflow.plan.hardware import load_preset
+    from orbitflow.policies.base import PlanContext
+
+    config = EngineConfig.build(device_kv_blocks=40000, slo_ms=200)
+    planner = PlanContext.from_profile(config, load_preset("a5000-llama3-8b")).planner()
+    requests = [PlanRequest(f"r{i}", -(-t // 16), t, None, 0.0, 0.2) for i, t in enumerate((30000, 20000, 8000))]
+    assert _why_infeasible(planner, requests).startswith("no placement that fits in 40000 device blocks meets")
+    assert _why_infeasible(planner, requests, cut="Ctrl-C") == (
+        "Ctrl-C stopped the search before it found a placement that fits in 40000 device blocks and meets the SLO "
+        "(200.0 ms): whether one exists is not decided")
+
+    def plan(feasible, exact, expiry_exact=True, gap=None):
+        return SimpleNamespace(feasible=feasible, stats=SimpleNamespace(
+            exact=exact, expiry_exact=expiry_exact, proven=lambda g: exact or (g > 0 and gap is not None and gap <= g)))
+
+    assert _search_outcome(plan(False, False), True, 0.0) == "stopped by Ctrl-C before any plan"
+    assert _search_outcome(plan(False, False), False, 0.0) == "budget reached before any plan"
+    assert _search_outcome(plan(True, False), True, 0.0) == "stopped by Ctrl-C: the best plan found"
+    assert _search_outcome(plan(True, True, expiry_exact=False), True, 0.0).startswith(
+        "complete; Ctrl-C stopped its expiry checks")
+    assert _search_outcome(plan(True, True, expiry_exact=False), False, 0.0) == "complete"
+    assert _search_outcome(plan(True, False, gap=0.01), False, 0.05) == "within --plan-gap 0.05"

@@ -227,3 +227,11 @@ def test_generate_refuses_a_profile_of_another_model_or_none(capsys, tmp_path, l
     assert main(["generate", "--prompt", "x", "--max-tokens", "2", "--profile", path]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
+
+
+def test_generate_refuses_a_profile_measured_under_another_link_throttle(capsys, tmp_path):
+    path = _profile_file(tmp_path, 30)  # planned for a 10 GB/s link
+    assert main(["generate", "--prompt", "x", "--max-tokens", "2", "--profile", path, "--link-gbps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "plans for a link of 10 GB/s, this engine's is throttled to 1 GB/s (--link-gbps)" in err, err
+    assert "Traceback" not in err

@@ -353,10 +353,13 @@ def _paced(request, guard_ms: float | None):
         raise CLIError(str(exc)) from None
 
 
-def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks", slo_name: str = "the SLO") -> str:
+def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks", slo_name: str = "the SLO",
+                    cut: str | None = None) -> str:
     """One line on why no placement of ``requests`` is feasible, read from the two extreme placements.
     ``cap_source`` names where the device budget came from (the flag, or the profile when the flag is unset);
-    ``slo_name`` what the requests' SLO is (the SLO less --deposit-guard-ms when there is a guard)."""
+    ``slo_name`` what the requests' SLO is (the SLO less --deposit-guard-ms when there is a guard). ``cut``: what
+    stopped a search that found no plan before it proved there is none; then, unless an extreme placement shows
+    why, the line says so instead of ruling every placement out."""
     import numpy as np
 
     from orbitflow.plan import Placement
@@ -376,6 +379,9 @@ def _why_infeasible(planner, requests, cap_source: str = "--device-kv-blocks", s
         return (f"the SLO cannot be met: with every layer on the device a step takes "
                 f"{1000 * device.predicted_step_s:.1f} ms, over {slo_name} of {slo_ms:.1f} ms "
                 f"(raise --slo-ms or --slo-scale)")
+    if cut is not None:
+        return (f"{cut} stopped the search before it found a placement that fits in {cap:.0f} device blocks and meets "
+                f"{slo_name} ({slo_ms:.1f} ms): whether one exists is not decided")
     return (f"no placement that fits in {cap:.0f} device blocks meets {slo_name} ({slo_ms:.1f} ms) over "
             f"--window-min {planner.min_steps} steps: waiting for the offloaded KV makes the steps too slow "
             f"(every layer on the device would take {device.memory_blocks:.0f} blocks and step in "
@@ -437,6 +443,19 @@ def _watched_plan(planner, requests) -> tuple:
     return result["plan"], control.stopped
 
 
+def _search_outcome(plan, stopped: bool, gap: float) -> str:
+    """``orbitflow plan``'s "search": how far the search went."""
+    if plan.stats.exact:
+        if stopped and not plan.stats.expiry_exact:
+            return "complete; Ctrl-C stopped its expiry checks (the plan's expiry_step is then the first they left)"
+        return "complete"
+    if stopped:
+        return "stopped by Ctrl-C: the best plan found" if plan.feasible else "stopped by Ctrl-C before any plan"
+    if plan.stats.proven(gap):
+        return f"within --plan-gap {gap:g}"
+    return "budget reached" if plan.feasible else "budget reached before any plan"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from orbitflow.bench.metrics import finite_or_none
     from orbitflow.plan import warm_up
@@ -458,17 +477,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planner = PlanContext.from_profile(config, profile).planner(space=args.space)
     warm_up()  # load the compiled planner first: solve_s is the solve's, not numba's cache load (~1-3 s cold)
     plan, stopped = _watched_plan(planner, requests)
+    cut = None if plan.stats.exact else "Ctrl-C" if stopped else "the node or time budget"
     out = {
         "feasible": plan.feasible, "why": None if plan.feasible else _why_infeasible(
-            planner, requests, cap_source, "the pace (the SLO less --deposit-guard-ms)" if guarded else "the SLO"),
+            planner, requests, cap_source, "the pace (the SLO less --deposit-guard-ms)" if guarded else "the SLO",
+            cut),
         "distances": list(plan.distances) if plan.distances else None,
         "host_layers": [plan.placement.host_layers(i) for i in range(len(requests))] if plan.placement else None,
         "predicted_step_s": plan.predicted_step_s, "window": plan.window, "expiry_step": plan.expiry_step,
         "memory_blocks": plan.memory_blocks, "capacity_blocks": config.cache.device_kv_blocks,
         "victims": list(plan.victims), "solve_s": plan.stats.solve_s, "slo_s": slo_s,
-        "search": "local search, no proof" if args.space == "full" else (
-            "complete" if plan.stats.exact else "stopped by Ctrl-C: the best plan found" if stopped else
-            f"within --plan-gap {planner.gap:g}" if plan.stats.proven(planner.gap) else "budget reached"),
+        "search": "local search, no proof" if args.space == "full" else _search_outcome(plan, stopped, planner.gap),
         "optimality_gap": plan.stats.gap,
     }
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -47,19 +48,24 @@ class GenerateStats:
 def machine_profile(path: str | None) -> HardwareProfile | str:
     """What ``--profile FILE`` gives LLM: the profile in the file, or "measure" without one (ConfigError naming the
     flag for a file that is missing or not a profile)."""
-    from orbitflow.plan.hardware import ProfileError
-
     if path is None:
         return "measure"
     try:
         return HardwareProfile.load(path)
-    except (OSError, ProfileError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a ProfileError, or a file that is not text
         raise ConfigError(f"--profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def _check_profile_fits(profile: HardwareProfile, num_layers: int, block_size: int, kv_bytes: int) -> None:
-    """A profile measured for another model, dtype or block size would plan with the wrong layers or KV sizes
-    (``kv_bytes``: this engine's KV bytes per token and layer)."""
+def _check_profile_fits(profile: HardwareProfile, num_layers: int, block_size: int, kv_bytes: int,
+                        link_bytes_per_s: float | None) -> None:
+    """A profile measured for another model shape, dtype or block size would plan with the wrong layers or KV sizes
+    (``kv_bytes``: this engine's KV bytes per token and layer), and one of another link throttle with the wrong link
+    (``link_bytes_per_s``: this engine's throttle of one rank's link, None: none; the profile holds the throttle it was
+    measured under, or the rate it measured)."""
+    if link_bytes_per_s is not None and not math.isclose(profile.link_bytes_per_s, link_bytes_per_s, rel_tol=1e-6):
+        raise ConfigError(f"hardware profile {profile.name!r} plans for a link of {profile.link_bytes_per_s / 1e9:g} "
+                          f"GB/s, this engine's is throttled to {link_bytes_per_s / 1e9:g} GB/s (--link-gbps): "
+                          "measure it with `orbitflow profile --out FILE` and the same flags")
     if profile.kv_bytes_per_token_per_layer != kv_bytes and profile.num_layers == num_layers:
         raise ConfigError(f"hardware profile {profile.name!r} moves {profile.kv_bytes_per_token_per_layer} KV bytes "
                           f"per token and layer, this engine {kv_bytes} (another model, dtype or "
@@ -69,6 +75,19 @@ def _check_profile_fits(profile: HardwareProfile, num_layers: int, block_size: i
                           f"{profile.block_size}-token blocks, this engine runs {num_layers} layers and {block_size}-"
                           "token blocks: measure this model with `orbitflow profile --out FILE` (same --model and "
                           "--block-size)")
+
+
+def _check_config_for_model(cfg: EngineConfig, policy: Policy, mc) -> None:
+    """What the model's config alone decides, before minutes of measuring: the policy runs on it (e.g. --placement
+    distance:D past the last layer), the pools hold a request of it; and a --max-model-len past its context is said."""
+    policy.check_model(mc.num_layers)
+    _check_pools_hold_a_request(cfg, policy, mc.num_layers)
+    # Past the model's context: allowed, as transformers allows it (benchmarks/engine_vs_hf.py decodes past 8192
+    # tokens beside it), but said, since vLLM refuses it by default.
+    if (cfg.scheduler.max_model_len or 0) > mc.max_position_embeddings:
+        log.warning("--max-model-len %d exceeds %s's context of %d tokens: positions past it were never trained, "
+                    "and the output may degrade", cfg.scheduler.max_model_len, cfg.model.name,
+                    mc.max_position_embeddings)
 
 
 def _check_pools_hold_a_request(cfg: EngineConfig, policy: Policy, num_layers: int) -> None:
@@ -104,14 +123,7 @@ class LLM:
             log.info("loading %s%s", cfg.model.name, f" on {tp} tensor-parallel ranks" if tp > 1 else "")
         self.loaded = loaded or load_model(cfg.model.name, weights=tp == 1)
         mc = self.loaded.config
-        self.policy.check_model(mc.num_layers)  # e.g. --placement distance:D past the last layer, before measuring
-        _check_pools_hold_a_request(cfg, self.policy, mc.num_layers)
-        # Past the model's context: allowed, as transformers allows it (benchmarks/engine_vs_hf.py decodes past 8192
-        # tokens beside it), but said, since vLLM refuses it by default.
-        if (cfg.scheduler.max_model_len or 0) > mc.max_position_embeddings:
-            log.warning("--max-model-len %d exceeds %s's context of %d tokens: positions past it were never trained, "
-                        "and the output may degrade", cfg.scheduler.max_model_len, cfg.model.name,
-                        mc.max_position_embeddings)
+        _check_config_for_model(cfg, self.policy, mc)
         self.executor = self._build_executor(mc)
         self.kv = self.executor.kv
         # the link order the engine runs, set before the profile is measured (its per-transfer latency then includes
@@ -120,7 +132,11 @@ class LLM:
         if profile == "measure":
             log.info("loaded in %.1f s; measuring this machine's decode step and link (the SLO and the planner's "
                      "cost model come from it)", time.perf_counter() - started)
-        self.profile = self._profile(profile, mc)
+        try:
+            self.profile = self._profile(profile, mc)
+        except Exception:  # a profile refused, or a measurement that failed: no copy thread or rank left behind
+            self.kv.close()
+            raise
         for pool in (self.kv.device_pool, self.kv.host_pool):
             pool.reset_peak()
         # Everything loaded so far lives as long as the engine: move it out of the cyclic GC's sight, so a
@@ -150,7 +166,8 @@ class LLM:
         cfg, cache = self.config, self.config.cache
         if isinstance(profile, HardwareProfile):
             _check_profile_fits(profile, mc.num_layers, cache.block_size,
-                                self.kv.device_pool.bytes_per_block // cache.block_size)
+                                self.kv.device_pool.bytes_per_block // cache.block_size,
+                                cfg.parallel.rank_link_bytes_per_s(cache.link_bytes_per_s))
             return profile
         if profile == "measure":
             started = time.perf_counter()

@@ -384,7 +384,7 @@ def _certifies(stopped, exact) -> None:
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_a_search_stopped_from_another_thread_returns_its_best_plan_with_a_certified_bound(compiled):
+def test_a_search_asked_to_stop_before_it_starts_returns_its_best_plan_with_a_certified_bound(compiled):
     # stopped before it starts: it runs its first dive (never stopped), then ends at its first look
     rng = np.random.default_rng(11)
     cut = 0

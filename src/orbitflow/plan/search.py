@@ -123,11 +123,13 @@ WATCH_FIRST = 64  # ... nodes before its first look (a (16, 80) batch's first di
 
 class SearchControl:
     """A handle on a solve for another thread (``Planner.plan(..., control=)``): :meth:`stop` ends its searches at their
-    next look, about every ``WATCH_S`` seconds, as a spent budget ends them: the best plan found so far is returned,
-    ``stats.exact`` False, with the gap its search certifies (an expiry search stopped ends the plan's validity
-    there, to be safe). The first dive is never stopped, so a stopped search still returns a plan where its first
-    dive finds one. ``nodes`` and ``best_s`` follow the main search: its nodes so far and its incumbent's step-0
-    latency (inf before it has one). The plan is the same as without a control when nobody stops it."""
+    next look (about every ``WATCH_S`` seconds; each thread of a parallel search every ``SYNC_NODES`` nodes), as a
+    spent budget ends them: the best plan found so far is returned, ``stats.exact`` False, with the gap its search
+    certifies (an expiry search stopped ends the plan's validity there, to be safe). The first dive is never stopped,
+    and the bounded work around the search (seeds, probes, local improvement) is not looked at. A search stopped
+    before it found a feasible plan returns an infeasible one that proves nothing (``stats.exact`` False). ``nodes``
+    and ``best_s`` follow the main search: its nodes so far and its incumbent's step-0 latency (inf before it has
+    one). The plan is the same as without a control when nobody stops it."""
 
     def __init__(self) -> None:
         self._stop = threading.Event()
@@ -525,6 +527,8 @@ class BranchAndBound:
             if not self.first_only:  # stall-free and nothing moved: provably optimal
                 self.stats.lower_bound_s = self.best_key[0]
                 self.stats.gap = 0.0
+                if self.control is not None:
+                    self.control.nodes, self.control.best_s = self.nodes, self.best_key[0]
             return self.best_host
         if not self.first_only:
             self._seed_incumbents()
@@ -909,13 +913,14 @@ class BranchAndBound:
             since, done = now, nodes
         self._collect(states, shared)
 
-    def _look(self, ist: np.ndarray, fst: np.ndarray, nodes: int, now: float, since: float, done: int) -> int:
-        """A watched search's pause: its progress into the control (``nodes`` so far, all threads'; the main search
-        only); if the control asks it to stop, it is timed out (the kernel then ends it at its next node, with the
-        bound of what it left, as at a deadline). Returns the nodes to run before the next look (``done`` nodes
-        having run at ``since`` in this thread)."""
+    def _look(self, ist: np.ndarray, fst: np.ndarray, nodes: int, now: float, since: float, done: int,
+              shared_best: float = math.inf) -> int:
+        """A watched search's pause: its progress into the control (``nodes`` so far, all threads'; its incumbent, or
+        the threads' shared one where better; the main search only); if the control asks it to stop, it is timed out
+        (the kernel then ends it at its next node, with the bound of what it left, as at a deadline). Returns the
+        nodes to run before the next look (``done`` nodes having run at ``since`` in this thread)."""
         if not self.first_only:
-            self.control.nodes, self.control.best_s = int(nodes), float(fst[cc.BEST_LAT])
+            self.control.nodes, self.control.best_s = int(nodes), min(float(fst[cc.BEST_LAT]), shared_best)
         if self.control.stopped:
             ist[cc.TIMED_OUT] = 1
         return watch_chunk(now, since, int(ist[cc.NODES]) - done)
@@ -1052,10 +1057,10 @@ class BranchAndBound:
                     break
                 if paced:
                     chunk = min(SYNC_NODES, self._pace(ist, time.perf_counter(), since, done))
-                if self.control is not None:  # every thread looks, each at its own pause (about every SYNC_NODES)
+                if self.control is not None:  # every thread looks, each at its own pause (every SYNC_NODES nodes)
                     nodes = int(self._states[0][0][cc.NODES]) + sum(int(o[0][cc.NODES]) - self.nodes
                                                                     for o in self._states[1:])
-                    self._look(ist, fst, nodes, time.perf_counter(), since, done)
+                    self._look(ist, fst, nodes, time.perf_counter(), since, done, shared.best_key[0])
                 if shared.hungry():
                     shared.give(self._donate(state))
             shared.swap(fst, best_k, ist)

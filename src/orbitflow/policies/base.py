@@ -103,8 +103,9 @@ class Policy:
         return None
 
     def check_model(self, num_layers: int) -> None:
-        """Raise a ValueError naming the flag if this policy cannot run on a model of ``num_layers`` layers whatever
-        the requests (``LLM`` asks once the model's config is read, before it measures anything)."""
+        """Raise a ConfigError (a PlacementError for --placement) naming the flag if this policy cannot run on a model
+        of ``num_layers`` layers whatever the requests (``LLM`` asks once the model's config is read, before it
+        measures anything)."""
 
     def describe(self) -> str:
         return self.name
