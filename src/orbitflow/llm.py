@@ -62,19 +62,19 @@ def _check_profile_fits(profile: HardwareProfile, num_layers: int, block_size: i
     (``kv_bytes``: this engine's KV bytes per token and layer), and one of another link throttle with the wrong link
     (``link_bytes_per_s``: this engine's throttle of one rank's link, None: none; the profile holds the throttle it was
     measured under, or the rate it measured)."""
-    if link_bytes_per_s is not None and not math.isclose(profile.link_bytes_per_s, link_bytes_per_s, rel_tol=1e-6):
-        raise ConfigError(f"hardware profile {profile.name!r} plans for a link of {profile.link_bytes_per_s / 1e9:g} "
-                          f"GB/s, this engine's is throttled to {link_bytes_per_s / 1e9:g} GB/s (--link-gbps): "
-                          "measure it with `orbitflow profile --out FILE` and the same flags")
-    if profile.kv_bytes_per_token_per_layer != kv_bytes and profile.num_layers == num_layers:
-        raise ConfigError(f"hardware profile {profile.name!r} moves {profile.kv_bytes_per_token_per_layer} KV bytes "
-                          f"per token and layer, this engine {kv_bytes} (another model, dtype or "
-                          "--tensor-parallel-size): measure it with `orbitflow profile --out FILE` and the same flags")
     if (profile.num_layers, profile.block_size) != (num_layers, block_size):
         raise ConfigError(f"hardware profile {profile.name!r} is of {profile.num_layers} layers and "
                           f"{profile.block_size}-token blocks, this engine runs {num_layers} layers and {block_size}-"
                           "token blocks: measure this model with `orbitflow profile --out FILE` (same --model and "
                           "--block-size)")
+    if profile.kv_bytes_per_token_per_layer != kv_bytes:
+        raise ConfigError(f"hardware profile {profile.name!r} moves {profile.kv_bytes_per_token_per_layer} KV bytes "
+                          f"per token and layer, this engine {kv_bytes} (another model, dtype or "
+                          "--tensor-parallel-size): measure it with `orbitflow profile --out FILE` and the same flags")
+    if link_bytes_per_s is not None and not math.isclose(profile.link_bytes_per_s, link_bytes_per_s, rel_tol=1e-6):
+        raise ConfigError(f"hardware profile {profile.name!r} plans for a link of {profile.link_bytes_per_s / 1e9:g} "
+                          f"GB/s, this engine's is throttled to {link_bytes_per_s / 1e9:g} GB/s (--link-gbps): "
+                          "measure it with `orbitflow profile --out FILE` and the same flags")
 
 
 def _check_config_for_model(cfg: EngineConfig, policy: Policy, mc) -> None:

@@ -56,6 +56,16 @@ def _solve(cm, cap, reqs, threads, **kw):
     return pl.plan(reqs)
 
 
+def _solved_feasible(rng, count):
+    """Of ``count`` random batches of 8 requests x 24 layers, the feasible ones, each with its proven serial optimum."""
+    for _ in range(count):
+        cm, cap, reqs = random_case(rng, 8, 24)
+        exact = _solve(cm, cap, reqs, 1)
+        assert exact.stats.exact
+        if exact.feasible:
+            yield cm, cap, reqs, exact
+
+
 def _key(plan, reqs):
     """What the search optimises: (step latency, blocks moved per step)."""
     if not plan.feasible:
@@ -155,14 +165,8 @@ def test_a_thread_that_runs_out_of_tasks_takes_work_from_a_busy_one(monkeypatch,
 
 
 def test_a_deadline_stops_every_thread_with_a_certified_bound(splits):
-    rng = np.random.default_rng(3)
     cut = 0
-    for _ in range(6):
-        cm, cap, reqs = random_case(rng, 8, 24)
-        exact = _solve(cm, cap, reqs, 1)
-        assert exact.stats.exact
-        if not exact.feasible:
-            continue
+    for cm, cap, reqs, exact in _solved_feasible(np.random.default_rng(3), 6):
         par = _solve(cm, cap, reqs, 2, time_limit_s=2e-3)
         assert par.feasible
         assert par.predicted_step_s >= exact.predicted_step_s * (1 - 1e-12)
@@ -421,12 +425,9 @@ def test_a_watched_search_nobody_stops_finds_the_plan_an_unwatched_one_does():
 
 
 def test_a_parallel_search_stops_on_every_thread_with_a_certified_bound(splits):
-    rng = np.random.default_rng(13)
     cut = 0
-    for _ in range(8):
-        cm, cap, reqs = random_case(rng, 8, 24)
-        exact = _solve(cm, cap, reqs, 1)
-        if not exact.feasible or exact.stats.nodes + exact.stats.leaves < 200:
+    for cm, cap, reqs, exact in _solved_feasible(np.random.default_rng(13), 8):
+        if exact.stats.nodes + exact.stats.leaves < 200:
             continue
         control = _StopAfter(60)  # past the split (3 nodes here), each thread looking every 3 nodes
         stopped = _watched(cm, cap, reqs, 2, control)

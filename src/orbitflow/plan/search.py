@@ -527,8 +527,7 @@ class BranchAndBound:
             if not self.first_only:  # stall-free and nothing moved: provably optimal
                 self.stats.lower_bound_s = self.best_key[0]
                 self.stats.gap = 0.0
-                if self.control is not None:
-                    self.control.nodes, self.control.best_s = self.nodes, self.best_key[0]
+                self._report(self.nodes, self.best_key[0])
             return self.best_host
         if not self.first_only:
             self._seed_incumbents()
@@ -553,8 +552,7 @@ class BranchAndBound:
                     self.stats.exact = False
             self.stats.lower_bound_s = lower
             self.stats.gap = (best - lower) / best if best > 0 else 0.0
-        if self.control is not None and not self.first_only:
-            self.control.nodes, self.control.best_s = self.nodes, self.best_key[0]
+        self._report(self.nodes, self.best_key[0])
         return self.best_host
 
     def _try_no_offload(self) -> bool:
@@ -919,11 +917,15 @@ class BranchAndBound:
         the threads' shared one where better; the main search only); if the control asks it to stop, it is timed out
         (the kernel then ends it at its next node, with the bound of what it left, as at a deadline). Returns the
         nodes to run before the next look (``done`` nodes having run at ``since`` in this thread)."""
-        if not self.first_only:
-            self.control.nodes, self.control.best_s = int(nodes), min(float(fst[cc.BEST_LAT]), shared_best)
+        self._report(nodes, min(float(fst[cc.BEST_LAT]), shared_best))
         if self.control.stopped:
             ist[cc.TIMED_OUT] = 1
         return watch_chunk(now, since, int(ist[cc.NODES]) - done)
+
+    def _report(self, nodes: int, best_s: float) -> None:
+        """The main search's progress (nodes so far, its incumbent's step-0 latency) into its control, if watched."""
+        if self.control is not None and not self.first_only:
+            self.control.nodes, self.control.best_s = int(nodes), float(best_s)
 
     def _pace(self, ist: np.ndarray, now: float, since: float, done: int) -> int:
         """Where the kernels have no clock, a paused search looks at it for them: past its deadline (the plan's own
@@ -1130,8 +1132,7 @@ class BranchAndBound:
         chance to find a plan (it may still end at a dead end or an infeasible leaf). Once the search has ``gained``
         its deadline is the plan's own (``improve_deadline``), the local improvement's share included."""
         limit = self.node_limit
-        if self.control is not None and not self.first_only:
-            self.control.nodes, self.control.best_s = self.nodes, self.best_key[0]
+        self._report(self.nodes, self.best_key[0])
         if self.first_only or self.nodes - self.dive_start > self.n_req + 1:
             deadline = self.improve_deadline if self.gained else self.deadline
             self.timed_out = self.timed_out or (deadline is not None and time.perf_counter() > deadline)
